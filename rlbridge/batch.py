@@ -1,0 +1,106 @@
+"""The two data types that cross the trainer/rollout boundary.
+
+`Rollouts` is what a rollout engine returns (plain lists: it crosses Ray and process boundaries cheaply).
+`SeqBatch` is what a trainer engine consumes: prompts left-padded to a common width P and responses
+right-padded to a common width R, so the response of every row starts at column P and the log-prob of
+response token j is read from the logits at column P + j - 1 for all rows at once (no per-row gather).
+Log-probs, advantages and masks over responses are therefore all [b, R] tensors aligned column by column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    """Log-probs of the sampled tokens under the rollout engine's weights (same length as response_ids)."""
+    finish_reasons: list[str]
+    """'stop' (EOS or stop string) or 'length' (hit max_response_tokens)."""
+    weight_version: int
+    """The weight version the engine generated with."""
+    texts: list[str] = field(default_factory=list)
+    """Decoded responses."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class SeqBatch:
+    input_ids: torch.Tensor
+    """[b, P + R] prompt (left-padded) followed by response (right-padded)."""
+    attention_mask: torch.Tensor
+    """[b, P + R] 1 on real tokens."""
+    position_ids: torch.Tensor
+    """[b, P + R] positions counted from the first real token of each row."""
+    response_mask: torch.Tensor
+    """[b, R] float, 1 on real response tokens."""
+    prompt_width: int
+    """P: the column where every response starts."""
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """[b, R] response token ids (pad where response_mask is 0)."""
+        return self.input_ids[:, self.prompt_width :]
+
+    def select(self, index: slice | torch.Tensor | list[int]) -> SeqBatch:
+        return SeqBatch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[index],
+            response_mask=self.response_mask[index],
+            prompt_width=self.prompt_width,
+        )
+
+    def to(self, device: Any) -> SeqBatch:
+        return SeqBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.response_mask.to(device),
+            self.prompt_width,
+        )
+
+    @classmethod
+    def from_token_lists(
+        cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
+    ) -> SeqBatch:
+        if len(prompt_ids) != len(response_ids) or not prompt_ids:
+            raise ValueError("need one response per prompt and at least one row")
+        width_p = max(len(p) for p in prompt_ids)
+        width_r = max(1, max(len(r) for r in response_ids))
+        b = len(prompt_ids)
+        ids = torch.full((b, width_p + width_r), pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width_p + width_r), dtype=torch.long)
+        for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+            ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
+            mask[i, width_p - len(p) : width_p] = 1
+            if r:
+                ids[i, width_p : width_p + len(r)] = torch.tensor(r, dtype=torch.long)
+                mask[i, width_p : width_p + len(r)] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return cls(ids, mask, positions, mask[:, width_p:].to(torch.float32), width_p)
+
+
+def pad_lists(rows: list[list[float]], width: int, value: float = 0.0) -> torch.Tensor:
+    """[b, width] float32 tensor from ragged rows (the rollout's log-probs, aligned with SeqBatch)."""
+    out = torch.full((len(rows), width), value, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+    return out

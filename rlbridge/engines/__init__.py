@@ -1,0 +1,1 @@
+"""Trainer engines (hf: transformers + peft; megatron: Megatron-core through Megatron-Bridge/mbridge)."""

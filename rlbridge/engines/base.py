@@ -1,0 +1,55 @@
+"""The trainer protocol every engine implements (hf now, megatron next), driven by loop.py.
+
+The loop never sees a model: it hands the engine a SeqBatch and a loss closure, and gets numbers back.
+Log-prob tensors are [b, R], aligned with SeqBatch.response_mask (see rlbridge/batch.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rlbridge.batch import SeqBatch
+
+# loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
+# inside the batch passed to train_step, so the closure can slice advantages / old log-probs itself.
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class WeightExport:
+    """Weights for the rollout or for export-hf, with HF parameter names."""
+
+    kind: str
+    """'merged' (every weight of the HF model, adapters folded in) or 'adapter' (PEFT lora_A/lora_B)."""
+    tensors: dict[str, torch.Tensor]
+    adapter_config: dict | None = None
+    """PEFT adapter_config.json content when kind == 'adapter'."""
+
+
+class TrainEngine(Protocol):
+    def logprobs(self, batch: SeqBatch, *, reference: bool = False) -> torch.Tensor:
+        """[b, R] float32 log-probs of the response tokens, no gradients. reference=True: the reference
+        policy (adapters disabled under LoRA)."""
+        ...
+
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, float]:
+        """One optimizer step over `batch` in micro-batches (gradient accumulation), clipping and LR
+        schedule included. Returns metrics: loss terms averaged, grad_norm, lr, and `skipped` (1.0 when a
+        non-finite loss/gradient made it skip the update; `nonfinite` then names the tensors)."""
+        ...
+
+    def export_weights(self, kind: str) -> WeightExport:
+        """'merged' or 'adapter' weights for the rollout engine or export."""
+        ...
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Trainable tensors only (adapters under LoRA), for checkpoints and health gates."""
+        ...
+
+    def frozen_fingerprint(self) -> dict[str, float]:
+        """A cheap fingerprint (e.g. sum of |w|) of every frozen tensor, to prove the base stays frozen."""
+        ...

@@ -1,0 +1,47 @@
+"""Errors meant for users. Anything raised as `RlbridgeError` is printed without a traceback.
+
+`RecipeError` carries every problem found in a recipe at once; the CLI exits 2 on it. Other
+`RlbridgeError`s (a missing checkpoint, a dead worker) exit 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+class RlbridgeError(Exception):
+    """A failure with a message a user can act on (no traceback shown)."""
+
+
+@dataclass(frozen=True)
+class RecipeIssue:
+    key: str
+    """Dotted recipe key, e.g. trainer.parallel.tensor (or <file> for file-level problems)."""
+    message: str
+    """What is wrong, with the numbers involved."""
+    value: str | None = None
+    where: str | None = None
+    """file:line, or --set for an override."""
+    fix: str | None = None
+    """The smallest change that makes it valid."""
+
+    def to_dict(self) -> dict[str, str | None]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        text = f"{self.key}: {self.message}"
+        if self.value is not None:
+            text += f" (got {self.value})"
+        if self.fix:
+            text += f"; fix: {self.fix}"
+        if self.where:
+            text += f"  [{self.where}]"
+        return text
+
+
+class RecipeError(RlbridgeError):
+    """One or more problems in a recipe; all of them are reported together."""
+
+    def __init__(self, issues: list[RecipeIssue]):
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))

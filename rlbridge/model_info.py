@@ -1,0 +1,137 @@
+"""What the checks and the plan need to know about a model, read from its config.json alone.
+
+No weights, no network, no transformers import: a recipe for a 235B model validates on a laptop. Short
+model names (e.g. `smollm2-135m-instruct`) resolve to a directory in rlbridge's cache; their config is
+known here, so they validate before they are materialized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlbridge.errors import RlbridgeError
+
+# Short names -> the config.json of the model rlbridge materializes for them (see model_cache.py).
+SHORT_NAMES: dict[str, dict[str, Any]] = {
+    "smollm2-135m-instruct": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+    },
+}
+
+
+def cache_dir() -> Path:
+    """Where rlbridge keeps materialized models (RLBRIDGE_CACHE, else ~/.cache/rlbridge)."""
+    return Path(os.environ.get("RLBRIDGE_CACHE", Path.home() / ".cache" / "rlbridge"))
+
+
+def resolve_model_path(path: str) -> Path:
+    """A short name maps to its cache directory; anything else is a local path."""
+    if path in SHORT_NAMES:
+        return cache_dir() / "models" / path
+    return Path(path).expanduser()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    tied_embeddings: bool
+    num_experts: int = 0
+    """Routed experts per MoE layer (0 for a dense model)."""
+    moe_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelInfo:
+        text = cfg.get("text_config")
+        if isinstance(text, dict):  # multimodal wrappers keep the LM config inside
+            cfg = {**cfg, **text}
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RlbridgeError(f"config.json lacks a usable {e} field") from None
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        archs = cfg.get("architectures") or ["?"]
+        return cls(
+            architecture=str(archs[0]),
+            model_type=str(cfg.get("model_type", "?")),
+            hidden=hidden,
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            layers=layers,
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=vocab,
+            max_positions=int(cfg.get("max_position_embeddings") or 2048),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=experts,
+            moe_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+            shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+        )
+
+    # ---- parameter counts (biases and norms included roughly; they are small)
+    def attention_params(self) -> int:
+        q = self.heads * self.head_dim
+        kv = 2 * self.kv_heads * self.head_dim
+        return self.hidden * (q + kv) + q * self.hidden
+
+    def mlp_params(self) -> int:
+        if not self.is_moe:
+            return 3 * self.hidden * self.intermediate
+        routed = self.num_experts * 3 * self.hidden * self.moe_intermediate
+        return routed + 3 * self.hidden * self.shared_expert_intermediate + self.hidden * self.num_experts
+
+    def layer_params(self) -> int:
+        return self.attention_params() + self.mlp_params() + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def total_params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.hidden
+
+
+def read_model_info(path: str) -> ModelInfo:
+    """ModelInfo for a short name or a local directory holding config.json."""
+    if path in SHORT_NAMES:
+        return ModelInfo.from_config(SHORT_NAMES[path])
+    cfg_file = resolve_model_path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RlbridgeError(f"no config.json in {cfg_file.parent}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RlbridgeError(f"cannot read {cfg_file}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise RlbridgeError(f"{cfg_file} is not a JSON object")
+    return ModelInfo.from_config(cfg)

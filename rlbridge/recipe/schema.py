@@ -1,0 +1,392 @@
+"""The recipe: one typed, frozen description of a training run.
+
+Every section is a pydantic model with `extra="forbid"` (a typo is an error with a suggestion, never
+silently ignored) and attribute docstrings, so `rlbridge schema` and the docs come from this one file.
+The recipe is validated once and then passed around typed; it is never turned back into a dict except
+to save it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class ModelCfg(Section):
+    path: str
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer) or a short name that rlbridge
+    materializes into its cache (`smollm2-135m-instruct`)."""
+    dtype: Dtype = "bfloat16"
+    """Parameter dtype for training and rollout. float32 on CPU gives tight trainer/rollout agreement."""
+
+
+class LoraCfg(Section):
+    rank: Annotated[int, Field(ge=0)] = 0
+    """LoRA rank. 0 means full fine-tuning (no adapters)."""
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the LoRA input."""
+    targets: list[str] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    """Modules that get adapters. Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, linear_q,
+    linear_k, linear_v, linear_fc1_gate, linear_fc1_up) or HF names (q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj), or `all-linear`. Mapped per engine."""
+    type: Literal["lora", "dora", "canonical_lora"] = "lora"
+    """Adapter type. canonical_lora puts separate adapters on q, k, v and gate, up (as HF PEFT does)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+# -------------------------------------------------------------------------------------------- trainer
+class ParallelCfg(Section):
+    tensor: PositiveInt = 1
+    """Tensor-parallel size (megatron engine)."""
+    pipeline: PositiveInt = 1
+    """Pipeline-parallel size (megatron engine)."""
+    virtual_pipeline: Annotated[int, Field(ge=1)] | None = None
+    """Virtual pipeline stages per pipeline rank (interleaved schedule); needs pipeline > 1."""
+    context: PositiveInt = 1
+    """Context-parallel size (megatron engine)."""
+    expert: PositiveInt = 1
+    """Expert-parallel size for MoE models."""
+    expert_tensor: PositiveInt = 1
+    """Expert tensor-parallel size for MoE models."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism; needs tensor > 1 and reduce-scatter (not on CPU/gloo)."""
+
+
+class RecomputeCfg(Section):
+    granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: none, selective (attention core) or full (whole layers)."""
+    method: Literal["uniform", "block"] | None = None
+    """For full recompute: uniform (groups of num_layers) or block (the first num_layers per stage)."""
+    num_layers: Annotated[int, Field(ge=1)] | None = None
+    """For full recompute: layers per recompute group (uniform) or recomputed layers per stage (block)."""
+
+
+class OptimCfg(Section):
+    lr: Annotated[float, Field(gt=0)] = 1.0e-6
+    """Peak learning rate."""
+    min_lr: Annotated[float, Field(ge=0)] = 0.0
+    """Final learning rate of the cosine/linear schedule."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warm-up steps (optimizer steps)."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: Annotated[float, Field(gt=0)] = 1.0e-8
+    """AdamW epsilon."""
+    clip_grad: Annotated[float, Field(gt=0)] | None = 1.0
+    """Gradient-norm clipping threshold; null turns clipping off."""
+
+
+class TrainerCfg(Section):
+    engine: Literal["megatron", "hf"] = "hf"
+    """Training engine: megatron (Megatron-core via Megatron-Bridge/mbridge) or hf (transformers + peft)."""
+    bridge: Literal["megatron-bridge", "mbridge"] = "megatron-bridge"
+    """How the megatron engine loads HF checkpoints. mbridge supports full fine-tuning only."""
+    parallel: ParallelCfg = ParallelCfg()
+    recompute: RecomputeCfg = RecomputeCfg()
+    optim: OptimCfg = OptimCfg()
+    micro_batch_size: PositiveInt = 1
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each step's rollouts."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the gradient all-reduce (megatron engine)."""
+    logprob_chunk_size: PositiveInt = 4
+    """Sequences per chunk when computing log-probs without gradients (bounds memory)."""
+
+
+# -------------------------------------------------------------------------------------------- rollout
+class RolloutCfg(Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    """Rollout engine: vllm (CUDA or CPU build) or hf (transformers.generate)."""
+    n: PositiveInt = 4
+    """Completions sampled per prompt (the group size of GRPO-family algorithms)."""
+    tensor_parallel: PositiveInt = 1
+    """Tensor-parallel size of each vLLM engine."""
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    """Sampling temperature."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1 turns it off."""
+    max_prompt_tokens: PositiveInt = 512
+    """Prompts longer than this are filtered out (counted and reported)."""
+    max_response_tokens: PositiveInt = 512
+    """Maximum generated tokens per completion."""
+    weight_sync: Literal["merged", "adapter"] = "merged"
+    """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
+    max_lora_rank: PositiveInt = 64
+    """vLLM's max_lora_rank; must be >= lora.rank when weight_sync is adapter."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8
+    """Fraction of GPU memory vLLM may take (weights + KV cache). On CPU see kv_cache_gib."""
+    kv_cache_gib: Annotated[float, Field(gt=0)] = 1.0
+    """CPU build of vLLM only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpus: Annotated[int, Field(ge=1)] | None = None
+    """Devices for the rollout when cluster.colocate is false (default: as many as the trainer)."""
+
+
+# ------------------------------------------------------------------------------------------ algorithm
+class KlCfg(Section):
+    coef: Annotated[float, Field(ge=0)] = 0.0
+    """KL coefficient against the reference policy (the model with adapters off, or the initial weights)."""
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator: k1 = log ratio, k2 = half squared log ratio, k3 = low_var_kl (clamped, non-negative)."""
+    where: Literal["loss", "reward"] = "loss"
+    """Add the KL term to the loss, or subtract it from the token rewards."""
+
+
+class ClipCfg(Section):
+    low: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    """Ratio clipped below at 1 - low."""
+    high: Annotated[float, Field(ge=0)] = 0.2
+    """Ratio clipped above at 1 + high (DAPO's clip-higher sets it above low)."""
+    dual: Annotated[float, Field(gt=1)] | None = None
+    """Dual clip constant c > 1 bounding the loss for negative advantages; null turns it off."""
+
+
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class _AlgoBase(Section):
+    kl: KlCfg = KlCfg()
+    clip: ClipCfg = ClipCfg()
+    entropy_coef: Annotated[float, Field(ge=0)] = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg: LossAgg = "token-mean"
+    """How token losses are aggregated into one number."""
+
+
+class GrpoCfg(_AlgoBase):
+    name: Literal["grpo"] = "grpo"
+    norm_std: bool = True
+    """Divide group-centred rewards by the group standard deviation."""
+
+
+class DrGrpoCfg(_AlgoBase):
+    name: Literal["dr_grpo"]
+    loss_agg: LossAgg = "seq-mean-token-sum-norm"
+
+
+class OverlongCfg(Section):
+    buffer: Annotated[int, Field(ge=0)] = 0
+    """Soft overlong penalty zone (tokens before max_response_tokens); 0 turns the penalty off."""
+    penalty: Annotated[float, Field(ge=0)] = 1.0
+    """Penalty at max_response_tokens; grows linearly through the buffer."""
+
+
+class DapoCfg(_AlgoBase):
+    name: Literal["dapo"]
+    clip: ClipCfg = ClipCfg(low=0.2, high=0.28)
+    loss_agg: LossAgg = "token-mean"
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and refill the batch."""
+    max_refill_rounds: PositiveInt = 3
+    """Extra generation rounds allowed per step to refill dropped groups."""
+    overlong: OverlongCfg = OverlongCfg()
+
+
+class GspoCfg(_AlgoBase):
+    name: Literal["gspo"]
+    clip: ClipCfg = ClipCfg(low=3.0e-4, high=4.0e-4)
+    loss_agg: LossAgg = "seq-mean-token-mean"
+
+
+class RlooCfg(_AlgoBase):
+    name: Literal["rloo"]
+
+
+class ReinforcePPCfg(_AlgoBase):
+    name: Literal["reinforce_pp"]
+    baseline: bool = False
+    """Subtract the group mean before batch normalization (REINFORCE++-baseline)."""
+
+
+class CriticCfg(Section):
+    lr: Annotated[float, Field(gt=0)] = 1.0e-5
+    """Critic learning rate."""
+    value_clip: Annotated[float, Field(gt=0)] | None = 0.2
+    """Value-loss clipping around the old values; null turns it off."""
+    loss_coef: Annotated[float, Field(gt=0)] = 0.5
+    """Weight of the value loss."""
+
+
+class PpoCfg(_AlgoBase):
+    name: Literal["ppo"]
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Discount factor for GAE."""
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    """GAE lambda."""
+    critic: CriticCfg = CriticCfg()
+    adaptive_kl_target: Annotated[float, Field(gt=0)] | None = None
+    """Target KL for an adaptive KL controller; null keeps kl.coef fixed."""
+
+
+AlgorithmCfg = Annotated[
+    GrpoCfg | DrGrpoCfg | DapoCfg | GspoCfg | RlooCfg | ReinforcePPCfg | PpoCfg,
+    Field(discriminator="name"),
+]
+GROUP_ALGORITHMS = frozenset({"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"})
+
+
+# ----------------------------------------------------------------------------------------------- data
+class DatasetCfg(Section):
+    path: str
+    """A .jsonl or .parquet file, or `builtin:arithmetic` for the generated arithmetic task."""
+    prompt_key: str = "question"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer (passed to the reward)."""
+    limit: Annotated[int, Field(ge=1)] | None = None
+    """Use only the first `limit` rows."""
+
+
+class ArithmeticCfg(Section):
+    digits: Annotated[int, Field(ge=1, le=6)] = 2
+    """Digits per operand."""
+    ops: list[Literal["+", "-", "*"]] = ["+"]
+    """Operators drawn uniformly."""
+    num_train: PositiveInt = 2000
+    """Generated training problems."""
+    num_val: PositiveInt = 200
+    """Generated held-out problems (disjoint from the training set)."""
+
+
+class DataCfg(Section):
+    train: DatasetCfg
+    val: DatasetCfg | None = None
+    batch_size: PositiveInt = 8
+    """Prompts per step (each sampled rollout.n times)."""
+    mini_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Prompts per optimizer step; must divide batch_size (default: batch_size, one update per step)."""
+    template: str = "{prompt}"
+    """User message built from a row: `{prompt}` is the prompt field; other `{field}`s are row fields."""
+    system_prompt: str | None = None
+    """Optional system message."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template."""
+    shuffle: bool = True
+    """Shuffle every epoch (deterministic from run.seed and the epoch)."""
+    arithmetic: ArithmeticCfg = ArithmeticCfg()
+    """Settings of the `builtin:arithmetic` task."""
+
+
+# --------------------------------------------------------------------------------------------- reward
+class RewardTerm(Section):
+    fn: str
+    """Builtin reward name or `package.module:function`."""
+    weight: float = 1.0
+    """Weight in the sum."""
+
+
+class RewardCfg(Section):
+    fn: str | None = "gsm8k"
+    """Builtin reward (arithmetic, gsm8k, format) or `package.module:function`. Use `terms` for a weighted sum."""
+    terms: list[RewardTerm] | None = None
+    """Weighted sum of reward functions (instead of fn)."""
+    timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Per-sample time limit; a call past it counts as a reward_error."""
+    workers: PositiveInt = 2
+    """Reward worker processes."""
+    error_budget: Annotated[int, Field(ge=0)] = 100
+    """Reward errors tolerated over the run before it stops with the function's traceback."""
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RewardCfg:
+        if self.terms is not None and self.fn is not None and "fn" in self.model_fields_set:
+            raise ValueError("set either reward.fn or reward.terms, not both")
+        if self.terms is None and self.fn is None:
+            raise ValueError("set reward.fn (a builtin name or package.module:function) or reward.terms")
+        return self
+
+    def resolved_terms(self) -> list[RewardTerm]:
+        return list(self.terms) if self.terms is not None else [RewardTerm(fn=str(self.fn))]
+
+
+# ------------------------------------------------------------------------------------------------ run
+class HealthCfg(Section):
+    first_step: bool = True
+    """After the first update: grad norm finite and > 0, every trainable tensor changed, no frozen one did."""
+    max_logprob_diff: Annotated[float, Field(gt=0)] | None = 0.5
+    """Stop when the mean |trainer - rollout| log-prob of sampled tokens exceeds this; null turns it off."""
+    max_nonfinite_steps: Annotated[int, Field(ge=0)] = 3
+    """Steps with non-finite loss/gradients that are skipped before the run stops."""
+
+
+class RunCfg(Section):
+    steps: PositiveInt = 100
+    """Training steps (one step = generate, reward, update, sync)."""
+    seed: int = 42
+    """Seed for data order, sampling and initialization."""
+    save_every: Annotated[int, Field(ge=0)] = 0
+    """Checkpoint every N steps (0: only at the end and on SIGTERM)."""
+    keep: PositiveInt = 3
+    """Complete checkpoints kept; the newest good one is never deleted."""
+    dir: str | None = None
+    """Run directory (default: runs/<name>-<timestamp>)."""
+    eval_every: Annotated[int, Field(ge=0)] = 0
+    """Evaluate on data.val every N steps (0: only before and after training)."""
+    eval_samples: PositiveInt = 100
+    """Validation prompts per evaluation (greedy)."""
+    loggers: list[Literal["console", "jsonl", "wandb", "tensorboard"]] = ["console", "jsonl"]
+    """Metric sinks; jsonl is always written."""
+    health: HealthCfg = HealthCfg()
+
+
+# -------------------------------------------------------------------------------------------- cluster
+class ClusterCfg(Section):
+    nodes: PositiveInt = 1
+    """Nodes in the Ray cluster."""
+    gpus_per_node: PositiveInt = 1
+    """Devices per node. With device: cpu, each device is a CPU worker process (gloo)."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Accelerator: cuda, or cpu (runs the same wiring with gloo; for smoke runs and CI)."""
+    gpu_memory_gib: Annotated[float, Field(gt=0)] = 80.0
+    """Memory per device, used by the plan's memory estimate."""
+    colocate: bool = True
+    """Trainer and rollout share the same devices (vLLM sleeps during the update)."""
+    address: str | None = None
+    """Address of an existing Ray cluster; null starts a local one."""
+    placement_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """How long to wait for Ray resources before failing with what is missing."""
+
+
+# --------------------------------------------------------------------------------------------- recipe
+class Recipe(Section):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    """Run name (letters, digits, dot, dash, underscore)."""
+    model: ModelCfg
+    lora: LoraCfg = LoraCfg()
+    trainer: TrainerCfg = TrainerCfg()
+    rollout: RolloutCfg = RolloutCfg()
+    algorithm: AlgorithmCfg = GrpoCfg()
+    data: DataCfg
+    reward: RewardCfg = RewardCfg()
+    run: RunCfg = RunCfg()
+    cluster: ClusterCfg = ClusterCfg()
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.data.mini_batch_size or self.data.batch_size

@@ -1,0 +1,1 @@
+"""Rollout engines (vllm: CUDA or CPU build; hf: transformers.generate)."""
