@@ -1,0 +1,82 @@
+"""Printing for the commands: issues, the plan. No logic beyond formatting."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from rlbridge.errors import RecipeIssue
+from rlbridge.plan import Plan
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def issues_table(issues: list[RecipeIssue], title: str) -> None:
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for col in ("key", "problem", "fix", "where"):
+        table.add_column(col, overflow="fold")
+    for i in issues:
+        problem = i.message + (f" (got {i.value})" if i.value is not None else "")
+        table.add_row(i.key, problem, i.fix or "", i.where or "")
+    err.print(table)
+
+
+def issues_json(issues: list[RecipeIssue]) -> None:
+    print(json.dumps({"valid": False, "errors": [i.to_dict() for i in issues]}, indent=2))
+
+
+def _gib(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def plan_summary(p: Plan) -> None:
+    b = p.batches
+    out.print(
+        f"[bold]layout[/] {p.world_size} {'GPU' if p.device == 'cuda' else 'CPU worker'}(s): "
+        f"dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp} (ep {p.ep}, etp {p.etp}, vpp {p.vpp}); "
+        f"rollout: {p.rollout_engines} engine(s) x tp {p.rollout_tp}, {'colocated' if p.colocate else 'separate'}"
+    )
+    out.print(
+        f"[bold]batch[/] {b.prompts_per_step} prompts -> {b.rollouts_per_step} rollouts/step; "
+        f"{b.mini_batches_per_step} mini-batch(es), {b.optimizer_steps_per_step} optimizer step(s)/step; "
+        f"{b.sequences_per_dp_rank} seqs per dp rank per mini-batch = {b.micro_batches_per_mini_batch} micro-batch(es)"
+    )
+    if p.memory is not None:
+        m = p.memory
+        out.print(
+            f"[bold]memory[/] per {'device' if p.device == 'cuda' else 'worker (host RAM)'} ~{_gib(m.peak)} GiB peak"
+            + (f" of {m.capacity:.0f}" if p.device == "cuda" else "")
+            + " "
+            f"(trainer {_gib(m.trainer_total)}, rollout {_gib(m.rollout_total)}); trainable "
+            f"{m.trainable_params:,} of {m.total_params:,} params"
+        )
+    for note in p.notes:
+        out.print(f"[yellow]note[/] {note}")
+
+
+def plan_full(p: Plan) -> None:
+    plan_summary(p)
+    if p.memory is not None:
+        m = p.memory
+        t = Table(title="memory per device (GiB, estimate)", title_justify="left")
+        for col in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
+            t.add_column(col, justify="right")
+        t.add_row("train", _gib(m.weights), _gib(m.gradients), _gib(m.optimizer), _gib(m.activations), "-", _gib(m.trainer_total))
+        t.add_row("rollout", _gib(m.rollout_weights), "-", "-", "-", _gib(m.rollout_kv_cache), _gib(m.rollout_total))
+        if m.trainable_params < m.total_params:
+            t.add_row("train, full FT", "", "", "", "", "-", _gib(m.full_ft_trainer_total))
+        out.print(t)
+    t = Table(title="trainer ranks", title_justify="left")
+    for col in ("rank", "node", "local", "dp", "tp", "pp", "cp", "ep", "etp"):
+        t.add_column(col, justify="right")
+    shown = p.trainer_ranks[:64]
+    for c in shown:
+        t.add_row(*(str(v) for v in (c.rank, c.node, c.local, c.dp, c.tp, c.pp, c.cp, c.ep, c.etp)))
+    out.print(t)
+    if len(p.trainer_ranks) > len(shown):
+        out.print(f"... {len(p.trainer_ranks) - len(shown)} more ranks (see --json)")
+    bundles = ", ".join(f"node {i}: {len(b)} x {b[0] if b else {}}" for i, b in enumerate(p.bundles_per_node))
+    out.print(f"[bold]Ray bundles[/] {bundles}" + (f"; rollout: {len(p.rollout_bundles)} separate" if p.rollout_bundles else ""))

@@ -1,0 +1,231 @@
+"""Recipe + model shape -> Plan: who runs where, how the batch splits, and what each GPU must hold.
+
+Pure arithmetic, no GPU, no heavy import: the plan of a 64-GPU run prints on a laptop in milliseconds,
+and everything the cluster layer and the loop need (bundles, rank coordinates, micro-batch counts) is
+read from here rather than re-derived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from rlbridge.model_info import ModelInfo
+from rlbridge.recipe.schema import Recipe
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# LoRA (in, out) shapes per Megatron target, as functions of the model shape.
+_LORA_SHAPES = {
+    "linear_qkv": lambda m: (m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim),
+    "linear_q": lambda m: (m.hidden, m.heads * m.head_dim),
+    "linear_k": lambda m: (m.hidden, m.kv_heads * m.head_dim),
+    "linear_v": lambda m: (m.hidden, m.kv_heads * m.head_dim),
+    "linear_proj": lambda m: (m.heads * m.head_dim, m.hidden),
+    "linear_fc1": lambda m: (m.hidden, 2 * (m.moe_intermediate or m.intermediate)),
+    "linear_fc1_gate": lambda m: (m.hidden, m.moe_intermediate or m.intermediate),
+    "linear_fc1_up": lambda m: (m.hidden, m.moe_intermediate or m.intermediate),
+    "linear_fc2": lambda m: (m.moe_intermediate or m.intermediate, m.hidden),
+}
+_MLP_TARGETS = {"linear_fc1", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"}
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    rank: int
+    node: int
+    local: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+
+
+@dataclass(frozen=True)
+class Batches:
+    prompts_per_step: int
+    rollouts_per_step: int
+    mini_batches_per_step: int
+    optimizer_steps_per_step: int
+    sequences_per_dp_rank: int
+    """Sequences each data-parallel rank trains on per mini-batch."""
+    micro_batches_per_mini_batch: int
+    """Gradient-accumulation steps per optimizer step on each data-parallel rank."""
+    max_sequence_tokens: int
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Estimated GiB per device. Rough by design (±30%): for spotting a plan that cannot fit."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    trainer_total: float
+    rollout_weights: float
+    rollout_kv_cache: float
+    rollout_total: float
+    peak: float
+    capacity: float
+    trainable_params: int
+    total_params: int
+    full_ft_trainer_total: float
+    """What the trainer would need with full fine-tuning, for comparison under LoRA."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    device: str
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    vpp: int
+    colocate: bool
+    bundles_per_node: list[list[dict[str, float]]]
+    """Ray bundles of the trainer (and of the colocated rollout), one list per node."""
+    rollout_bundles: list[dict[str, float]]
+    """Extra bundles of a rollout that is not colocated (empty when colocated)."""
+    trainer_ranks: list[RankCoord]
+    rollout_engines: int
+    rollout_tp: int
+    batches: Batches
+    memory: Memory | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def rank_coords(r: Recipe) -> list[RankCoord]:
+    """Megatron's default order: tp fastest, then cp, dp, pp (experts: etp, ep, edp, pp)."""
+    p, c = r.trainer.parallel, r.cluster
+    world = r.world_size
+    tp, cp, pp = p.tensor, p.context, p.pipeline
+    dp = world // (tp * cp * pp)
+    etp, ep = p.expert_tensor, p.expert
+    per_stage = world // pp
+    out = []
+    for rank in range(world):
+        tp_r, rest = rank % tp, rank // tp
+        cp_r, rest = rest % cp, rest // cp
+        dp_r, pp_r = rest % dp, rest // dp
+        in_stage = rank % per_stage
+        etp_r = in_stage % etp
+        ep_r = (in_stage // etp) % ep
+        out.append(RankCoord(rank, rank // c.gpus_per_node, rank % c.gpus_per_node, dp_r, tp_r, pp_r, cp_r, ep_r, etp_r))
+    return out
+
+
+def batches(r: Recipe, dp: int) -> Batches:
+    mini = r.mini_batch_size
+    per_rank = mini * r.rollout.n // dp
+    num_minis = r.data.batch_size // mini
+    return Batches(
+        prompts_per_step=r.data.batch_size,
+        rollouts_per_step=r.data.batch_size * r.rollout.n,
+        mini_batches_per_step=num_minis,
+        optimizer_steps_per_step=num_minis * r.trainer.ppo_epochs,
+        sequences_per_dp_rank=per_rank,
+        micro_batches_per_mini_batch=max(per_rank // r.trainer.micro_batch_size, 1),
+        max_sequence_tokens=r.rollout.max_prompt_tokens + r.rollout.max_response_tokens,
+    )
+
+
+def lora_params(r: Recipe, m: ModelInfo) -> int:
+    from rlbridge.recipe.targets import megatron_targets
+
+    total = 0
+    for target in megatron_targets(r.lora.targets, r.lora.type):
+        fan_in, fan_out = _LORA_SHAPES[target](m)
+        copies = m.num_experts if (m.is_moe and target in _MLP_TARGETS) else 1
+        total += copies * r.lora.rank * (fan_in + fan_out)
+    return total * m.layers
+
+
+def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
+    p = r.trainer.parallel
+    wbytes = DTYPE_BYTES[r.model.dtype]
+    layers_per_stage = m.layers / p.pipeline
+    mlp = m.mlp_params() / (p.expert * p.expert_tensor if m.is_moe else p.tensor)
+    stage_params = layers_per_stage * (m.attention_params() / p.tensor + mlp) + m.embedding_params() / p.tensor
+    total = m.total_params()
+    trainable = lora_params(r, m) if r.lora.enabled else total
+
+    def trainer_gib(trainable_local: float) -> tuple[float, float, float]:
+        grads = trainable_local * 4  # fp32 main grads
+        opt_bytes = 12 if wbytes < 4 else 8  # fp32 master copy (when params are 16-bit) + Adam m, v
+        shard = dp if r.trainer.distributed_optimizer else 1
+        return stage_params * wbytes / GIB, grads / GIB, trainable_local * opt_bytes / shard / GIB
+
+    local_trainable = trainable / (p.tensor * p.pipeline) if r.lora.enabled else stage_params
+    weights, grads, opt = trainer_gib(local_trainable)
+    act = _activations(r, m, b) / GIB
+    rollout_w = total * wbytes / r.rollout.tensor_parallel / GIB
+    capacity = r.cluster.gpu_memory_gib
+    if r.cluster.device == "cpu":  # vLLM-CPU: KV cache of a fixed size in host memory
+        kv = r.rollout.kv_cache_gib
+    else:  # vLLM takes gpu_memory_utilization of the device; what the weights leave is KV cache
+        kv = max(r.rollout.gpu_memory_utilization * capacity - rollout_w, 0.0)
+    trainer_total = weights + grads + opt + act
+    _, full_grads, full_opt = trainer_gib(stage_params)
+    full_total = weights + full_grads + full_opt + act
+    # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up.
+    rollout_total = rollout_w + kv
+    if r.cluster.device == "cpu":  # both live in host memory at once
+        peak = trainer_total + rollout_total
+    else:
+        peak = max(trainer_total, rollout_total) if r.cluster.colocate else trainer_total
+    return Memory(
+        round(weights, 3), round(grads, 3), round(opt, 3), round(act, 3), round(trainer_total, 3),
+        round(rollout_w, 3), round(kv, 3), round(rollout_total, 3), round(peak, 3), capacity,
+        int(trainable), int(total), round(full_total, 3),
+    )
+
+
+def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
+    """Korthikanti et al. 2022 per-layer activation bytes, with recompute, plus fp32 logits of one micro-batch."""
+    p = r.trainer.parallel
+    s, mb, h = b.max_sequence_tokens / p.context, r.trainer.micro_batch_size, m.hidden
+    per_layer = s * mb * h * (34 + 5 * m.heads * s / h) / p.tensor
+    granularity = r.trainer.recompute.granularity
+    if granularity == "selective":
+        per_layer = s * mb * h * 34 / p.tensor
+    layers = m.layers / p.pipeline
+    if granularity == "full":
+        act = layers * 2 * s * mb * h + per_layer  # checkpointed inputs + one layer recomputed
+    else:
+        act = layers * per_layer
+    in_flight = min(p.pipeline, b.micro_batches_per_mini_batch)  # 1F1B keeps up to pp micro-batches on stage 0
+    logits = mb * s * m.vocab * 4 / p.tensor
+    return act * in_flight + logits
+
+
+def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
+    p, c = r.trainer.parallel, r.cluster
+    world = r.world_size
+    tp, pp, cp = p.tensor, p.pipeline, p.context
+    dp = max(world // (tp * pp * cp), 1)
+    unit = "GPU" if c.device == "cuda" else "CPU"
+    bundle = {"GPU": 1.0, "CPU": 1.0} if unit == "GPU" else {"CPU": 1.0}
+    bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
+    rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
+    rollout_bundles = [] if c.colocate else [dict(bundle) for _ in range(rollout_gpus)]
+    b = batches(r, dp)
+    notes = []
+    if c.device == "cpu":
+        notes.append("cpu device: each 'GPU' is a CPU worker process; collectives use gloo")
+    mem = memory(r, m, dp, b) if m is not None else None
+    if mem is not None and c.device == "cuda" and mem.peak > mem.capacity:
+        notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")
+    return Plan(
+        world_size=world, device=c.device, dp=dp, tp=tp, pp=pp, cp=cp, ep=p.expert, etp=p.expert_tensor,
+        vpp=p.virtual_pipeline or 1, colocate=c.colocate, bundles_per_node=bundles, rollout_bundles=rollout_bundles,
+        trainer_ranks=rank_coords(r), rollout_engines=max(rollout_gpus // r.rollout.tensor_parallel, 1),
+        rollout_tp=r.rollout.tensor_parallel, batches=b, memory=mem, notes=notes,
+    )
