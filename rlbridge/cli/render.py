@@ -15,13 +15,14 @@ err = Console(stderr=True, highlight=False)
 
 
 def issues_table(issues: list[RecipeIssue], title: str) -> None:
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for col in ("key", "problem", "fix", "where"):
-        table.add_column(col, overflow="fold")
+    """One block per issue: the key on its own line (never wrapped), then the problem and the fix."""
+    err.print(f"[bold red]{title}[/]")
     for i in issues:
+        err.print(f"  [bold]{i.key}[/]" + (f"  [dim]{i.where}[/]" if i.where else ""), soft_wrap=True)
         problem = i.message + (f" (got {i.value})" if i.value is not None else "")
-        table.add_row(i.key, problem, i.fix or "", i.where or "")
-    err.print(table)
+        err.print(f"      {problem}", soft_wrap=True)
+        if i.fix:
+            err.print(f"      [green]fix:[/] {i.fix}", soft_wrap=True)
 
 
 def issues_json(issues: list[RecipeIssue]) -> None:

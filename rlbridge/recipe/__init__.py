@@ -6,14 +6,16 @@ RecipeError with every problem found.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from rlbridge.errors import RecipeError
+from rlbridge.errors import RecipeError, RecipeIssue
 from rlbridge.model_info import ModelInfo
 from rlbridge.recipe.checks import run_checks
-from rlbridge.recipe.load import build_recipe, load_recipe, load_recipe_data
+from rlbridge.recipe.load import Source, build_recipe, load_recipe, load_recipe_data
 from rlbridge.recipe.schema import Recipe
 
 
@@ -26,17 +28,41 @@ class ValidRecipe:
 
 def validate_recipe(path: str | Path, overrides: Sequence[str] = (), *, model_checks: bool = True) -> ValidRecipe:
     data, source = load_recipe_data(path, overrides)
-    recipe = build_recipe(data, source)
+    try:
+        recipe = build_recipe(data, source)
+    except RecipeError as e:
+        raise RecipeError(e.issues + _checks_despite_schema_errors(data, source, e.issues, model_checks)) from None
     issues, info = run_checks(recipe, model_checks=model_checks)
     if issues:
-        raise RecipeError([i if i.where else _located(i, source) for i in issues])
+        raise RecipeError([_located(i, source) for i in issues])
     return ValidRecipe(recipe, info)
 
 
-def _located(issue, source):  # type: ignore[no-untyped-def]
-    from dataclasses import replace
+def _checks_despite_schema_errors(
+    data: dict[str, Any], source: Source, schema_issues: list[RecipeIssue], model_checks: bool
+) -> list[RecipeIssue]:
+    """Report the cross-field problems too: drop the keys the schema rejected (defaults take their place),
+    run the checks, and keep only issues about keys that were not dropped."""
+    pruned = copy.deepcopy(data)
+    dropped = [i.key for i in schema_issues]
+    for key in dropped:
+        node: Any = pruned
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    try:
+        recipe = build_recipe(pruned, source)
+    except RecipeError:
+        return []
+    issues, _ = run_checks(recipe, model_checks=model_checks)
+    related = lambda k: any(k == d or k.startswith(d + ".") or d.startswith(k + ".") for d in dropped)  # noqa: E731
+    return [_located(i, source) for i in issues if not related(i.key)]
 
-    return replace(issue, where=source.where(issue.key))
+
+def _located(issue: RecipeIssue, source: Source) -> RecipeIssue:
+    return issue if issue.where else replace(issue, where=source.where(issue.key))
 
 
 __all__ = ["Recipe", "RecipeError", "ValidRecipe", "load_recipe", "validate_recipe"]

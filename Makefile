@@ -1,0 +1,26 @@
+# Fresh machine: `make test` (set up + whole suite) and `make quickstart` (set up + the main CPU job).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VENV
+
+.PHONY: setup test test-fast quickstart lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+quickstart: setup
+	$(VENV)/bin/rlbridge validate-recipe recipes/quickstart.yaml
+	$(VENV)/bin/rlbridge train recipes/quickstart.yaml
+
+lint: setup
+	$(VENV)/bin/ruff check rlbridge tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,3 @@
+from rlbridge.cli import main
+
+main()
