@@ -1,0 +1,1 @@
+"""Ray placement and worker groups. The only package that imports Ray."""

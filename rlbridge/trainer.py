@@ -1,0 +1,131 @@
+"""The trainer role: one engine plus what a step asks of it (mini-batches, PPO epochs, the health gates).
+
+It runs inside a Ray actor (cluster/), or in-process in tests; it holds no Ray code itself. The engine
+(hf or megatron) only knows forward/backward/step; this role decides old log-probs, splits mini-batches,
+builds the loss closure from the recipe, and checks that the first updates really train.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlbridge.algo.objective import LossInputs, make_loss_fn
+from rlbridge.batch import SeqBatch
+from rlbridge.engines.base import TrainEngine, WeightExport
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import Recipe
+
+
+class HealthError(RlbridgeError):
+    """A health gate failed; the message says which and how to turn it off."""
+
+
+def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
+    if recipe.trainer.engine == "hf":
+        from rlbridge.engines.hf import HFTrainEngine
+
+        device = "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
+        return HFTrainEngine(recipe, model_dir, device=device)
+    raise RlbridgeError("the megatron engine runs through its worker group (cluster/megatron), not TrainerRole")
+
+
+class TrainerRole:
+    def __init__(self, recipe: Recipe, model_dir: str, *, num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(recipe.run.seed)
+        self.recipe = recipe
+        self.engine = build_engine(recipe, Path(model_dir))
+        self.updates = 0
+        self._start: dict[str, torch.Tensor] | None = None
+        self._frozen: dict[str, float] | None = None
+        self._gate_done = not recipe.run.health.first_step
+
+    # ---------------------------------------------------------------- passthroughs
+    def logprobs(self, batch: SeqBatch, reference: bool = False) -> torch.Tensor:
+        return self.engine.logprobs(batch, reference=reference)
+
+    def export_weights(self, kind: str) -> WeightExport:
+        return self.engine.export_weights(kind)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Generic access to the engine (checkpointing, tests)."""
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    # ---------------------------------------------------------------- the update
+    def update(
+        self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None
+    ) -> dict[str, float]:
+        r = self.recipe
+        seqs_per_mini = r.mini_batch_size * r.rollout.n
+        num_minis = batch.size // seqs_per_mini
+        on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
+        old = None if on_policy else self.engine.logprobs(batch)
+        if self._start is None and not self._gate_done:
+            self._start = {k: v.detach().clone() for k, v in self.engine.trainable_state().items()}
+            self._frozen = self.engine.frozen_fingerprint()
+        metrics: list[dict[str, float]] = []
+        for _ in range(r.trainer.ppo_epochs):
+            for k in range(num_minis):
+                rows = slice(k * seqs_per_mini, (k + 1) * seqs_per_mini)
+                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt))
+        out = _mean_metrics(metrics)
+        if old is not None:
+            diff = (old - rollout_logp_bt).abs()[batch.response_mask > 0]
+            out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
+        self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
+        return out
+
+    def _update_mini(self, batch: SeqBatch, rows: slice, adv_bt: torch.Tensor, old: torch.Tensor | None,
+                     ref: torch.Tensor | None, rollout_lp: torch.Tensor) -> dict[str, Any]:
+        r = self.recipe
+        sub = batch.select(rows)
+        inputs = LossInputs(
+            adv_bt=adv_bt[rows], mask_bt=sub.response_mask, old_logp_bt=None if old is None else old[rows],
+            ref_logp_bt=None if ref is None else ref[rows], rollout_logp_bt=rollout_lp[rows],
+        )  # fmt: skip
+        num_micro = math.ceil(sub.size / r.trainer.micro_batch_size)
+        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
+                               micro_scale=float(getattr(self.engine, "LOSS_SCALED_BY_MICRO_BATCHES", 0) and num_micro) or 1.0)
+        m = self.engine.train_step(sub, loss_fn, num_micro_batches=num_micro)
+        self.updates += 1
+        return m
+
+    # ---------------------------------------------------------------- health gates
+    def _health(self, m: dict[str, Any], *, has_signal: bool) -> None:
+        if self._gate_done or self._start is None or not has_signal or m.get("skipped"):
+            return
+        gn = m.get("grad_norm", float("nan"))
+        if not math.isfinite(gn) or gn <= 0:
+            raise HealthError(f"first update: grad_norm is {gn} (expected finite and > 0): nothing is training. "
+                              "Check LoRA targets and recompute settings; turn the gate off with run.health.first_step: false")
+        now = self.engine.trainable_state()
+        frozen = self.engine.frozen_fingerprint()
+        moved_frozen = [k for k, v in frozen.items() if self._frozen is not None and v != self._frozen.get(k)]
+        if moved_frozen:
+            raise HealthError(f"frozen tensors changed during the update: {', '.join(moved_frozen[:5])}"
+                              f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)")
+        unchanged = [k for k, v in now.items() if torch.equal(v, self._start[k])]
+        # LoRA's B starts at zero, so A gets no gradient on the very first update: allow two updates.
+        if unchanged and self.updates >= 2:
+            raise HealthError(f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self.updates} updates: "
+                              f"{', '.join(unchanged[:5])}{' ...' if len(unchanged) > 5 else ''} "
+                              "(run.health.first_step: false turns this check off)")
+        if not unchanged:
+            self._gate_done = True
+            self._start = None
+
+
+def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in {k for m in items for k in m}:
+        vals = [m[k] for m in items if k in m]
+        if all(isinstance(v, (int, float)) for v in vals):
+            out[key] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+        else:
+            out[key] = vals[-1]
+    return out
