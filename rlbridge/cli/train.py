@@ -19,9 +19,21 @@ def train(
 ) -> None:
     """Validate the recipe, then train. Exit 0 done, 1 failure, 2 invalid recipe."""
     with user_errors():
-        validate_recipe(recipe, set_)
-    render.err.print("[red]error:[/] training is not available yet (see the end-to-end issue); the recipe is valid")
-    raise typer.Exit(1)
+        valid = validate_recipe(recipe, set_)
+    from rlbridge import run_dir as rd
+    from rlbridge.plan import make_plan
+
+    plan = make_plan(valid.recipe, valid.model)
+    render.plan_summary(plan)
+    with user_errors():
+        from rlbridge.loop import train as run_training
+        from rlbridge.model_cache import ensure_model
+
+        model_dir = ensure_model(valid.recipe.model.path)
+        out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
+        render.out.print(f"run directory: {out}")
+        summary = run_training(valid.recipe, plan, out, model_dir)
+    render.print_summary(summary)
 
 
 @example("rlbridge resume runs/quickstart-20261130-1200")

@@ -1,0 +1,127 @@
+"""Everything a run holds while it trains: data, tokenizer, reward pool, Ray workers, metrics log.
+
+`Session` is a context manager: whatever was started (Ray, the vLLM engine, reward workers) is stopped on
+the way out, failure included. The loop (loop.py) only calls its verbs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlbridge.batch import Rollouts
+from rlbridge.cluster import ray_cluster as rc
+from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
+from rlbridge.data.reward_pool import RewardPool
+from rlbridge.engines.base import WeightExport
+from rlbridge.metrics import MetricsLog, console
+from rlbridge.plan import Plan
+from rlbridge.recipe.schema import Recipe
+from rlbridge.rollout.base import SamplingCfg
+from rlbridge.tokenizer import load_tokenizer
+from rlbridge.trainer import TrainerRole
+
+
+def log(msg: str) -> None:
+    console.print(f"[dim]rlbridge[/] {msg}")
+
+
+class Encoded:
+    """Prompts with their token ids (after the length filter)."""
+
+    def __init__(self, prompts: list[Any], ids: list[list[int]]) -> None:
+        self.prompts, self.ids = prompts, ids
+
+
+class Session:
+    def __init__(self, recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path) -> None:
+        self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
+        self.version = 0
+        self._pg: Any = None
+        self.trainer: rc.Worker | None = None
+        self.rollout: rc.Worker | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Session:
+        r = self.recipe
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.train_data = self._encode(load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train")
+        self.val_data = (self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
+                         if r.data.val is not None else None)
+        self.sampler = PromptSampler(len(self.train_data.prompts), seed=r.run.seed, shuffle=r.data.shuffle)
+        self.rewards = RewardPool(r.reward).__enter__()
+        self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps)
+        self._start_workers()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for w in (self.rollout, self.trainer):
+            if w is not None:
+                w.kill()
+        rc.shutdown(self._pg)
+        self.rewards.__exit__(None, None, None)
+        self.metrics.close()
+
+    def _encode(self, prompts: list[Any], key: str) -> Encoded:
+        r = self.recipe
+        ids, kept, filtered = encode_prompts(self.tokenizer, prompts, r.data, r.rollout.max_prompt_tokens)
+        if filtered:
+            log(f"{key}: {filtered} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens "
+                f"{r.rollout.max_prompt_tokens} and were left out")
+        return Encoded(kept, ids)
+
+    def _start_workers(self) -> None:
+        r, plan = self.recipe, self.plan
+        rc.connect(r.cluster, plan, log)
+        bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
+        self._pg = rc.reserve(bundles, timeout_s=r.cluster.placement_timeout_s, log=log, fail_fast=r.cluster.address is None)
+        gpu = 1.0 if r.cluster.device == "cuda" else 0.0
+        share = 0.5 if r.cluster.colocate else 1.0
+        threads = os.cpu_count() or 1
+        log("starting the trainer and rollout workers")
+        self.trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
+                                       args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
+        rollout_cls = _rollout_class(r)
+        rollout_bundle = 0 if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
+        self.rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
+                                       args=(str(self.model_dir), r.rollout, r.model),
+                                       kwargs=_rollout_kwargs(r, threads))
+        self.rollout.call("__ray_ready__") if hasattr(self.rollout.handle, "__ray_ready__") else None
+        self.trainer.call("call", "trainable_state")  # surfaces a failed construction now, with its error
+
+    # ------------------------------------------------------------------ verbs used by the loop
+    def sampling(self, *, greedy: bool = False) -> SamplingCfg:
+        ro = self.recipe.rollout
+        return SamplingCfg(n=1 if greedy else ro.n, temperature=0.0 if greedy else ro.temperature, top_p=ro.top_p,
+                           top_k=ro.top_k, max_tokens=ro.max_response_tokens, greedy=greedy)
+
+    def generate(self, ids: list[list[int]], *, greedy: bool = False) -> Rollouts:
+        assert self.rollout is not None
+        return self.rollout.call("generate", ids, self.sampling(greedy=greedy), expect_version=self.version)
+
+    def sync_weights(self) -> int:
+        """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved."""
+        assert self.trainer is not None and self.rollout is not None
+        weights: WeightExport = self.trainer.call("export_weights", self.recipe.rollout.weight_sync)
+        self.version += 1
+        self.rollout.call("load_weights", weights, self.version)
+        return sum(t.numel() * t.element_size() for t in weights.tensors.values())
+
+
+def _rollout_class(r: Recipe) -> type:
+    if r.rollout.engine == "vllm":
+        from rlbridge.rollout.vllm import VllmRollout
+
+        return VllmRollout
+    from rlbridge.rollout.hf import HFRollout
+
+    return HFRollout
+
+
+def _rollout_kwargs(r: Recipe, threads: int) -> dict[str, Any]:
+    kw: dict[str, Any] = {"seed": r.run.seed}
+    if r.rollout.engine == "vllm":
+        kw.update(lora_rank=r.lora.rank, cpu=r.cluster.device == "cpu")
+    return kw
