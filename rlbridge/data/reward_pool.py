@@ -1,0 +1,289 @@
+"""RewardPool: score completions with user reward functions that may raise, hang, spam or exit.
+
+User functions run in a small pool of worker processes, each fed one sample at a time over a socket, so a
+sample that runs past `reward.timeout_s` is killed with its whole process group and a fresh worker takes
+its place while the others carry on (`concurrent.futures` cannot kill one worker, hence this pool).
+Workers are fresh interpreters started with `subprocess` (the trainer holds torch and threads, so no fork)
+rather than multiprocessing's spawn, which would re-run the trainer's `__main__` module in every worker.
+Each worker runs in its own session (terminal Ctrl-C goes to the trainer, which closes the pool), with
+stdin/stdout/stderr on /dev/null, and dies with the trainer (Linux PR_SET_PDEATHSIG, tied to the thread
+that started it: create the pool in a thread that outlives it). Workers live across `score` calls (the loop
+scores every step) and import the user functions once, at start.
+
+Builtin rewards (ours, pure string parsing that cannot hang) run in-process: a builtin-only recipe
+starts no worker at all.
+
+Every failure of a user function (an exception, NaN/inf or a non-number, a timeout, `sys.exit`,
+`os._exit`) makes that sample's score None and counts against `reward.error_budget`, kept over the
+whole run; past it `score` raises `RewardBudgetExceeded` with the last traceback. Output is discarded,
+not an error. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlbridge.data.rewards import BUILTINS, RewardFn, resolve_reward_fn
+from rlbridge.errors import RlbridgeError
+
+if TYPE_CHECKING:  # workers import this module: keep pydantic out of their start-up
+    from rlbridge.recipe.schema import RewardCfg, RewardTerm
+
+Outcome = tuple[float | None, str | None]
+"""(value, None) or (None, traceback text) for one reward term on one sample."""
+Task = tuple[str, str, dict[str, Any]]
+_TRACEBACK_CHARS = 4000
+_WORKER_CODE = "import sys; from rlbridge.data.reward_pool import worker_main; worker_main(int(sys.argv[1]))"
+_PR_SET_PDEATHSIG = 1
+
+
+class RewardBudgetExceeded(RlbridgeError):
+    """More reward errors over the run than `reward.error_budget` allows."""
+
+
+@dataclass
+class RewardResult:
+    scores: list[float | None]
+    """Weighted sum per sample; None where any term failed."""
+    num_errors: int
+    """Samples with at least one failed term."""
+    errors: list[str] = field(default_factory=list)
+    """One line per failed sample: index, function, and the last line of its traceback."""
+    terms: dict[str, list[float | None]] = field(default_factory=dict)
+    """Per-term values (key: the term's fn, suffixed #i when a fn repeats)."""
+    last_traceback: str | None = None
+    """Full text of the last failure in this call."""
+
+
+def _call(fn: RewardFn, prompt: str, completion: str, sample: dict[str, Any]) -> Outcome:
+    try:
+        value = fn(prompt, completion, sample)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"reward function returned {type(value).__name__} {str(value)[:100]!r}, not a float")
+        if not math.isfinite(value := float(value)):
+            raise ValueError(f"reward function returned {value}, not a finite number")
+        return value, None
+    except (Exception, SystemExit):  # sys.exit in user code is a sample error; Ctrl-C still stops the trainer
+        return None, traceback.format_exc()[-_TRACEBACK_CHARS:]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_main(fd: int) -> None:
+    """Worker process: take sys.path and the specs, import the functions once, then score until told to stop."""
+    conn = Connection(fd)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    _die_with_parent()
+    try:
+        sys.path[:], specs = conn.recv()
+        fns = [resolve_reward_fn(spec) for spec in specs]
+    except BaseException:  # noqa: B036
+        conn.send(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
+        return
+    conn.send(("ready", None))
+    try:
+        while (task := conn.recv()) is not None:
+            conn.send(("done", [_call(fn, *task) for fn in fns]))
+    except EOFError:  # the trainer went away
+        return
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+    deadline: float
+    ready: bool = False
+    task: int | None = None
+
+
+class RewardPool:
+    """Scores batches with the recipe's reward terms; a context manager owning the worker processes."""
+
+    def __init__(self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0) -> None:
+        self.cfg = cfg
+        self.terms = cfg.resolved_terms()
+        for term in self.terms:
+            resolve_reward_fn(term.fn)  # fail here, in the trainer, with the validation message
+        self._user_specs = [t.fn for t in self.terms if t.fn not in BUILTINS]
+        self._startup_timeout_s = startup_timeout_s
+        self._workers: list[_Worker] = []
+        self.total_errors = 0
+
+    def __enter__(self) -> RewardPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------ workers
+    def _spawn(self) -> _Worker:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
+                                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        theirs.close()  # so the worker's death reads as EOF here
+        conn = Connection(ours.detach())
+        conn.send(([p or os.getcwd() for p in sys.path], self._user_specs))
+        return _Worker(proc, conn, deadline=time.monotonic() + self._startup_timeout_s)
+
+    def _kill(self, w: _Worker) -> None:
+        if w.proc.poll() is None:
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)  # the worker leads its own process group
+            except ProcessLookupError:
+                pass
+        w.proc.wait(5)
+        w.conn.close()
+        self._workers.remove(w)
+
+    def start(self) -> None:
+        """Start the workers (only if some term is a user function) and wait until they are ready."""
+        if not self._user_specs or self._workers:
+            return
+        self._workers = [self._spawn() for _ in range(self.cfg.workers)]
+        while not all(w.ready for w in self._workers):
+            self._step(deque(), [], [])
+
+    def close(self) -> None:
+        for w in list(self._workers):
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+            try:
+                w.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                pass
+            self._kill(w)
+
+    # -------------------------------------------------------------------------------- scheduling
+    def _step(self, queue: deque[int], tasks: list[Task], out: list[list[Outcome] | None]) -> None:
+        """Hand queued tasks to idle workers, then handle one round of results, deaths and timeouts."""
+        for w in list(self._workers):
+            if w.ready and w.task is None and queue:
+                w.task = queue.popleft()
+                w.deadline = time.monotonic() + self.cfg.timeout_s
+                try:
+                    w.conn.send(tasks[w.task])
+                except OSError:  # died while idle: the task never ran; retry it elsewhere
+                    queue.appendleft(w.task)
+                    self._replace(w, None, out)
+        active = [w for w in self._workers if not w.ready or w.task is not None]
+        timeout = max(0.0, min((w.deadline for w in active), default=0.0) - time.monotonic())
+        wait([w.conn for w in active], timeout)
+        for w in active:
+            self._poll(w, out)
+
+    def _poll(self, w: _Worker, out: list[list[Outcome] | None]) -> None:
+        if w.conn.poll():
+            try:
+                kind, payload = w.conn.recv()
+            except (EOFError, OSError):
+                kind, payload = "died", None
+        elif w.proc.poll() is not None:
+            kind, payload = "died", None
+        elif time.monotonic() >= w.deadline:
+            kind, payload = "timeout", None
+        else:
+            return
+        if not w.ready:
+            if kind != "ready":
+                self._kill(w)
+                why = payload or (
+                    f"not ready within {self._startup_timeout_s}s (does importing the reward module hang?)"
+                    if kind == "timeout" else f"the worker exited with code {w.proc.returncode}; check that "
+                    f"`{sys.executable} -c 'import rlbridge.data.reward_pool'` works")
+                raise RlbridgeError(f"reward worker failed to start:\n{why}")
+            w.ready = True
+        elif kind == "done" and w.task is not None:
+            out[w.task], w.task = payload, None
+        elif kind == "timeout":
+            self._replace(w, f"TimeoutError: reward function ran past reward.timeout_s={self.cfg.timeout_s}s", out)
+        else:
+            try:
+                code: int | str = w.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = "unknown (it closed its socket)"
+            self._replace(w, f"reward worker process exited with code {code} while scoring "
+                             "(os._exit, a signal or a crash in the reward function)", out)
+
+    def _replace(self, w: _Worker, error: str | None, out: list[list[Outcome] | None]) -> None:
+        if error is not None and w.task is not None:
+            out[w.task] = [(None, error)] * len(self._user_specs)
+        self._kill(w)
+        self._workers.append(self._spawn())
+
+    def _run_user(self, tasks: list[Task]) -> list[list[Outcome]]:
+        self.start()
+        out: list[list[Outcome] | None] = [None] * len(tasks)
+        queue = deque(range(len(tasks)))
+        while queue or any(w.task is not None for w in self._workers):
+            self._step(queue, tasks, out)
+        done = [o for o in out if o is not None]
+        assert len(done) == len(tasks), "every task ends with a result or an error"
+        return done
+
+    # ------------------------------------------------------------------------------------ scoring
+    def score(self, prompts: list[str], completions: list[str], samples: list[dict[str, Any]]) -> RewardResult:
+        """Weighted reward per sample; raises RewardBudgetExceeded once the run's errors pass the budget."""
+        if not len(prompts) == len(completions) == len(samples):
+            raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples")
+        tasks = list(zip(prompts, completions, samples, strict=True))
+        result = _combine(self.terms, self._evaluate(tasks), len(tasks))
+        self.total_errors += result.num_errors
+        if self.total_errors > self.cfg.error_budget:
+            raise RewardBudgetExceeded(
+                f"{self.total_errors} reward errors so far exceed reward.error_budget={self.cfg.error_budget} "
+                f"({result.num_errors} of {len(tasks)} samples failed in this step). "
+                "Fix the reward function, or raise reward.error_budget / reward.timeout_s. "
+                f"Last failure: {result.last_traceback}")
+        return result
+
+    def _evaluate(self, tasks: list[Task]) -> list[list[Outcome]]:
+        """Outcomes per term (in recipe order) per sample: builtins in-process, user terms in the workers."""
+        if not tasks:
+            return [[] for _ in self.terms]
+        user_columns = iter(zip(*self._run_user(tasks), strict=True)) if self._user_specs else iter(())
+        return [[_call(BUILTINS[t.fn], *task) for task in tasks] if t.fn in BUILTINS else list(next(user_columns))
+                for t in self.terms]
+
+
+def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples: int) -> RewardResult:
+    fns = [t.fn for t in terms]
+    names = [fn if fns.count(fn) == 1 else f"{fn}#{j}" for j, fn in enumerate(fns)]
+    result = RewardResult(scores=[], num_errors=0,
+                          terms={name: [v for v, _ in column] for name, column in zip(names, per_term, strict=True)})
+    for i in range(num_samples):
+        outcomes = [column[i] for column in per_term]
+        failed = [(fn, err) for fn, (_, err) in zip(fns, outcomes, strict=True) if err is not None]
+        if failed:
+            fn, err = failed[-1]
+            result.num_errors += 1
+            result.errors.append(f"sample {i}, {fn}: {err.strip().splitlines()[-1][:500]}")
+            result.last_traceback = f"{fn} on sample {i}:\n{err}"
+            result.scores.append(None)
+        else:
+            result.scores.append(sum(t.weight * v for t, (v, _) in zip(terms, outcomes, strict=True) if v is not None))
+    return result
