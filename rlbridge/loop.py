@@ -52,7 +52,7 @@ def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path) -> Summary
 
 def train_step(s: Session, step: int) -> dict[str, Any]:
     r, timer = s.recipe, Timer()
-    rows = s.sampler.next_batch(r.data.batch_size)
+    rows = s.sampler.next_indices(r.data.batch_size)
     prompts = [s.train_data.prompts[i] for i in rows]
     with timer("generate"):
         ro = s.generate([s.train_data.ids[i] for i in rows])
@@ -83,7 +83,7 @@ def train_step(s: Session, step: int) -> dict[str, Any]:
 def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards for each completion; failed samples (None) get the group mean so they push no gradient."""
     texts = [p.text for p in prompts for _ in range(n)]
-    rows = [p.row for p in prompts for _ in range(n)]
+    rows = [p.sample for p in prompts for _ in range(n)]
     res = s.rewards.score(texts, ro.texts, rows)
     values = torch.tensor([float("nan") if v is None else v for v in res.scores], dtype=torch.float32).view(-1, n)
     group_mean = torch.nanmean(values, dim=1, keepdim=True).nan_to_num(0.0)
@@ -115,10 +115,10 @@ def evaluate(s: Session, step: int) -> dict[str, float]:
     prompts, ids = s.val_data.prompts[:k], s.val_data.ids[:k]
     start = time.perf_counter()
     ro = s.generate(ids, greedy=True)
-    res = s.rewards.score([p.text for p in prompts], ro.texts, [p.row for p in prompts])
+    res = s.rewards.score([p.text for p in prompts], ro.texts, [p.sample for p in prompts])
     first = next(iter(res.terms.values())) if res.terms else res.scores
     out = {"eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),
-           "eval_format": sum(format_reward(p.text, t, p.row) for p, t in zip(prompts, ro.texts, strict=True)) / max(k, 1),
+           "eval_format": sum(format_reward(p.text, t, p.sample) for p, t in zip(prompts, ro.texts, strict=True)) / max(k, 1),
            "eval_reward": sum(v for v in res.scores if v is not None) / max(k, 1), "eval_samples": float(k)}
     s.metrics.write({"kind": "eval", "step": step, **out, "time_eval": time.perf_counter() - start})
     return out

@@ -50,7 +50,7 @@ class Session:
         self.train_data = self._encode(load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train")
         self.val_data = (self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
                          if r.data.val is not None else None)
-        self.sampler = PromptSampler(len(self.train_data.prompts), seed=r.run.seed, shuffle=r.data.shuffle)
+        self.sampler = PromptSampler(self.train_data.prompts, seed=r.run.seed, shuffle=r.data.shuffle)
         self.rewards = RewardPool(r.reward).__enter__()
         self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps)
         self._start_workers()
