@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "as_bool_mask",
     "dynamic_sampling_filter",
     "expand_to_tokens",
     "gae",
@@ -44,18 +45,19 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 
 
-def _bool_mask(mask: Tensor) -> Tensor:
+def as_bool_mask(mask: Tensor) -> Tensor:
+    """A 0/1 mask (bool, int or float) as bool."""
     return mask if mask.dtype == torch.bool else mask != 0
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of ``x`` where ``mask`` is set (over everything, or along ``dim``); padding values are ignored."""
-    kept = torch.where(_bool_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    kept = torch.where(as_bool_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return kept.sum() if dim is None else kept.sum(dim)
 
 
 def _count(mask: Tensor, dim: int | None, dtype: torch.dtype) -> Tensor:
-    m = _bool_mask(mask).to(dtype)
+    m = as_bool_mask(mask).to(dtype)
     return m.sum() if dim is None else m.sum(dim)
 
 
@@ -88,15 +90,17 @@ def masked_whiten(x_bt: Tensor, mask_bt: Tensor, *, shift_mean: bool = True, eps
     whitened = (x_bt - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(_bool_mask(mask_bt), whitened, torch.zeros_like(whitened))
+    return torch.where(as_bool_mask(mask_bt), whitened, torch.zeros_like(whitened))
 
 
 def expand_to_tokens(adv_b: Tensor, mask_bt: Tensor) -> Tensor:
     """Broadcast one value per sequence over its valid tokens: ``[b] -> [b, t]``, 0 on padding."""
     if adv_b.dim() != 1 or mask_bt.dim() != 2 or adv_b.shape[0] != mask_bt.shape[0]:
-        raise ValueError(f"expected adv_b [b] and mask_bt [b, t], got {tuple(adv_b.shape)}, {tuple(mask_bt.shape)}")
+        raise ValueError(
+            f"expected adv_b [b] and mask_bt [b, t], got {tuple(adv_b.shape)}, {tuple(mask_bt.shape)}"
+        )
     full = adv_b.unsqueeze(1).expand(mask_bt.shape)
-    return torch.where(_bool_mask(mask_bt), full, torch.zeros_like(full))
+    return torch.where(as_bool_mask(mask_bt), full, torch.zeros_like(full))
 
 
 def outcome_to_token_rewards(rewards_b: Tensor, mask_bt: Tensor) -> Tensor:
@@ -106,7 +110,7 @@ def outcome_to_token_rewards(rewards_b: Tensor, mask_bt: Tensor) -> Tensor:
     """
     if rewards_b.dim() != 1 or mask_bt.dim() != 2 or rewards_b.shape[0] != mask_bt.shape[0]:
         raise ValueError(f"expected [b] and [b, t], got {tuple(rewards_b.shape)}, {tuple(mask_bt.shape)}")
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     t = mask.shape[1]
     last_t = t - 1 - mask.flip(1).to(torch.int8).argmax(dim=1)  # index of the last True per row
     out = torch.zeros(mask.shape, dtype=rewards_b.dtype, device=rewards_b.device)
@@ -137,7 +141,9 @@ def _all_equal_g(rewards_gn: Tensor) -> Tensor:
     return rewards_gn.amax(dim=1) == rewards_gn.amin(dim=1)
 
 
-def grpo_advantages(rewards_b: Tensor, group_size: int, *, norm_std: bool = True, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(
+    rewards_b: Tensor, group_size: int, *, norm_std: bool = True, eps: float = 1e-6
+) -> Tensor:
     """GRPO outcome advantage: ``(r - mean_group) / (std_group + eps)``, one value per sequence ``[b]``.
 
     * ``std`` is the *unbiased* (Bessel, ``n - 1``) group standard deviation, as ``torch.std`` in verl and
@@ -208,7 +214,7 @@ def gae(
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     if not rewards_bt.shape == values_bt.shape == mask_bt.shape or rewards_bt.dim() != 2:
         raise ValueError("rewards_bt, values_bt and mask_bt must share one [b, t] shape")
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     zero = torch.zeros((), dtype=values_bt.dtype, device=values_bt.device)
     rewards = torch.where(mask, rewards_bt, zero)
     values = torch.where(mask, values_bt, zero)

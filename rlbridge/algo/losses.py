@@ -18,11 +18,18 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlbridge.algo.advantages import _bool_mask, masked_mean, masked_sum, masked_var, outcome_to_token_rewards
+from rlbridge.algo.advantages import (
+    as_bool_mask,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    outcome_to_token_rewards,
+)
 
 __all__ = [
     "AggMode",
     "KLKind",
+    "RatioLevel",
     "aggregate",
     "entropy_bonus",
     "entropy_from_logits",
@@ -77,7 +84,9 @@ def kl_estimate(logp_bt: Tensor, ref_logp_bt: Tensor, kind: KLKind) -> Tensor:
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3, low_var_kl")
 
 
-def aggregate(loss_bt: Tensor, mask_bt: Tensor, mode: AggMode, *, norm_constant: float | None = None) -> Tensor:
+def aggregate(
+    loss_bt: Tensor, mask_bt: Tensor, mode: AggMode, *, norm_constant: float | None = None
+) -> Tensor:
     """Reduce a per-token loss ``[b, t]`` to a scalar.
 
     * ``token-mean``: sum over all valid tokens / number of valid tokens.
@@ -92,7 +101,7 @@ def aggregate(loss_bt: Tensor, mask_bt: Tensor, mode: AggMode, *, norm_constant:
     """
     if norm_constant is not None and mode != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_constant only applies to seq-mean-token-sum-norm, not {mode!r}")
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     if mode == "token-mean":
         return masked_mean(loss_bt, mask)
     seq_mask_b = mask.any(dim=1)
@@ -161,7 +170,7 @@ def policy_loss(
     of the ratio used in the loss.
     """
     _check_clip(clip_low, clip_high, dual_clip)
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     logp, old_logp, adv = _zero_pad(logp_bt, mask), _zero_pad(old_logp_bt, mask), _zero_pad(adv_bt, mask)
     ratio = torch.exp(_log_ratio(logp, old_logp, mask, level))
     loss_unclipped = -adv * ratio
@@ -245,7 +254,7 @@ def value_loss(
     """
     if clip is not None and clip < 0:
         raise ValueError(f"value clip must be >= 0, got {clip}")
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     values, returns = _zero_pad(values_bt, mask), _zero_pad(returns_bt, mask)
     loss_bt = (values - returns) ** 2
     clip_active = torch.zeros_like(mask)
@@ -272,11 +281,13 @@ def kl_in_reward(
     token first).  Returns ``(token_rewards_bt, mean_kl)``: 0 on padding, and the token-mean of the
     KL estimate over valid tokens (before ``coef``).  Nothing here carries gradient.
     """
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     with torch.no_grad():
         token_rewards = outcome_to_token_rewards(rewards, mask) if rewards.dim() == 1 else rewards
         if token_rewards.shape != mask.shape:
-            raise ValueError(f"rewards must be [b] or [b, t] = {tuple(mask.shape)}, got {tuple(rewards.shape)}")
+            raise ValueError(
+                f"rewards must be [b] or [b, t] = {tuple(mask.shape)}, got {tuple(rewards.shape)}"
+            )
         kl_bt = _zero_pad(kl_estimate(_zero_pad(logp_bt, mask), _zero_pad(ref_logp_bt, mask), kind), mask)
         new_rewards = _zero_pad(token_rewards - coef * kl_bt, mask)
         return new_rewards, _item(masked_mean(kl_bt, mask))
@@ -310,7 +321,7 @@ def total_loss(
         raise ValueError("kl_coef != 0 needs ref_logp_bt")
     if entropy_coef != 0.0 and entropy_bt is None:
         raise ValueError("entropy_coef != 0 needs entropy_bt")
-    mask = _bool_mask(mask_bt)
+    mask = as_bool_mask(mask_bt)
     pg, metrics = policy_loss(
         logp_bt, old_logp_bt, adv_bt, mask, clip_low=clip_low, clip_high=clip_high,
         dual_clip=dual_clip, agg=agg, level=level,
