@@ -88,7 +88,7 @@ def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float
     `micro_scale` undoes a 1/num_micro_batches scaling the engine applies (pass num_micro_batches then).
     """
     total = _norm_count(inputs.mask_bt, algo.loss_agg).clamp(min=1).to(torch.float32)
-    level = "sequence" if algo.name == "gspo" else "token"
+    level: L.RatioLevel = "sequence" if algo.name == "gspo" else "token"
     kl_in_loss = algo.kl.where == "loss" and algo.kl.coef > 0
 
     def loss_fn(logp_bt: Tensor, entropy_bt: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
