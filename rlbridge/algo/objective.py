@@ -87,7 +87,7 @@ def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float
     agg(micro) * count(micro) / count(mini). Summed over micro-batches this equals agg(mini) exactly.
     `micro_scale` undoes a 1/num_micro_batches scaling the engine applies (pass num_micro_batches then).
     """
-    total = _norm_count(inputs.mask_bt, algo.loss_agg).clamp(min=1).to(torch.float32)
+    total = _norm_count(inputs.mask_bt, algo.loss_agg).clamp(min=1)
     level: L.RatioLevel = "sequence" if algo.name == "gspo" else "token"
     kl_in_loss = algo.kl.where == "loss" and algo.kl.coef > 0
 
@@ -104,7 +104,7 @@ def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float
         )  # fmt: skip
         if algo.loss_agg == "seq-mean-token-sum-norm":
             loss = loss * (mask.shape[1] / norm_constant)  # the constant is max_response_tokens, not the padded width
-        share = _norm_count(mask, algo.loss_agg).to(torch.float32) / total
+        share = _norm_count(mask, algo.loss_agg).to(logp_bt.dtype) / total.to(logp_bt.dtype)
         if inputs.rollout_logp_bt is not None:
             diff = (logp_bt.detach() - inputs.rollout_logp_bt[rows].to(logp_bt.device)).abs()
             valid = mask > 0
