@@ -1,0 +1,286 @@
+"""Run megatron-core and Megatron-Bridge where Transformer Engine (and possibly CUDA) is absent.
+
+megatron-core assumes CUDA and Megatron-Bridge assumes Transformer Engine (TE). On the CPU machines (CI, the
+pre-flight smoke run) and on GPUs without TE, `activate()` bridges the gap with the smallest set of changes
+that was verified to be enough (see ENVIRONMENT.md, "Megatron on CPU"):
+
+without CUDA only
+  * the CUDA device / RNG / stream functions megatron-core calls (`current_device`, `get_rng_state`,
+    `manual_seed`, `Stream`, `synchronize`, ...) are redirected to their CPU equivalents or made no-ops;
+  * inside `device_scope()` (the engine enters it around every call into megatron), a
+    `TorchFunctionMode` maps explicit CUDA devices (`device="cuda"`, `.cuda()`, `.to("cuda")`) to the
+    CPU, and reports CPU tensors under their CUDA type names so megatron's `param.type() ==
+    'torch.cuda.FloatTensor'` checks hold. It is scoped, so code outside the engine is unaffected;
+without TE (CPU or GPU)
+  * every megatron.core module is imported first, so each caches `HAVE_TE = False` while TE is truly
+    absent (megatron-core 0.19 otherwise asks the placeholder for a package version);
+  * then a placeholder `transformer_engine` package is registered while Megatron-Bridge is imported,
+    because it imports `transformer_engine.pytorch` unconditionally (peft/lora.py, peft/lora_layers.py);
+    the placeholder is unregistered right after, so later `import transformer_engine` (accelerate, peft,
+    vLLM probing for TE) fails as it should;
+  * `HAVE_TE = False` is set again in the Megatron-Bridge modules that read it (peft.utils,
+    peft.module_matcher and any loaded module probing `import transformer_engine`).
+
+With TE installed, nothing is changed. The layer-spec side of the story (local spec, fusions off) lives in
+provider.py, because it is a provider setting, not a library patch.
+
+Versions differ between machines (megatron-core 0.16.1 + Megatron-Bridge 0.3.1 here, 0.19.2 + 0.6.2 on the
+GPU machine): `versions()` reports them and `features()` derives the behaviours the engine branches on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import io
+import pkgutil
+import sys
+import types
+import warnings
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+_TE_NAMES = ("transformer_engine", "transformer_engine_torch")
+_state: dict[str, Any] = {"active": False, "te": None}
+
+
+# ------------------------------------------------------------------------------------------- versions
+@cache
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def have_transformer_engine() -> bool:
+    """Whether the real TE is installed (decided once, before any placeholder exists)."""
+    if _state["te"] is None:
+        _state["te"] = importlib.util.find_spec("transformer_engine") is not None
+    return bool(_state["te"])
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the Megatron stack (None: not installed)."""
+    return {
+        "torch": torch.__version__,
+        "megatron-core": _dist_version("megatron-core", "megatron_core"),
+        "megatron-bridge": _dist_version("megatron-bridge", "megatron_bridge"),
+        "mbridge": _dist_version("mbridge"),
+        "transformer-engine": _dist_version("transformer-engine", "transformer_engine")
+        if have_transformer_engine()
+        else None,
+    }
+
+
+def _as_tuple(version: str | None) -> tuple[int, ...]:
+    if not version:
+        return (0,)
+    parts: list[int] = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Features:
+    """Behaviours of the installed versions that the engine depends on."""
+
+    bridge_recompute_fix: bool
+    """Megatron-Bridge >= 0.3.0 makes the decoder input require grad inside PEFT.__call__ (recompute + LoRA)."""
+    bridge_base_layer_names: bool
+    """Unmerged export names base weights `...q_proj.base_layer.weight` (Megatron-Bridge 0.3.x)."""
+    mbridge_compatible: bool
+    """mbridge 0.15 needs `ModelType.encoder_and_decoder`, removed in megatron-core 0.19."""
+
+
+def features() -> Features:
+    v = versions()
+    bridge = _as_tuple(v["megatron-bridge"])
+    core = _as_tuple(v["megatron-core"])
+    return Features(
+        bridge_recompute_fix=bridge >= (0, 3, 0),
+        bridge_base_layer_names=bridge >= (0, 3, 0),
+        mbridge_compatible=v["mbridge"] is not None and core < (0, 19, 0),
+    )
+
+
+# ------------------------------------------------------------------------------------- CPU redirection
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: CPU work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    """Maps explicit CUDA devices to the CPU; reports CPU tensor types under their CUDA names."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and "cuda" in str(device):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and "cuda" in str(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+def _redirect_cuda_to_cpu() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    cuda.random.get_rng_state = cuda.get_rng_state  # type: ignore[assignment]
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore[assignment]
+    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    cuda.current_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]
+    cuda.default_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def device_scope() -> contextlib.AbstractContextManager[Any]:
+    """Around any call into megatron: maps CUDA devices to the CPU in CPU mode; a no-op otherwise."""
+    if is_active() and cpu_mode():
+        return _CudaToCpu()
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------ TE placeholder
+class _PlaceholderMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder_class(name)
+
+
+def _placeholder_class(name: str) -> type:
+    return _PlaceholderMeta(name, (torch.nn.Module,), {"__module__": "transformer_engine"})
+
+
+class _PlaceholderModule(types.ModuleType):
+    """Any attribute is a fresh class no real module is an instance of, so `isinstance(m, te.X)` is False."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder_class(name)
+        setattr(self, name, value)
+        return value
+
+
+class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+        if fullname.split(".")[0] in _TE_NAMES:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        module = _PlaceholderModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+placeholder"  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        pass
+
+
+def _import_all_megatron_core() -> None:
+    import megatron.core
+
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for info in pkgutil.walk_packages(megatron.core.__path__, "megatron.core."):
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # optional extras (flask, nvidia modules) may be missing; that is fine
+                continue
+
+
+def _import_bridge_with_te_placeholder() -> None:
+    _import_all_megatron_core()
+    finder = _PlaceholderFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        import megatron.bridge  # noqa: F401  (imports peft and the model bridges against the placeholder)
+        import megatron.bridge.peft.canonical_lora
+        import megatron.bridge.peft.dora
+        import megatron.bridge.peft.lora
+        import megatron.bridge.peft.module_matcher
+        import megatron.bridge.peft.utils  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in _TE_NAMES]:
+            del sys.modules[name]  # modules that imported it keep their reference; new imports fail
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.bridge") and getattr(module, "HAVE_TE", None) is True:
+            module.HAVE_TE = False  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------------- activate
+def cpu_mode() -> bool:
+    """True when megatron runs on the CPU (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def activate() -> None:
+    """Make megatron-core / Megatron-Bridge usable here. Idempotent; a no-op when TE is installed."""
+    if _state["active"]:
+        return
+    _state["active"] = True
+    if have_transformer_engine():
+        return
+    on_cpu = cpu_mode()
+    warnings.warn(
+        "Transformer Engine is not installed: rlbridge activates its megatron compatibility layer "
+        f"({'CPU redirection of CUDA calls, ' if on_cpu else ''}TE placeholder, local layer specs). "
+        f"Versions: {versions()}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core  # noqa: F401
+
+        if on_cpu:
+            _redirect_cuda_to_cpu()
+        _import_bridge_with_te_placeholder()
+
+
+def is_active() -> bool:
+    """Whether the compatibility layer changed anything in this process."""
+    return bool(_state["active"]) and not have_transformer_engine()

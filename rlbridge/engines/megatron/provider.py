@@ -1,0 +1,261 @@
+"""Recipe -> Megatron-Bridge provider, DDP config, optimizer config and PEFT, through ONE mapping table.
+
+The bug class this module exists to prevent (USER_REPORTS A, R1): a recipe field that never reaches the
+provider or the DDP config, and nothing reports it (parallel sizes not passed to the bridge, recompute
+flags dropped, an fp32 grad-reduce flag lost, use_distributed_optimizer re-derived locally). Every
+construction-relevant recipe field is therefore one row of `TABLE`: (recipe dotted key, target attribute,
+converter). A field that sets nothing is listed in `NOT_IN_TABLE` with the reason. A unit test walks the
+schema and fails on a field that is in neither; another builds providers from non-default recipes and
+checks `target.attr == converter(recipe value)` for every row.
+
+Targets: `provider` (the GPTModelProvider), `ddp` (DistributedDataParallelConfig), `optim`
+(megatron-core OptimizerConfig), `peft` (the PEFT constructor arguments) and `run` (settings the engine
+itself reads). Without Transformer Engine the provider also gets the local
+layer spec and every fusion off (`BACKEND_NO_TE`): those are not recipe fields but facts of the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlbridge.model_info import resolve_model_path
+from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.targets import megatron_targets
+
+Converter = Callable[[Any, Recipe], Any]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+PEFT_CLASSES: dict[str, str] = {"lora": "LoRA", "dora": "DoRA", "canonical_lora": "CanonicalLoRA"}
+
+
+def _same(value: Any, recipe: Recipe) -> Any:
+    return value
+
+
+def _dtype(value: str, recipe: Recipe) -> torch.dtype:
+    return TORCH_DTYPES[value]
+
+
+def _is(name: str) -> Converter:
+    return lambda value, recipe: value == name
+
+
+def _recompute_granularity(value: str, recipe: Recipe) -> str | None:
+    return None if value == "none" else value
+
+
+def _clip(value: float | None, recipe: Recipe) -> float:
+    return 0.0 if value is None else float(value)  # megatron-core: clip_grad 0 means no clipping
+
+
+def _path(value: str, recipe: Recipe) -> str:
+    return str(resolve_model_path(value))
+
+
+def _lora_targets(value: list[str], recipe: Recipe) -> list[str]:
+    return megatron_targets(value, recipe.lora.type)
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    """Dotted recipe key, e.g. trainer.parallel.tensor."""
+    target: str
+    """`<object>.<attribute>` it sets: provider., ddp., optim., peft. or run."""
+    convert: Converter = _same
+
+
+TABLE: tuple[Row, ...] = (
+    Row("model.path", "provider.hf_model_id", _path),
+    Row("trainer.parallel.tensor", "provider.tensor_model_parallel_size"),
+    Row("trainer.parallel.pipeline", "provider.pipeline_model_parallel_size"),
+    Row("trainer.parallel.virtual_pipeline", "provider.virtual_pipeline_model_parallel_size"),
+    Row("trainer.parallel.context", "provider.context_parallel_size"),
+    Row("trainer.parallel.expert", "provider.expert_model_parallel_size"),
+    Row("trainer.parallel.expert_tensor", "provider.expert_tensor_parallel_size"),
+    Row("trainer.parallel.sequence_parallel", "provider.sequence_parallel"),
+    Row("trainer.recompute.granularity", "provider.recompute_granularity", _recompute_granularity),
+    Row("trainer.recompute.method", "provider.recompute_method"),
+    Row("trainer.recompute.num_layers", "provider.recompute_num_layers"),
+    Row("model.dtype", "provider.params_dtype", _dtype),
+    Row("model.dtype", "provider.pipeline_dtype", _dtype),
+    Row("model.dtype", "provider.bf16", _is("bfloat16")),
+    Row("model.dtype", "provider.fp16", _is("float16")),
+    Row("model.dtype", "optim.params_dtype", _dtype),
+    Row("model.dtype", "optim.bf16", _is("bfloat16")),
+    Row("model.dtype", "optim.fp16", _is("float16")),
+    Row("trainer.distributed_optimizer", "ddp.use_distributed_optimizer"),
+    Row("trainer.distributed_optimizer", "optim.use_distributed_optimizer"),
+    Row("trainer.grad_reduce_dtype", "ddp.grad_reduce_in_fp32", _is("float32")),
+    Row("trainer.micro_batch_size", "run.micro_batch_size"),
+    Row("trainer.logprob_chunk_size", "run.logprob_chunk_size"),
+    Row("trainer.optim.lr", "optim.lr"),
+    Row("trainer.optim.weight_decay", "optim.weight_decay"),
+    Row("trainer.optim.betas", "optim.adam_beta1", lambda v, r: v[0]),
+    Row("trainer.optim.betas", "optim.adam_beta2", lambda v, r: v[1]),
+    Row("trainer.optim.eps", "optim.adam_eps"),
+    Row("trainer.optim.clip_grad", "optim.clip_grad", _clip),
+    Row("lora.rank", "peft.dim"),
+    Row("lora.alpha", "peft.alpha"),
+    Row("lora.dropout", "peft.dropout"),
+    Row("lora.targets", "peft.target_modules", _lora_targets),
+)
+
+NOT_IN_TABLE: dict[str, str] = {
+    "trainer.engine": "selects this engine (megatron) or the hf engine; nothing to set on a provider",
+    "trainer.bridge": "selects the loader (AutoBridge or mbridge) that builds the provider",
+    "trainer.ppo_epochs": "loop-level: how often each step's rollouts are passed over",
+    "lora.type": "selects the PEFT class (PEFT_CLASSES) instead of setting a field; tested separately",
+    "trainer.optim.min_lr": "read at every step by lr_at, the schedule shared with the hf engine",
+    "trainer.optim.schedule": "read at every step by lr_at, the schedule shared with the hf engine",
+    "trainer.optim.warmup_steps": "read at every step by lr_at, the schedule shared with the hf engine",
+}
+
+# Without Transformer Engine: megatron-core's own modules, and no fused kernels (they need TE or apex).
+FUSIONS_OFF: tuple[str, ...] = (
+    "gradient_accumulation_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "cross_entropy_loss_fusion",
+)
+
+
+@dataclass
+class RunSettings:
+    """Recipe values the engine reads itself (not megatron configuration)."""
+
+    micro_batch_size: int = 1
+    logprob_chunk_size: int = 4
+
+
+@dataclass
+class PeftSettings:
+    """Constructor arguments of the Megatron-Bridge PEFT class."""
+
+    dim: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Built:
+    """Everything the table configures, for one rank."""
+
+    bridge: Any
+    provider: Any
+    ddp: Any
+    optim: Any
+    peft_settings: PeftSettings
+    run: RunSettings
+    peft: Any = None
+    """The PEFT object (None for full fine-tuning)."""
+
+    def target(self, name: str) -> Any:
+        return {
+            "provider": self.provider,
+            "ddp": self.ddp,
+            "optim": self.optim,
+            "peft": self.peft_settings,
+            "run": self.run,
+        }[name]
+
+
+def recipe_value(recipe: Recipe, key: str) -> Any:
+    value: Any = recipe
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def apply_table(built: Built, recipe: Recipe) -> None:
+    for row in TABLE:
+        obj_name, attr = row.target.split(".", 1)
+        obj = built.target(obj_name)
+        if not hasattr(obj, attr):
+            raise AttributeError(f"mapping table row {row.key} -> {row.target}: no such attribute")
+        setattr(obj, attr, row.convert(recipe_value(recipe, row.key), recipe))
+
+
+def local_layer_spec(config: Any) -> Any:
+    """megatron-core's local (non-TE) layer spec, following the provider's architecture flags."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=getattr(config, "num_moe_experts", None),
+        moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(config, "qk_layernorm", False),
+        normalization=getattr(config, "normalization", None),
+    )
+
+
+def apply_backend(provider: Any) -> None:
+    """Local layer spec and fusions off without Transformer Engine, CPU initialization on CPU, shape exchange
+    between pipeline stages."""
+    from rlbridge.engines.megatron import compat
+
+    if not compat.have_transformer_engine():
+        provider.transformer_layer_spec = local_layer_spec
+        for name in FUSIONS_OFF:
+            if hasattr(provider, name):
+                setattr(provider, name, False)
+    if compat.cpu_mode():
+        provider.use_cpu_initialization = True
+    # Micro-batches follow the hf engine's tensor_split convention (sizes may differ by one row): pipeline
+    # stages then exchange tensor shapes before each send.
+    provider.variable_seq_lengths = provider.pipeline_model_parallel_size > 1
+
+
+def make_peft(recipe: Recipe, settings: PeftSettings) -> Any:
+    """The Megatron-Bridge PEFT object for the recipe's lora section (None when lora.rank is 0)."""
+    if not recipe.lora.enabled:
+        return None
+    import megatron.bridge.peft.canonical_lora as canonical
+    import megatron.bridge.peft.dora as dora
+    import megatron.bridge.peft.lora as lora
+
+    classes = {"LoRA": lora.LoRA, "DoRA": dora.DoRA, "CanonicalLoRA": canonical.CanonicalLoRA}
+    cls = classes[PEFT_CLASSES[recipe.lora.type]]
+    return cls(
+        target_modules=list(settings.target_modules),
+        dim=settings.dim,
+        alpha=settings.alpha,
+        dropout=settings.dropout,
+    )
+
+
+def build(recipe: Recipe) -> Built:
+    """Bridge + configured provider + DDP/optimizer configs + PEFT. Not finalized, no model built yet."""
+    from rlbridge.engines.megatron import compat
+
+    compat.activate()
+    from megatron.bridge import AutoBridge
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    path = str(resolve_model_path(recipe.model.path))
+    bridge = AutoBridge.from_hf_pretrained(path, torch_dtype=TORCH_DTYPES[recipe.model.dtype])
+    provider = bridge.to_megatron_provider(load_weights=True)
+    built = Built(
+        bridge=bridge,
+        provider=provider,
+        ddp=DistributedDataParallelConfig(),
+        optim=OptimizerConfig(optimizer="adam"),
+        peft_settings=PeftSettings(),
+        run=RunSettings(),
+    )
+    apply_table(built, recipe)
+    apply_backend(provider)
+    built.peft = make_peft(recipe, built.peft_settings)
+    return built

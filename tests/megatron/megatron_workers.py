@@ -1,0 +1,244 @@
+"""Worker functions run on N gloo ranks by launcher.py; each returns plain data (tensors, floats, strings).
+
+HF-side references are computed by the tests themselves (in the pytest process), so a worker only reports
+what the megatron engine produced.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from rlbridge.batch import SeqBatch
+from rlbridge.recipe.schema import Recipe
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+def make_recipe(model_dir: str, **sections: Any) -> Recipe:
+    raw: dict[str, Any] = {
+        "name": "megatron-test",
+        "model": {"path": model_dir, "dtype": "float32"},
+        "trainer": {"engine": "megatron", "optim": {"lr": 1e-2, "clip_grad": None}},
+        "data": {"train": {"path": "unused.jsonl"}},
+        "run": {"seed": 3, "steps": 10},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return Recipe.model_validate(raw)
+
+
+def lora(rank: int = 4, alpha: float = 8.0, type_: str = "lora") -> dict[str, Any]:
+    return {"rank": rank, "alpha": alpha, "type": type_}
+
+
+def trainer(tp: int = 1, pp: int = 1, vpp: int | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "engine": "megatron",
+        "optim": {"lr": 1e-2, "clip_grad": None},
+        "parallel": {"tensor": tp, "pipeline": pp, "virtual_pipeline": vpp},
+        "logprob_chunk_size": 2,
+        **extra,
+    }
+
+
+def ragged_batch(seed: int = 0, rows: int = 5, vocab: int = 256) -> SeqBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i in range(rows):
+        p = int(torch.randint(2, 9, (1,), generator=g))
+        r = int(torch.randint(1, 7, (1,), generator=g)) if i != 1 else 6
+        prompts.append(torch.randint(1, vocab, (p,), generator=g).tolist())
+        responses.append(torch.randint(1, vocab, (r,), generator=g).tolist())
+    return SeqBatch.from_token_lists(prompts, responses, pad_id=0)
+
+
+def full_batch(seed: int = 1, rows: int = 2, seq: int = 16, vocab: int = 256) -> SeqBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    return SeqBatch.from_token_lists(ids[:, :1].tolist(), ids[:, 1:].tolist(), pad_id=0)
+
+
+def batch_dict(batch: SeqBatch) -> dict[str, Any]:
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "response_mask": batch.response_mask,
+        "prompt_width": batch.prompt_width,
+    }
+
+
+def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01) -> Any:
+    """A loss that reaches every adapter: -mean log-prob of response tokens - coef * mean entropy."""
+
+    def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        mask = batch.response_mask[rows]
+        n = mask.sum().clamp(min=1)
+        loss = -(logp * mask).sum() / n - entropy_coef * (entropy * mask).sum() / n
+        return loss, {"mean_logp": float((logp.detach() * mask).sum() / n)}
+
+    return loss_fn
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
+    """[b, S, vocab] logits gathered over TP, from the last pipeline stage, on every rank."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from rlbridge.engines.megatron import compat, forward
+
+    def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict]:
+        return output.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output).detach()}
+
+    with torch.no_grad(), compat.device_scope(), engine._mode(False):
+        mbs = forward.split_micro_batches(batch, 1)
+        results = forward.run_schedule(engine.model, mbs, stage, forward_only=True)
+        out = results[0]["logits"] if results else None
+        return forward.broadcast_from_last_stage(out)
+
+
+def _global_layer(engine: Any, chunk_index: int, local_index: int) -> int:
+    from megatron.core.utils import unwrap_model
+
+    chunk = unwrap_model(engine.model[chunk_index])
+    return int(chunk.decoder.layers[local_index].layer_number) - 1
+
+
+def set_adapters(engine: Any, seed: int = 11, scale: float = 0.05) -> None:
+    """Layout-independent adapter values: each full tensor (megatron TP=1 layout) is drawn from a generator
+    keyed by (global layer, module, in/out), then cut into this rank's TP shard."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in engine._trainable:
+        chunk_index = 0
+        local = name
+        if name.startswith("chunk"):
+            head, local = name.split(".", 1)
+            chunk_index = int(head[len("chunk") :])
+        parts = local.split(".")
+        layer = _global_layer(engine, chunk_index, int(parts[2]))
+        key = f"{seed}|{layer}|{'.'.join(parts[3:])}"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        split = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
+        dim = int(getattr(p, "partition_dim", 0))
+        shape = list(p.shape)
+        if split:
+            shape[dim] *= tp
+        full = torch.randn(shape, generator=g) * scale
+        if not split:
+            shard = full
+        elif "linear_fc1.adapter.linear_out" in local and dim == 0:  # gate/up halves, each cut by TP
+            shard = torch.cat([half.chunk(tp, 0)[rank] for half in full.chunk(2, 0)])
+        else:
+            shard = full.chunk(tp, dim)[rank]
+        with torch.no_grad():
+            p.copy_(shard.to(p.dtype))
+    engine.optimizer.reload_model_params()
+
+
+def grads_in_hf_names(engine: Any, batch: SeqBatch, num_micro_batches: int = 2) -> dict[str, torch.Tensor]:
+    """First-step adapter gradients, converted to HF/PEFT names and full shapes by the bridge's adapter
+    exporter (a pure re-arrangement, so it maps gradients as it maps weights)."""
+    grads = engine.gradients(batch, mean_logprob_loss(batch), num_micro_batches=num_micro_batches)
+    saved = {n: p.detach().clone() for n, p in engine._trainable}
+    with torch.no_grad():
+        for n, p in engine._trainable:
+            p.copy_(grads[n])
+    try:
+        out = engine.export_weights("adapter").tensors
+    finally:
+        with torch.no_grad():
+            for n, p in engine._trainable:
+                p.copy_(saved[n])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ workers
+def provider_rows(model_dir: str, recipes: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each recipe: every table row's (expected, actual), the PEFT object's fields, backend settings."""
+    from rlbridge.engines.megatron import provider as P
+
+    out: list[dict[str, Any]] = []
+    for raw in recipes:
+        recipe = make_recipe(model_dir, **raw)
+        built = P.build(recipe)
+        rows = []
+        for row in P.TABLE:
+            obj, attr = row.target.split(".", 1)
+            expected = row.convert(P.recipe_value(recipe, row.key), recipe)
+            actual = getattr(built.target(obj), attr)
+            rows.append(
+                {
+                    "key": row.key,
+                    "target": row.target,
+                    "expected": repr(expected),
+                    "actual": repr(actual),
+                    "equal": bool(expected == actual),
+                }
+            )
+        peft = built.peft
+        out.append(
+            {
+                "rows": rows,
+                "peft_class": type(peft).__name__ if peft is not None else None,
+                "peft_fields": {
+                    f: repr(getattr(peft, f)) for f in ("dim", "alpha", "dropout", "target_modules")
+                }
+                if peft
+                else {},
+                "peft_settings": {
+                    f: repr(getattr(built.peft_settings, f))
+                    for f in ("dim", "alpha", "dropout", "target_modules")
+                },
+                "fusions": {f: getattr(built.provider, f, None) for f in P.FUSIONS_OFF},
+                "layer_spec": getattr(built.provider.transformer_layer_spec, "__name__", ""),
+                "cpu_init": bool(built.provider.use_cpu_initialization),
+            }
+        )
+    return {"recipes": out}
+
+
+def tp1_lora_suite(qwen: str) -> dict[str, Any]:
+    """TP1/PP1 LoRA on the tiny Qwen2: logits, parameter sets, log-probs (ragged), reference log-probs,
+    first-step gradients (HF names), two training steps, merged + adapter export, logits after."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(), trainer=trainer()))
+    full = full_batch()
+    ragged = ragged_batch()
+    res: dict[str, Any] = {
+        "logits_init": full_logits(engine, full),
+        "batch_full": batch_dict(full),
+        "batch_ragged": batch_dict(ragged),
+    }
+    sets = engine.param_sets
+    res["sets"] = {
+        k: sorted(getattr(sets, k)) for k in ("at_wrap", "trainable", "optimizer", "grad_buffers", "adapters")
+    }
+    res["frozen_before"] = engine.frozen_fingerprint()
+    res["logprobs_init"] = engine.logprobs(ragged)
+    set_adapters(engine)
+    res["grads_hf"] = grads_in_hf_names(engine, ragged)
+    res["logprobs_adapters"] = engine.logprobs(ragged)
+    res["logprobs_reference"] = engine.logprobs(ragged, reference=True)
+    before = engine.trainable_state()
+    res["steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+    ]
+    after = engine.trainable_state()
+    res["changed"] = {n: bool(not torch.equal(before[n], after[n])) for n in before}
+    res["frozen_after"] = engine.frozen_fingerprint()
+    res["logprobs_trained"] = engine.logprobs(ragged)
+    res["logprobs_reference_trained"] = engine.logprobs(ragged, reference=True)
+    res["logits_trained"] = full_logits(engine, full)
+    res["merged"] = engine.export_weights("merged").tensors
+    adapter = engine.export_weights("adapter")
+    res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
+    return res
