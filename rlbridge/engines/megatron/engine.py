@@ -1,0 +1,294 @@
+"""The megatron trainer engine: megatron-core models through Megatron-Bridge (or mbridge), one rank each.
+
+The caller initializes torch.distributed (gloo on CPU, NCCL on GPUs) and hands every rank the same recipe;
+each data-parallel rank gets its own SeqBatch, tensor/pipeline ranks of one replica the same one. From
+there the engine owns the Megatron side:
+
+* parallel state (tp, pp, vpp, cp, ep, etp) and the provider come from one mapping table (provider.py);
+* PEFT (LoRA / DoRA / canonical LoRA) is applied before DDP and the optimizer, and the engine proves it:
+  trainable at wrap == optimizer == grad buffers == adapters (params.py), else it refuses to start;
+* the recompute-input fix is verified (and applied where a Megatron-Bridge version does not);
+* log-probs and the training pass go through megatron-core's pipeline schedule with vocab-parallel
+  log-softmax (forward.py); reference log-probs under LoRA come from the same model with its adapters
+  disabled, under full fine-tuning from a host copy of the initial weights (only when kl.coef > 0);
+* the update is megatron-core's optimizer (Adam, clipping, mixed precision) with the hf engine's LR
+  schedule; a step with a non-finite loss or gradient is skipped and names the tensors;
+* exports go through the bridge (export.py).
+
+Conventions shared with the hf engine: micro-batches are `tensor_split` row groups, the update follows the
+gradient of the mean of the micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`), log-probs are [b, R]
+float32 with 0 on padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbridge.batch import SeqBatch
+from rlbridge.engines.base import LossFn, WeightExport
+from rlbridge.engines.megatron import build as B
+from rlbridge.engines.megatron import compat, export, forward, params
+from rlbridge.engines.megatron import provider as P
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import Recipe
+
+
+class MegatronTrainEngine:
+    """TrainEngine for one rank of an initialized torch.distributed group. See the module docstring."""
+
+    LOSS_SCALED_BY_MICRO_BATCHES = True
+
+    def __init__(self, recipe: Recipe, *, total_steps: int | None = None) -> None:
+        from rlbridge.engines.hf import total_optimizer_steps
+
+        compat.activate()
+        B.check_backend(recipe)
+        self.recipe = recipe
+        self.lora = recipe.lora.enabled
+        self.total_steps = total_steps or total_optimizer_steps(recipe)
+        self.num_optimizer_steps = 0
+        with compat.device_scope():
+            self.built = P.build(recipe)
+            self._owns_parallel_state = B.init_parallel(self.built.provider, recipe.run.seed)
+            if recipe.trainer.bridge == "mbridge":
+                self.bundle = B.build_mbridge(self.built, recipe)
+            else:
+                self.bundle = B.build_megatron_bridge(self.built)
+            self.model: list[torch.nn.Module] = self.bundle.chunks
+            self.recompute_fix = B.ensure_recompute_input_fix(self.model)
+            self.optimizer = B.build_optimizer(self.built, self.model)
+            self.param_sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, self.lora)
+            params.check_param_sets(self.param_sets)
+            export.install_pp_duplicate_check()
+        self._trainable = params.trainable(self.model)
+        self._reference_weights: list[torch.Tensor] | None = None
+        if not self.lora and recipe.algorithm.kl.coef > 0:
+            self._reference_weights = [p.detach().to("cpu", copy=True) for _, p in self._trainable]
+        self._set_lr()
+
+    # --------------------------------------------------------------------------------- helpers
+    @property
+    def _seq_multiple(self) -> int:
+        provider = self.built.provider
+        return provider.tensor_model_parallel_size if provider.sequence_parallel else 1
+
+    def _set_lr(self) -> float:
+        from rlbridge.engines.hf import lr_at
+
+        lr = lr_at(self.recipe.trainer.optim, self.num_optimizer_steps, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    @contextlib.contextmanager
+    def _mode(self, training: bool) -> Iterator[None]:
+        was = [chunk.training for chunk in self.model]
+        for chunk in self.model:
+            chunk.train(training)
+        try:
+            yield
+        finally:
+            for chunk, mode in zip(self.model, was, strict=True):
+                chunk.train(mode)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[None]:
+        """The reference policy on the same model: adapters off (LoRA) or the initial weights swapped in."""
+        if self.lora:
+            with self.built.peft.disable_adapter(self.model):
+                yield
+            return
+        if self._reference_weights is None:
+            raise RlbridgeError(
+                "reference log-probs under full fine-tuning need a copy of the initial weights, kept only when "
+                "algorithm.kl.coef > 0; set it, or use LoRA (lora.rank > 0) whose reference is free"
+            )
+        current = [p.detach().to("cpu", copy=True) for _, p in self._trainable]
+        with torch.no_grad():
+            for (_, p), ref in zip(self._trainable, self._reference_weights, strict=True):
+                p.copy_(ref)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, p), now in zip(self._trainable, current, strict=True):
+                    p.copy_(now)
+
+    # ------------------------------------------------------------------------------- log-probs
+    @torch.no_grad()
+    def logprobs(self, batch: SeqBatch, *, reference: bool = False) -> torch.Tensor:
+        """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
+        rows per micro-batch, identical on every rank of the model-parallel group."""
+        chunk = self.built.run.logprob_chunk_size
+        num = -(-batch.size // chunk)
+        vocab = self.bundle.vocab_size
+
+        def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            logits, targets = forward.response_logits(output, mb)
+            logp, _ = forward.vocab_parallel_logprobs(logits, targets, vocab_size=vocab, with_entropy=False)
+            return output.new_zeros(()), {"logprobs": logp}
+
+        scope = self._reference() if reference else contextlib.nullcontext()
+        with compat.device_scope(), self._mode(False), scope:
+            mbs = forward.split_micro_batches(batch, num, seq_multiple=self._seq_multiple)
+            results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
+            out = torch.cat([r["logprobs"] for r in results]) if results else None
+            out = forward.broadcast_from_last_stage(out)
+        mask = batch.response_mask.to(out.device) > 0
+        return torch.where(mask, out.float(), torch.zeros((), dtype=torch.float32)).to(batch.input_ids.device)
+
+    # -------------------------------------------------------------------------------- training
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
+        """One optimizer step over `batch` in `num_micro_batches` row groups. Metrics: loss_fn's metrics
+        averaged over micro-batches, loss, grad_norm (before clipping), lr, skipped and, on a skipped step,
+        `nonfinite` (a list of names)."""
+        metrics = self._accumulate(batch, loss_fn, num_micro_batches)
+        with compat.device_scope():
+            metrics.update(self._apply_update(bad_loss=not _finite(metrics.get("loss", 0.0))))
+        return metrics
+
+    def gradients(
+        self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int
+    ) -> dict[str, torch.Tensor]:
+        """The accumulated (data-parallel averaged) gradient train_step would clip and apply, without
+        stepping: this rank's shards, under the names of trainable_state()."""
+        self._accumulate(batch, loss_fn, num_micro_batches)
+        grads = {}
+        for name, p in self._trainable:
+            g = params.main_grad(p)
+            grads[name] = g.detach().clone() if g is not None else torch.zeros_like(p)
+        self._zero_grads()
+        return grads
+
+    def _zero_grads(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()  # type: ignore[operator]
+        self.optimizer.zero_grad()
+
+    def _accumulate(self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int) -> dict[str, Any]:
+        vocab = self.bundle.vocab_size
+
+        def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            logits, targets = forward.response_logits(output, mb)
+            logp, entropy = forward.vocab_parallel_logprobs(
+                logits, targets, vocab_size=vocab, with_entropy=True
+            )
+            mask = batch.response_mask[mb.rows].to(logp.device) > 0
+            zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+            assert entropy is not None
+            loss, metrics = loss_fn(torch.where(mask, logp, zero), torch.where(mask, entropy, zero), mb.rows)
+            reduced = {k: float(v) for k, v in metrics.items()}
+            reduced["loss"] = float(loss.detach())
+            return loss.clone(), reduced  # the schedule divides the returned loss in place
+
+        with compat.device_scope(), self._mode(True):
+            self._zero_grads()
+            mbs = forward.split_micro_batches(batch, num_micro_batches, seq_multiple=self._seq_multiple)
+            results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
+            metrics = _mean(results) if results else None
+            return dict(forward.broadcast_from_last_stage(metrics))
+
+    def _apply_update(self, *, bad_loss: bool) -> dict[str, Any]:
+        """megatron-core's step split open: check for non-finite values first, then clip and step."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = bool(self.optimizer.prepare_grads())
+        norm = float(self.optimizer.get_grad_norm())
+        lr = self._set_lr()
+        if bad_loss or found_inf or not _finite(norm):
+            names = self._nonfinite_names()
+            self._zero_grads()
+            nonfinite = (["loss"] if bad_loss else []) + (names or ([] if bad_loss else ["grad_norm"]))
+            return {"grad_norm": norm, "lr": lr, "skipped": 1.0, "nonfinite": nonfinite}
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            sub_params = sub.get_parameters()
+            if sub.config.clip_grad > 0.0 and sub_params:
+                clip_grad_by_total_norm_fp32(sub_params, max_norm=sub.config.clip_grad, total_norm=norm)
+        self.optimizer.step_with_ready_grads()
+        self._zero_grads()
+        self.num_optimizer_steps += 1
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
+
+    def _nonfinite_names(self) -> list[str]:
+        """Trainable tensors with a non-finite gradient on any rank (collective over the world)."""
+        local = []
+        for name, p in self._trainable:
+            g = params.main_grad(p)
+            if g is not None and not bool(torch.isfinite(g).all()):
+                local.append(name)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sorted({n for names in gathered for n in names})
+
+    # ---------------------------------------------------------------------------------- export
+    def export_weights(self, kind: str) -> WeightExport:
+        """'merged': every HF weight (adapters folded in by the bridge), as save_pretrained names them (a tied
+        lm_head is left out). 'adapter': PEFT lora_A / lora_B and adapter_config.json content. Collective:
+        every rank of the model-parallel group must call it; every rank gets the full tensors."""
+        if self.recipe.lora.type == "dora" and self.lora:
+            raise RlbridgeError(
+                "exporting DoRA from the megatron engine is not supported: Megatron-Bridge's exporters ignore "
+                "DoRA's magnitude vector (the merge would be wrong); use lora.type lora or the hf engine"
+            )
+        with compat.device_scope():
+            if kind == "merged":
+                tensors = export.normalize_merged_names(
+                    self.bundle.export_merged(self.model), tied=self.bundle.tied
+                )
+                return WeightExport("merged", tensors)
+            if kind == "adapter":
+                if self.bundle.export_adapter is None:
+                    raise RlbridgeError(
+                        "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
+                    )
+                tensors = export.peft_adapter_names(self.bundle.export_adapter(self.model))
+                return WeightExport("adapter", tensors, export.peft_adapter_config(self.recipe))
+        raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
+
+    # ------------------------------------------------------------------------ state / fingerprints
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Copies of this rank's trainable tensors (adapters under LoRA), under Megatron names (local shards;
+        `chunk<i>.` prefixes with virtual pipeline stages)."""
+        return {n: p.detach().clone() for n, p in self._trainable}
+
+    def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        names = {n for n, _ in self._trainable}
+        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
+        if missing or extra:
+            raise RlbridgeError(
+                f"trainable state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        with torch.no_grad():
+            for n, p in self._trainable:
+                p.copy_(tensors[n])
+        self.optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
+
+    def frozen_fingerprint(self) -> dict[str, float]:
+        """sum |w| (float64) of every frozen tensor on this rank."""
+        return {
+            n: float(p.detach().abs().sum(dtype=torch.float64))
+            for n, p in params.named_parameters(self.model)
+            if not p.requires_grad
+        }
+
+    def close(self) -> None:
+        """Release the parallel state if this engine created it (another engine can then be built)."""
+        if self._owns_parallel_state:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            self._owns_parallel_state = False
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def _mean(items: list[dict[str, Any]]) -> dict[str, float]:
+    keys = {k for item in items for k in item}
+    return {k: sum(float(i[k]) for i in items if k in i) / sum(1 for i in items if k in i) for k in keys}

@@ -1,0 +1,139 @@
+"""Megatron model -> HF-named weights (merged) or a PEFT adapter, through Megatron-Bridge's exporters.
+
+The bridge does the hard part (gathering TP shards, moving tensors across pipeline stages, splitting fused
+qkv / gate_up into HF projections, merging LoRA as base + (alpha / dim) * B @ A). This module adds what an
+RL trainer needs around it, each one a bug class from USER_REPORTS:
+
+* names: Megatron-Bridge 0.3.x names unmerged base weights `...q_proj.base_layer.weight`; a merged export
+  must carry plain HF names, so `.base_layer` is stripped and a collision is an error;
+* tied embeddings: a tied model exports `model.embed_tokens.weight` (and `lm_head.weight` only if identical);
+  an untied model must export both;
+* tensors replicated across pipeline stages: the bridge refuses any tensor found on two PP ranks ("Tensor
+  exists on more than one PP rank"), although some models legitimately replicate tensors. The patch below
+  accepts duplicates whose specs and values are identical on every owner and fails loudly otherwise;
+* adapters: PEFT names (`base_model.model.<hf name>.lora_A.weight`) and an adapter_config that
+  `peft.PeftModel.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.targets import hf_targets
+
+PEFT_PREFIX = "base_model.model."
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """Detached, and never sharing storage with a live parameter (on CPU the bridge's `.cpu()` is a no-op)."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def normalize_merged_names(items: Any, *, tied: bool) -> dict[str, torch.Tensor]:
+    """HF names without `.base_layer`; duplicates are an error; tied models drop an identical lm_head."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        clean = name.replace(".base_layer.", ".")
+        if clean in out:
+            raise ValueError(f"export produced {clean!r} twice (raw name {name!r})")
+        out[clean] = _own(tensor)
+    if tied and "lm_head.weight" in out:
+        if not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
+            raise ValueError("tied embeddings diverged: lm_head.weight != model.embed_tokens.weight")
+        del out["lm_head.weight"]
+    if not tied and "model.embed_tokens.weight" in out and "lm_head.weight" not in out:
+        raise ValueError("untied model exported no lm_head.weight")
+    return out
+
+
+def peft_adapter_config(recipe: Recipe) -> dict[str, Any]:
+    """adapter_config.json content for the recipe's LoRA (PEFT's field names)."""
+    lora = recipe.lora
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": recipe.model.path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": hf_targets(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_dora": lora.type == "dora",
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def peft_adapter_names(items: Any) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if ".lora_A." not in name and ".lora_B." not in name:
+            raise ValueError(f"unexpected adapter tensor {name!r} (expected lora_A / lora_B)")
+        out[PEFT_PREFIX + name] = _own(tensor)
+    return out
+
+
+# ------------------------------------------------------------------ pipeline-replicated tensors
+def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key: str | None = None) -> Any:
+    """Megatron-Bridge's broadcast_from_pp_rank, accepting owners that hold identical copies."""
+    if self.pp_size == 1:
+        return tensor
+    spec = None
+    if tensor is not None:
+        spec = (
+            tuple(tensor.shape),
+            tensor.dtype,
+            getattr(tensor, "tensor_model_parallel", None),
+            getattr(tensor, "partition_dim", None),
+        )
+    specs: list[Any] = [None] * self.pp_size
+    dist.all_gather_object(specs, spec, group=self.pp_group)
+    owners = [rank for rank, s in enumerate(specs) if s is not None]
+    if not owners:
+        raise ValueError("Object must exist on at least one PP rank")
+    first = specs[owners[0]]
+    if any(specs[r] != first for r in owners[1:]):
+        raise ValueError(
+            f"tensor {cache_key or '?'} exists on PP ranks {owners} with different specs: "
+            f"{[specs[r] for r in owners]}"
+        )
+    if tensor is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        tensor = torch.empty(first[0], dtype=first[1], device=device)
+        if first[2] is not None:
+            tensor.tensor_model_parallel = first[2]  # type: ignore[attr-defined]
+        if first[3] is not None:
+            tensor.partition_dim = first[3]  # type: ignore[attr-defined]
+    mine = tensor.detach().clone() if len(owners) > 1 and tensor is not None else None
+    src = dist.get_global_rank(self.pp_group, owners[0])
+    dist.broadcast(tensor, src=src, group=self.pp_group)
+    if len(owners) > 1:
+        differs = torch.zeros(1)
+        if dist.get_rank(self.pp_group) in owners and mine is not None:
+            differs[0] = float(not torch.equal(mine, tensor))
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.pp_group)
+        if differs.item():
+            raise ValueError(
+                f"tensor {cache_key or '?'} is replicated on PP ranks {owners} with different values"
+            )
+    return tensor
+
+
+def install_pp_duplicate_check() -> None:
+    """Replace MegatronParamMapping.broadcast_from_pp_rank (all Megatron-Bridge versions seen refuse
+    duplicates outright). Idempotent."""
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    if getattr(cls.broadcast_from_pp_rank, "_rlbridge", False):
+        return
+    _broadcast_from_pp_owners._rlbridge = True  # type: ignore[attr-defined]
+    cls.broadcast_from_pp_rank = _broadcast_from_pp_owners

@@ -1,0 +1,161 @@
+"""SeqBatch -> megatron-core's pipeline schedule -> per-token log-probs and entropies of the responses.
+
+What this module simplifies: the engine's two passes (log-probs without gradients, and the training pass)
+are the same walk through megatron-core's `get_forward_backward_func` schedule, which works for every
+layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
+
+* the attention mask is explicit (causal AND key-is-real-token), because megatron's default causal mask is
+  built on CUDA and knows nothing of left padding;
+* RoPE in megatron-core uses positions 0..S-1 of the padded row, not `SeqBatch.position_ids`. Rotary
+  attention scores depend only on q - k distances and pad keys are masked, so the result equals the
+  HF computation with positions counted from the first real token (checked in the tests);
+* log-softmax runs over the tensor-parallel vocab shard with megatron's TP reductions, so the full
+  [b, t, vocab] logits are never gathered. (megatron's fused `vocab_parallel_cross_entropy` is not used:
+  it overwrites float32 logits in place, which rules out also computing the entropy from them.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbridge.batch import SeqBatch
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    """[m, S] tokens (S may include right padding added for sequence parallelism)."""
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    """[m, 1, S, S] bool, True where attention is NOT allowed (megatron's convention)."""
+    rows: torch.Tensor
+    """[m] indices of these rows in the batch handed to the engine."""
+    prompt_width: int
+    response_width: int
+
+
+def attention_mask(valid_bs: torch.Tensor) -> torch.Tensor:
+    """[b, S] 0/1 -> [b, 1, S, S] bool: mask future keys and padding keys."""
+    seq = valid_bs.shape[1]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=valid_bs.device).triu(diagonal=1)
+    return future[None, None] | ~valid_bs.bool()[:, None, None, :]
+
+
+def split_micro_batches(batch: SeqBatch, num: int, *, seq_multiple: int = 1) -> list[MicroBatch]:
+    """`num` row groups whose sizes differ by at most one (torch.tensor_split, as the hf engine); the
+    sequence is right-padded (masked) to a multiple of `seq_multiple` for sequence parallelism."""
+    if not 1 <= num <= batch.size:
+        raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num}")
+    ids, valid, pos = batch.input_ids, batch.attention_mask, batch.position_ids
+    extra = (-ids.shape[1]) % seq_multiple
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra))
+        valid = torch.nn.functional.pad(valid, (0, extra))
+        pos = torch.nn.functional.pad(pos, (0, extra))
+    return [
+        MicroBatch(
+            input_ids=ids[rows],
+            position_ids=pos[rows],
+            attention_mask=attention_mask(valid[rows]),
+            rows=rows,
+            prompt_width=batch.prompt_width,
+            response_width=batch.response_width,
+        )
+        for rows in torch.arange(batch.size).tensor_split(num)
+    ]
+
+
+# ------------------------------------------------------------------------------ vocab-parallel math
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` and entropies from logits sharded over the TP vocab: [b, t, v/tp] -> [b, t].
+
+    Differentiable; the full vocabulary is never materialized on one rank. Columns past `vocab_size`
+    (megatron's vocab padding) are excluded.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    v_local = logits.shape[-1]
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    start = tp_rank * v_local
+    if start + v_local > vocab_size:  # padded vocabulary columns never win
+        pad_cols = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(pad_cols, float("-inf"))
+    with torch.no_grad():
+        max_bt = logits.max(dim=-1).values
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(max_bt, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - max_bt.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = tp_sum(exp.sum(dim=-1))
+    local = targets - start
+    in_shard = (local >= 0) & (local < v_local)
+    picked = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = tp_sum(torch.where(in_shard, picked, torch.zeros_like(picked)))
+    log_z = sum_exp.log()
+    logprobs = target_logit - log_z
+    if not with_entropy:
+        return logprobs, None
+    finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
+    expected_logit = tp_sum((exp * finite).sum(dim=-1)) / sum_exp
+    return logprobs, log_z - expected_logit
+
+
+def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits that predict the response tokens ([m, R, v/tp]) and those tokens ([m, R])."""
+    p, r = mb.prompt_width, mb.response_width
+    return output[:, p - 1 : p + r - 1], mb.input_ids[:, p : p + r]
+
+
+# --------------------------------------------------------------------------------------- schedule
+# A per-micro-batch closure on the last pipeline stage: (logits, micro-batch) -> (loss, reduced dict).
+StageLoss = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def run_schedule(
+    model: list[torch.nn.Module],
+    micro_batches: list[MicroBatch],
+    stage_loss: StageLoss,
+    *,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """One pass of megatron-core's schedule; returns the stage_loss dicts (last pipeline stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module) -> Any:
+        mb = next(data_iterator)
+        output = chunk(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+        return output, lambda out: stage_loss(out, mb)
+
+    iterators: Any = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
+    first = micro_batches[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro_batches),
+        seq_length=first.input_ids.shape[1],
+        micro_batch_size=first.input_ids.shape[0],  # shapes are exchanged per send when they vary
+        forward_only=forward_only,
+    )
+
+
+def broadcast_from_last_stage(value: Any) -> Any:
+    """Every pipeline stage gets the last stage's Python object (tensors included)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0]
