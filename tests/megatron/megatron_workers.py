@@ -242,3 +242,81 @@ def tp1_lora_suite(qwen: str) -> dict[str, Any]:
     adapter = engine.export_weights("adapter")
     res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
     return res
+
+
+def recompute_suite(qwen: str) -> dict[str, Any]:
+    """LoRA first-step gradients without recompute, with full recompute (uniform and block), and with the
+    recompute-input fix removed (to show the test would catch the bug)."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    batch = ragged_batch()
+    loss = mean_logprob_loss(batch)
+    out: dict[str, Any] = {}
+    start: dict[str, torch.Tensor] = {}
+    runs = {
+        "plain": {"granularity": "none"},
+        "uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
+        "block": {"granularity": "full", "method": "block", "num_layers": 4},
+        "unfixed": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    }
+    for label, recompute in runs.items():
+        engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(), trainer=trainer(recompute=recompute)))
+        if not start:
+            set_adapters(engine)
+            start = engine.trainable_state()
+        engine.load_trainable_state(start)
+        out[f"{label}_fix"] = engine.recompute_fix
+        if label == "unfixed":
+            from megatron.core.transformer.transformer_block import TransformerBlock
+
+            for chunk in engine.model:
+                for module in chunk.modules():
+                    if isinstance(module, TransformerBlock):
+                        module.__dict__.pop("forward", None)
+        out[label] = engine.gradients(batch, loss, num_micro_batches=2)
+        engine.close()
+    return out
+
+
+def tied_llama_suite(llama: str) -> dict[str, Any]:
+    """Tied embeddings (Llama): LoRA at TP1 (export names, logits), then full fine-tuning with a reference
+    copy (kl.coef > 0): train, merged export, reference log-probs."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    full, ragged = full_batch(), ragged_batch()
+    res: dict[str, Any] = {"batch_full": batch_dict(full), "batch_ragged": batch_dict(ragged)}
+    engine = MegatronTrainEngine(make_recipe(llama, lora=lora(), trainer=trainer()))
+    res["lora_logits_init"] = full_logits(engine, full)
+    set_adapters(engine)
+    engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
+    res["lora_logits"] = full_logits(engine, full)
+    res["lora_merged"] = engine.export_weights("merged").tensors
+    engine.close()
+    recipe = make_recipe(
+        llama, trainer=trainer(optim={"lr": 1e-3, "clip_grad": 1.0}), algorithm={"name": "grpo", "kl": {"coef": 0.01}}
+    )
+    engine = MegatronTrainEngine(recipe)
+    res["full_sets"] = {k: len(getattr(engine.param_sets, k)) for k in ("trainable", "optimizer", "grad_buffers", "adapters")}
+    res["full_frozen"] = engine.frozen_fingerprint()
+    res["full_steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=3) for _ in range(2)]
+    res["full_logits"] = full_logits(engine, full)
+    res["full_merged"] = engine.export_weights("merged").tensors
+    res["full_reference"] = engine.logprobs(ragged, reference=True)
+    res["full_logprobs"] = engine.logprobs(ragged)
+    engine.close()
+    return res
+
+
+def mbridge_suite(qwen: str) -> dict[str, Any]:
+    """trainer.bridge=mbridge, full fine-tuning at TP1: logits, a step, merged export."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    full, ragged = full_batch(), ragged_batch()
+    engine = MegatronTrainEngine(make_recipe(qwen, trainer=trainer(bridge="mbridge", optim={"lr": 1e-3, "clip_grad": 1.0})))
+    res: dict[str, Any] = {"batch_full": batch_dict(full), "logits_init": full_logits(engine, full)}
+    res["sets"] = {k: len(getattr(engine.param_sets, k)) for k in ("at_wrap", "trainable", "optimizer", "grad_buffers", "adapters")}
+    res["steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)]
+    res["logits"] = full_logits(engine, full)
+    res["merged"] = engine.export_weights("merged").tensors
+    engine.close()
+    return res

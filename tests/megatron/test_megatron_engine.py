@@ -80,3 +80,66 @@ def test_adapter_export_loads_in_peft(tp1: dict[str, Any], tiny_dirs: dict[str, 
     model = peft_model(tiny_dirs["qwen2"], tp1["adapter"], tp1["adapter_config"], tmp_path / "adapter")
     batch = seq_batch(tp1["batch_full"])
     assert rel(logits(model, batch), tp1["logits_trained"]) < 1e-4
+
+
+# ----------------------------------------------------------------------------------- recompute
+@pytest.fixture(scope="module")
+def recompute(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
+    return run_workers("recompute_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+
+
+@pytest.mark.parametrize("label", ["uniform", "block"])
+def test_full_recompute_keeps_lora_gradients(recompute: dict[str, Any], label: str) -> None:
+    """PP=1, frozen base, full recompute: adapter gradients non-zero and equal to the run without recompute
+    (recompute replays the same float32 ops: rel. error < 1e-6 per tensor; bitwise equal here)."""
+    assert recompute[f"{label}_fix"]
+    plain, got = recompute["plain"], recompute[label]
+    assert set(got) == set(plain) and len(got) == 32
+    for name, grad in got.items():
+        assert float(grad.abs().sum()) > 0, name
+        assert rel(grad, plain[name]) < 1e-6, name
+
+
+def test_without_the_recompute_fix_adapters_get_no_gradient(recompute: dict[str, Any]) -> None:
+    """The failure the fix prevents (USER_REPORTS B, verl#4514): shows the test above can fail."""
+    assert all(float(g.abs().sum()) == 0 for g in recompute["unfixed"].values())
+
+
+# ------------------------------------------------------------------------------ tied embeddings
+@pytest.fixture(scope="module")
+def tied(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
+    return run_workers("tied_llama_suite", 1, llama=tiny_dirs["llama"])[0]
+
+
+def test_tied_lora_export(tied: dict[str, Any], tiny_dirs: dict[str, str]) -> None:
+    hf = load_hf(tiny_dirs["llama"])
+    batch = seq_batch(tied["batch_full"])
+    assert rel(tied["lora_logits_init"], logits(hf, batch)) < 1e-5
+    assert set(hf.state_dict()) - set(tied["lora_merged"]) == {"lm_head.weight"}  # as save_pretrained writes it
+    merged = load_hf(tiny_dirs["llama"], state=tied["lora_merged"])
+    assert rel(logits(merged, batch), tied["lora_logits"]) < 1e-4
+
+
+def test_full_finetuning_with_reference_copy(tied: dict[str, Any], tiny_dirs: dict[str, str]) -> None:
+    sets = tied["full_sets"]
+    assert sets["trainable"] == sets["optimizer"] == sets["grad_buffers"] == sets["adapters"] > 0
+    assert tied["full_frozen"] == {}
+    assert all(s["skipped"] == 0.0 for s in tied["full_steps"])
+    batch, ragged = seq_batch(tied["batch_full"]), seq_batch(tied["batch_ragged"])
+    merged = load_hf(tiny_dirs["llama"], state=tied["full_merged"])
+    assert rel(logits(merged, batch), tied["full_logits"]) < 1e-4
+    base = response_logprobs_f64(load_hf(tiny_dirs["llama"]), ragged)
+    assert float((tied["full_reference"].double() - base).abs().max()) < 1e-4
+    assert float((tied["full_logprobs"].double() - base).abs().max()) > 1e-2
+
+
+# --------------------------------------------------------------------------------------- mbridge
+def test_mbridge_full_finetuning(tiny_dirs: dict[str, str], run_workers: Any) -> None:
+    res = run_workers("mbridge_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+    batch = seq_batch(res["batch_full"])
+    assert rel(res["logits_init"], logits(load_hf(tiny_dirs["qwen2"]), batch)) < 1e-5
+    sets = res["sets"]
+    assert sets["at_wrap"] == sets["trainable"] == sets["optimizer"] == sets["grad_buffers"] == sets["adapters"]
+    assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in res["steps"])
+    merged = load_hf(tiny_dirs["qwen2"], state=res["merged"])
+    assert rel(logits(merged, batch), res["logits"]) < 1e-4
