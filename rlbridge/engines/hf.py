@@ -1,0 +1,417 @@
+"""The hf trainer engine: transformers + peft behind the TrainEngine protocol, for one CPU or GPU process.
+
+What it takes care of, so the loop does not have to:
+- LoRA / DoRA through peft (canonical_lora is plain LoRA here: peft already puts one adapter per q/k/v and
+  gate/up projection), gradient checkpointing of whole decoder layers, non-reentrant, with the
+  recompute-input fix in force (under reentrant checkpointing adapters inside recomputed layers would
+  otherwise get no gradient).
+- Log-probs only where they are needed: the output layer runs on the R + 1 last positions only
+  (`logits_to_keep`), log-softmax is never materialized (`gather - logsumexp`), and entropy comes from the
+  same sliced logits without keeping a second [b, R, vocab] tensor for the backward pass. With a 49k
+  vocabulary that output layer dominates both time and memory.
+- Reference log-probs from the same model with adapters disabled under LoRA; under full fine-tuning a
+  frozen copy of the initial weights is kept, but only when algorithm.kl.coef > 0 (it doubles the weight
+  memory: one more copy of every parameter in model.dtype, e.g. 540 MB for SmolLM2-135M in float32).
+- A step that sees a non-finite loss or gradient is skipped (weights, optimizer and schedule untouched)
+  and names the offending tensors.
+- Merged export folds adapters into a copy of the weights in float32 (the live model is never merged);
+  adapter export is exactly what peft's save_pretrained writes.
+
+Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes and backpropagates
+`loss_fn(...) / num_micro_batches` for each, so the update follows the gradient of the *mean* of the
+micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure whose micro-batch losses already sum to
+the mini-batch loss multiplies by num_micro_batches (rlbridge.algo.objective does, with micro_scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from rlbridge.batch import SeqBatch
+from rlbridge.engines.base import LossFn, WeightExport
+from rlbridge.engines.weights import merge_lora
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import OptimCfg, Recipe
+from rlbridge.recipe.targets import hf_targets
+
+ADAPTER = "default"
+"""peft's adapter name inside the live model (it never appears in exported names)."""
+_OPTIM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+# ------------------------------------------------------------------------------------------ schedule
+def total_optimizer_steps(recipe: Recipe) -> int:
+    """Optimizer steps of a whole run: steps x mini-batches per step x PPO epochs."""
+    minis = max(1, recipe.data.batch_size // recipe.mini_batch_size)
+    return recipe.run.steps * minis * recipe.trainer.ppo_epochs
+
+
+def lr_at(optim: OptimCfg, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up to `lr` over warmup_steps (the
+    first step already uses lr / warmup_steps), then constant, or a cosine / linear decay that reaches
+    min_lr at `total_steps`."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+    return optim.min_lr + (optim.lr - optim.min_lr) * factor
+
+
+# ------------------------------------------------------------------------------- token statistics
+def response_logits(model: nn.Module, batch: SeqBatch) -> Tensor:
+    """[b, R, V] float32 logits that predict the response tokens: positions P-1 .. P+R-2. The output layer
+    only runs on the last R + 1 positions (the very last one is dropped)."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.response_width + 1,
+    )
+    return out.logits[:, :-1].float()
+
+
+def token_logprobs(logits_brv: Tensor, ids_br: Tensor) -> Tensor:
+    """log softmax(logits)[id] as `logit[id] - logsumexp(logits)`: no [b, R, V] log-softmax tensor."""
+    picked = logits_brv.gather(-1, ids_br.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits_brv, dim=-1)
+
+
+def token_entropy(logits_brv: Tensor) -> Tensor:
+    """Entropy `logsumexp(z) - sum(softmax(z) * z)` with one [b, R, V] temporary (the probabilities); the
+    product-sum is a batched matmul, so no second one."""
+    probs = torch.softmax(logits_brv, dim=-1)
+    expected = (probs.unsqueeze(-2) @ logits_brv.unsqueeze(-1)).reshape(probs.shape[:-1])
+    return torch.logsumexp(logits_brv, dim=-1) - expected
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
+def _masked(x_br: Tensor, mask_br: Tensor) -> Tensor:
+    return torch.where(mask_br > 0, x_br, torch.zeros((), dtype=x_br.dtype, device=x_br.device))
+
+
+# ------------------------------------------------------------------------------------------ engine
+class HFTrainEngine:
+    """TrainEngine over a transformers model (peft LoRA/DoRA when lora.rank > 0). See the module docstring."""
+
+    LOSS_SCALED_BY_MICRO_BATCHES = True
+    """train_step backpropagates loss_fn(...) / num_micro_batches (see the module docstring)."""
+
+    def __init__(
+        self, recipe: Recipe, model_dir: Path, *, device: str = "cpu", total_steps: int | None = None
+    ) -> None:
+        self.recipe = recipe
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.total_steps = total_steps or total_optimizer_steps(recipe)
+        self.num_optimizer_steps = 0
+        self.lora = recipe.lora.enabled
+        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=getattr(torch, recipe.model.dtype)
+        )
+        nn.Module.to(base, self.device)
+        self._reference: nn.Module | None = None
+        if not self.lora and recipe.algorithm.kl.coef > 0:
+            self._reference = copy.deepcopy(base).requires_grad_(False).eval()
+        self.hf_model = base
+        """The transformers model (with peft's layers injected under LoRA): HF parameter names."""
+        self._peft: PeftModel | None = self._apply_lora(base) if self.lora else None
+        self.model: nn.Module = self._peft if self._peft is not None else base
+        """What is called: the PeftModel under LoRA, else the transformers model."""
+        self._apply_recompute()
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        optim = recipe.trainer.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self._trainable],
+            lr=lr_at(optim, 0, self.total_steps),
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    # -------------------------------------------------------------------------------- set-up
+    def _apply_lora(self, base: PreTrainedModel) -> PeftModel:
+        cfg = self.recipe.lora
+        config = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft divides it by r as a float
+            lora_dropout=cfg.dropout,
+            target_modules=hf_targets(cfg.targets),
+            use_dora=cfg.type == "dora",
+            task_type="CAUSAL_LM",
+        )
+        with torch.random.fork_rng(devices=[]):  # adapter init from run.seed, global RNG untouched
+            torch.manual_seed(self.recipe.run.seed)
+            return get_peft_model(base, config, adapter_name=ADAPTER)
+
+    def _apply_recompute(self) -> None:
+        recompute = self.recipe.trainer.recompute
+        if recompute.granularity == "none":
+            return
+        if recompute.granularity == "selective":
+            warnings.warn(
+                "trainer.recompute.granularity=selective: the hf engine has no attention-only recompute; "
+                "it recomputes whole decoder layers (as for full)",
+                stacklevel=3,
+            )
+        if recompute.method is not None or recompute.num_layers is not None:
+            warnings.warn(
+                "trainer.recompute.method/num_layers are ignored by the hf engine (every layer is recomputed)",
+                stacklevel=3,
+            )
+        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing (torch's recommendation) propagates gradients to adapters inside a
+        # recomputed layer by itself; the recompute-input fix (the embedding output requires grad) is kept in
+        # force anyway, as reentrant checkpointing needs it. transformers 5 registers that hook inside
+        # gradient_checkpointing_enable; register it here if a version does not.
+        if self.lora and not self.input_grads_enabled():
+            self.hf_model.enable_input_require_grads()
+
+    def input_grads_enabled(self) -> bool:
+        """Whether the embedding output requires grad with a frozen embedding (the recompute-input fix)."""
+        embed = self.hf_model.get_input_embeddings()
+        with torch.enable_grad():
+            return bool(embed(torch.zeros(1, 1, dtype=torch.long, device=self.device)).requires_grad)
+
+    # ------------------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def logprobs(self, batch: SeqBatch, *, reference: bool = False) -> Tensor:
+        """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
+        rows per forward pass; returned on the batch's device."""
+        chunk = self.recipe.trainer.logprob_chunk_size
+        parts: list[Tensor] = []
+        with self._scoring_model(reference) as model:
+            model.eval()
+            for start in range(0, batch.size, chunk):
+                sub = batch.select(slice(start, start + chunk)).to(self.device)
+                logp = token_logprobs(response_logits(model, sub), sub.response_ids)
+                parts.append(_masked(logp, sub.response_mask))
+        return torch.cat(parts).to(batch.input_ids.device)
+
+    @contextlib.contextmanager
+    def _scoring_model(self, reference: bool) -> Iterator[nn.Module]:
+        if not reference:
+            yield self.model
+        elif self._peft is not None:
+            with self._peft.disable_adapter():
+                yield self._peft
+        elif self._reference is not None:
+            yield self._reference
+        else:
+            raise RlbridgeError(
+                "reference log-probs under full fine-tuning need a frozen copy of the initial weights, kept only "
+                "when algorithm.kl.coef > 0; set it, or use LoRA (lora.rank > 0) whose reference is free"
+            )
+
+    # ------------------------------------------------------------------------------ training
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
+        """One optimizer step over `batch` split into `num_micro_batches` row groups (sizes differ by at
+        most one). Metrics: loss_fn's metrics averaged over micro-batches, grad_norm (before clipping),
+        lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list of names)."""
+        metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
+        metrics.update(self._apply_update(bad_loss))
+        return metrics
+
+    def gradients(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Tensor]:
+        """The accumulated gradient train_step would clip and apply, without stepping (tests, diagnostics)."""
+        self._accumulate(batch, loss_fn, num_micro_batches)
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in self._trainable}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def _accumulate(
+        self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
+    ) -> tuple[dict[str, Any], bool]:
+        """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
+        if not 1 <= num_micro_batches <= batch.size:
+            raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        done = 0
+        for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
+            loss, metrics = self._micro_step(batch, rows, loss_fn)
+            if not bool(torch.isfinite(loss.detach())):
+                return {k: v / max(done, 1) for k, v in sums.items()}, True
+            (loss / num_micro_batches).backward()
+            done += 1
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return {k: v / done for k, v in sums.items()}, False
+
+    def _micro_step(self, batch: SeqBatch, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, dict[str, float]]:
+        sub = batch.select(rows).to(self.device)
+        logits = response_logits(self.model, sub)
+        logp = _masked(token_logprobs(logits, sub.response_ids), sub.response_mask)
+        if self.recipe.algorithm.entropy_coef > 0:
+            # recomputed in the backward pass: the probabilities are not kept alive next to the logits
+            entropy = checkpoint(token_entropy, logits, use_reentrant=False)
+        else:
+            with torch.no_grad():
+                entropy = token_entropy(logits)
+        return loss_fn(logp, _masked(entropy, sub.response_mask), rows)
+
+    def _apply_update(self, bad_loss: bool) -> dict[str, Any]:
+        """Check, clip, step; or skip and name what was not finite."""
+        lr = lr_at(self.recipe.trainer.optim, self.num_optimizer_steps, self.total_steps)
+        grads = [p.grad for _, p in self._trainable if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if bad_loss or not bool(torch.isfinite(norm)):
+            names = [
+                n for n, p in self._trainable if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
+            self.optimizer.zero_grad(set_to_none=True)
+            nonfinite = (["loss"] if bad_loss else []) + (names or ([] if bad_loss else ["grad_norm"]))
+            return {"grad_norm": float(norm), "lr": lr, "skipped": 1.0, "nonfinite": nonfinite}
+        clip = self.recipe.trainer.optim.clip_grad
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in self._trainable], clip, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_optimizer_steps += 1
+        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0}
+
+    # ---------------------------------------------------------------------------- export
+    def export_weights(self, kind: str) -> WeightExport:
+        """'merged': every weight under the HF model's own names (as save_pretrained writes them; a tied
+        lm_head is left out), adapters folded in float32 and cast to model.dtype. Unchanged tensors share
+        storage with the live model: write them out before the next train_step. 'adapter': peft's
+        lora_A / lora_B tensors (copies) and adapter_config.json content."""
+        if kind == "merged":
+            return WeightExport("merged", self._merged_state())
+        if kind == "adapter":
+            if self._peft is None:
+                raise RlbridgeError(
+                    "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
+                )
+            tensors = get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
+            copies = {k: v.detach().clone() for k, v in tensors.items()}
+            return WeightExport("adapter", copies, self._adapter_config())
+        raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
+
+    def _merged_state(self) -> dict[str, Tensor]:
+        merged = self._merged_lora_weights() if self.lora else {}
+        state: dict[str, Tensor] = {}
+        for key, tensor in self.hf_model.state_dict().items():
+            if ".lora_" in key:  # lora_A / lora_B / lora_magnitude_vector / lora_embedding_*
+                continue
+            name = key.replace(".base_layer.", ".")
+            state[name] = merged.get(name, tensor)
+        state = remove_tied_weights_from_state_dict(state, self.hf_model)
+        return revert_weight_conversion(self.hf_model, state)
+
+    def _merged_lora_weights(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name, module in self.hf_model.named_modules():
+            if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+                continue
+            base = module.get_base_layer()
+            if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear) or module.fan_in_fan_out:
+                raise RlbridgeError(
+                    f"merged export supports LoRA on nn.Linear layers only; {name} is {type(base).__name__}"
+                )
+            dora = module.use_dora[ADAPTER]
+            out[f"{name}.weight"] = merge_lora(
+                base.weight,
+                _weight(module.lora_A[ADAPTER]),
+                _weight(module.lora_B[ADAPTER]),
+                module.scaling[ADAPTER],
+                _weight(module.lora_magnitude_vector[ADAPTER]) if dora else None,
+            )
+        return out
+
+    def _adapter_config(self) -> dict[str, Any]:
+        """adapter_config.json as peft's save_pretrained writes it (inference_mode true, sets as lists)."""
+        assert self._peft is not None
+        config = copy.deepcopy(self._peft.peft_config[ADAPTER])
+        config.inference_mode = True
+        config.base_model_name_or_path = str(self.model_dir)
+        raw = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+        return dict(json.loads(json.dumps(raw)))
+
+    # ---------------------------------------------------------------------- state for checkpoints
+    def trainable_state(self) -> dict[str, Tensor]:
+        """Copies of the trainable tensors (adapters under LoRA), under the live model's parameter names."""
+        return {n: p.detach().clone() for n, p in self._trainable}
+
+    def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
+        names = {n for n, _ in self._trainable}
+        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
+        if missing or extra:
+            raise RlbridgeError(
+                f"trainable state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        with torch.no_grad():
+            for n, p in self._trainable:
+                p.copy_(tensors[n])
+
+    def frozen_fingerprint(self) -> dict[str, float]:
+        """sum |w| (float64) of every frozen tensor of the live model."""
+        return {
+            n: float(p.detach().abs().sum(dtype=torch.float64))
+            for n, p in self.model.named_parameters()
+            if not p.requires_grad
+        }
+
+    def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """AdamW state as named tensors (`<param>:step|exp_avg|exp_avg_sq`) and a JSON-able dict (schedule
+        position, hyper-parameters, the names with state). No pickle anywhere."""
+        tensors: dict[str, Tensor] = {}
+        names: list[str] = []
+        for n, p in self._trainable:
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            names.append(n)
+            for key in _OPTIM_STATE_KEYS:
+                tensors[f"{n}:{key}"] = state[key].detach().clone()
+        group = self.optimizer.param_groups[0]
+        meta = {
+            "format": "adamw-v1",
+            "names": names,
+            "scheduler": {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
+            "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+        }
+        return tensors, json.loads(json.dumps(meta))
+
+    def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        if meta.get("format") != "adamw-v1":
+            raise RlbridgeError(f"unknown optimizer state format {meta.get('format')!r}")
+        params = dict(self._trainable)
+        unknown = [n for n in meta["names"] if n not in params]
+        if unknown:
+            raise RlbridgeError(f"optimizer state for tensors the model does not train: {unknown[:3]}")
+        self.optimizer.state.clear()
+        for n in meta["names"]:
+            p = params[n]
+            state = {k: tensors[f"{n}:{k}"].clone() for k in _OPTIM_STATE_KEYS}
+            state["exp_avg"] = state["exp_avg"].to(p.device, p.dtype)
+            state["exp_avg_sq"] = state["exp_avg_sq"].to(p.device, p.dtype)
+            self.optimizer.state[p] = state
+        self.num_optimizer_steps = int(meta["scheduler"]["step"])  # total_steps stays the recipe's

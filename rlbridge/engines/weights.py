@@ -1,0 +1,128 @@
+"""Weight export helpers shared by the trainer engines: LoRA merge arithmetic and HF directories on disk.
+
+Both engines hand weights out as a `WeightExport` (HF parameter names); this module holds what does not
+depend on how the engine holds its model: folding a LoRA/DoRA adapter into its base weight in float32, and
+writing an export as a directory that transformers, peft and vLLM load (`save_hf`). Only torch, safetensors
+and the standard library are imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from rlbridge.engines.base import WeightExport
+
+MERGED_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json")
+
+
+def merge_lora(
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    magnitude: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`weight + scaling * B @ A` computed in float32 and cast back to `weight.dtype`.
+
+    weight [out, in], lora_a [r, in], lora_b [out, r]. With DoRA's `magnitude` [out], each output row of the
+    merged matrix is rescaled to that norm: `magnitude / ||W + sBA||_row * (W + sBA)` (what peft computes).
+    """
+    merged = weight.detach().float() + scaling * (lora_b.detach().float() @ lora_a.detach().float())
+    if magnitude is not None:
+        norm = torch.linalg.norm(merged, dim=1)
+        merged = (magnitude.detach().float() / norm).unsqueeze(1) * merged
+    return merged.to(weight.dtype)
+
+
+def save_hf(out_dir: str | Path, weights: WeightExport, *, base_dir: str | Path | None = None) -> Path:
+    """Write `weights` as a directory transformers / peft / vLLM load, and return it.
+
+    merged: config.json (its dtype set to the tensors' dtype), the tokenizer and other non-weight files
+    copied from `base_dir` (the model the engine loaded; required), and model.safetensors; stale weight
+    files in `out_dir` are removed. adapter: adapter_config.json + adapter_model.safetensors (a PEFT
+    directory; base_dir unused). Each file is written under a temporary name and renamed into place.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _saveable(weights.tensors)
+    if weights.kind == "merged":
+        if base_dir is None:
+            raise ValueError("save_hf of merged weights needs base_dir (for config.json and the tokenizer)")
+        _remove_weight_files(out)
+        _copy_base_files(Path(base_dir), out, _float_dtype(tensors))
+        _save_tensors(tensors, out / MERGED_FILE)
+    elif weights.kind == "adapter":
+        if not weights.adapter_config:
+            raise ValueError("an adapter WeightExport needs adapter_config (the adapter_config.json content)")
+        _write_text(out / ADAPTER_CONFIG_FILE, json.dumps(weights.adapter_config, indent=2, sort_keys=True))
+        _save_tensors(tensors, out / ADAPTER_FILE)
+    else:
+        raise ValueError(f"unknown WeightExport kind {weights.kind!r} (expected 'merged' or 'adapter')")
+    return out
+
+
+def _saveable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, none sharing storage with another (safetensors refuses aliasing)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _float_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype | None:
+    return next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _is_weight_file(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES)
+
+
+def _remove_weight_files(out: Path) -> None:
+    for f in out.iterdir():
+        if _is_weight_file(f):
+            f.unlink()
+
+
+def _copy_base_files(base: Path, out: Path, dtype: torch.dtype | None) -> None:
+    """Everything of the base directory but its weights (tokenizer, generation config, chat template), and
+    config.json with the dtype of the exported tensors."""
+    if base.resolve() == out.resolve():
+        raise ValueError(f"save_hf would overwrite the base model directory {base}")
+    for f in base.iterdir():
+        if f.is_file() and not _is_weight_file(f) and not f.name.startswith(".") and f.name != "config.json":
+            shutil.copyfile(f, out / f.name)
+    config: dict[str, Any] = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        config["dtype"] = name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    _write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True))
