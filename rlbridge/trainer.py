@@ -89,8 +89,8 @@ class TrainerRole:
             ref_logp_bt=None if ref is None else ref[rows], rollout_logp_bt=rollout_lp[rows],
         )  # fmt: skip
         num_micro = math.ceil(sub.size / r.trainer.micro_batch_size)
-        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
-                               micro_scale=float(getattr(self.engine, "LOSS_SCALED_BY_MICRO_BATCHES", 0) and num_micro) or 1.0)
+        # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py): micro_scale undoes that
+        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens), micro_scale=float(num_micro))
         m = self.engine.train_step(sub, loss_fn, num_micro_batches=num_micro)
         self.updates += 1
         return m

@@ -16,6 +16,7 @@ from rlbridge.batch import SeqBatch
 
 # loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
 # inside the batch passed to train_step, so the closure can slice advantages / old log-probs itself.
+# Every engine backpropagates loss_fn(...) / num_micro_batches for each micro-batch.
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
