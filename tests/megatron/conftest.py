@@ -86,3 +86,9 @@ def _run_workers(fn: str, world: int, *, timeout: float = 120.0, **kwargs: Any) 
 def run_workers() -> Any:
     """The multi-rank runner: run_workers(fn, world, timeout=..., **kwargs) -> [rank results]."""
     return _run_workers
+
+
+@pytest.fixture(scope="session")
+def tp1(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
+    """The TP1/PP1 LoRA run (megatron_workers.tp1_lora_suite): also the baseline of the layout tests."""
+    return run_workers("tp1_lora_suite", 1, qwen=tiny_dirs["qwen2"])[0]

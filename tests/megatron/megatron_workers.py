@@ -97,9 +97,9 @@ def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
         return output.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output).detach()}
 
     with torch.no_grad(), compat.device_scope(), engine._mode(False):
-        mbs = forward.split_micro_batches(batch, 1)
+        mbs = engine._split(batch, 1)
         results = forward.run_schedule(engine.model, mbs, stage, forward_only=True)
-        out = results[0]["logits"] if results else None
+        out = results[0]["logits"][: batch.size] if results else None
         return forward.broadcast_from_last_stage(out)
 
 
@@ -293,12 +293,18 @@ def tied_llama_suite(llama: str) -> dict[str, Any]:
     res["lora_merged"] = engine.export_weights("merged").tensors
     engine.close()
     recipe = make_recipe(
-        llama, trainer=trainer(optim={"lr": 1e-3, "clip_grad": 1.0}), algorithm={"name": "grpo", "kl": {"coef": 0.01}}
+        llama,
+        trainer=trainer(optim={"lr": 1e-3, "clip_grad": 1.0}),
+        algorithm={"name": "grpo", "kl": {"coef": 0.01}},
     )
     engine = MegatronTrainEngine(recipe)
-    res["full_sets"] = {k: len(getattr(engine.param_sets, k)) for k in ("trainable", "optimizer", "grad_buffers", "adapters")}
+    res["full_sets"] = {
+        k: len(getattr(engine.param_sets, k)) for k in ("trainable", "optimizer", "grad_buffers", "adapters")
+    }
     res["full_frozen"] = engine.frozen_fingerprint()
-    res["full_steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=3) for _ in range(2)]
+    res["full_steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=3) for _ in range(2)
+    ]
     res["full_logits"] = full_logits(engine, full)
     res["full_merged"] = engine.export_weights("merged").tensors
     res["full_reference"] = engine.logprobs(ragged, reference=True)
@@ -312,11 +318,70 @@ def mbridge_suite(qwen: str) -> dict[str, Any]:
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
     full, ragged = full_batch(), ragged_batch()
-    engine = MegatronTrainEngine(make_recipe(qwen, trainer=trainer(bridge="mbridge", optim={"lr": 1e-3, "clip_grad": 1.0})))
+    engine = MegatronTrainEngine(
+        make_recipe(qwen, trainer=trainer(bridge="mbridge", optim={"lr": 1e-3, "clip_grad": 1.0}))
+    )
     res: dict[str, Any] = {"batch_full": batch_dict(full), "logits_init": full_logits(engine, full)}
-    res["sets"] = {k: len(getattr(engine.param_sets, k)) for k in ("at_wrap", "trainable", "optimizer", "grad_buffers", "adapters")}
-    res["steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)]
+    res["sets"] = {
+        k: len(getattr(engine.param_sets, k))
+        for k in ("at_wrap", "trainable", "optimizer", "grad_buffers", "adapters")
+    }
+    res["steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+    ]
     res["logits"] = full_logits(engine, full)
     res["merged"] = engine.export_weights("merged").tensors
+    engine.close()
+    return res
+
+
+def _pp_duplicate_check() -> dict[str, str]:
+    """The patched broadcast_from_pp_rank: identical copies on every stage pass, differing copies fail."""
+    from megatron.bridge.models.conversion.param_mapping import DirectMapping
+    from megatron.core import parallel_state as ps
+
+    mapping = DirectMapping("decoder.dup.weight", "model.dup.weight")
+    same = torch.arange(6.0).reshape(2, 3)
+    out = {"identical": "ok" if torch.equal(mapping.broadcast_from_pp_rank(same.clone()), same) else "wrong"}
+    differing = same + ps.get_pipeline_model_parallel_rank()
+    try:
+        DirectMapping("decoder.dup2.weight", "model.dup2.weight").broadcast_from_pp_rank(differing)
+        out["differing"] = "accepted"
+    except ValueError as e:
+        out["differing"] = str(e)
+    return out
+
+
+def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bool = False) -> dict[str, Any]:
+    """LoRA at a TP x PP (x VPP) layout: logits, log-probs, first-step gradients in HF names, per-rank
+    parameter sets and, with export, two steps then merged + adapter export and the trainer's logits."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(), trainer=trainer(tp=tp, pp=pp, vpp=vpp)))
+    full, ragged = full_batch(), ragged_batch()
+    sets = engine.param_sets
+    res: dict[str, Any] = {
+        "logits_init": full_logits(engine, full),
+        "logprobs_init": engine.logprobs(ragged),
+        "sets_equal": all(
+            getattr(sets, k) == sets.adapters for k in ("at_wrap", "trainable", "optimizer", "grad_buffers")
+        ),
+        "num_adapters": len(sets.adapters),
+        "local_params": sum(p.numel() for _, p in engine._trainable),
+    }
+    set_adapters(engine)
+    local = engine.gradients(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
+    res["local_grads_nonzero"] = sum(float(g.abs().sum()) > 0 for g in local.values()) == len(local) > 0
+    res["grads_hf"] = grads_in_hf_names(engine, ragged)
+    if pp > 1:
+        res["pp_duplicates"] = _pp_duplicate_check()
+    if export:
+        res["steps"] = [
+            engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+        ]
+        res["logits_trained"] = full_logits(engine, full)
+        res["merged"] = engine.export_weights("merged").tensors
+        adapter = engine.export_weights("adapter")
+        res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
     engine.close()
     return res

@@ -18,11 +18,6 @@ from hf_reference import load_hf, logits, peft_model, rel, response_logprobs_f64
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def tp1(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
-    return run_workers("tp1_lora_suite", 1, qwen=tiny_dirs["qwen2"])[0]
-
-
 def test_logits_match_hf(tp1: dict[str, Any], tiny_dirs: dict[str, str]) -> None:
     batch = seq_batch(tp1["batch_full"])
     ref = logits(load_hf(tiny_dirs["qwen2"]), batch)
@@ -115,7 +110,9 @@ def test_tied_lora_export(tied: dict[str, Any], tiny_dirs: dict[str, str]) -> No
     hf = load_hf(tiny_dirs["llama"])
     batch = seq_batch(tied["batch_full"])
     assert rel(tied["lora_logits_init"], logits(hf, batch)) < 1e-5
-    assert set(hf.state_dict()) - set(tied["lora_merged"]) == {"lm_head.weight"}  # as save_pretrained writes it
+    assert set(hf.state_dict()) - set(tied["lora_merged"]) == {
+        "lm_head.weight"
+    }  # as save_pretrained writes it
     merged = load_hf(tiny_dirs["llama"], state=tied["lora_merged"])
     assert rel(logits(merged, batch), tied["lora_logits"]) < 1e-4
 
@@ -139,7 +136,9 @@ def test_mbridge_full_finetuning(tiny_dirs: dict[str, str], run_workers: Any) ->
     batch = seq_batch(res["batch_full"])
     assert rel(res["logits_init"], logits(load_hf(tiny_dirs["qwen2"]), batch)) < 1e-5
     sets = res["sets"]
-    assert sets["at_wrap"] == sets["trainable"] == sets["optimizer"] == sets["grad_buffers"] == sets["adapters"]
+    assert (
+        sets["at_wrap"] == sets["trainable"] == sets["optimizer"] == sets["grad_buffers"] == sets["adapters"]
+    )
     assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in res["steps"])
     merged = load_hf(tiny_dirs["qwen2"], state=res["merged"])
     assert rel(logits(merged, batch), res["logits"]) < 1e-4

@@ -189,7 +189,7 @@ def _mbridge_settings(built: Built) -> dict[str, Any]:
 
     names = [r.target.split(".", 1)[1] for r in TABLE if r.target.startswith("provider.")]
     settings = {n: getattr(built.provider, n) for n in names if n != "hf_model_id"}
-    settings["variable_seq_lengths"] = bool(built.provider.variable_seq_lengths)
+    settings["variable_seq_lengths"] = False  # mbridge's default; forward.py keeps micro-batch shapes equal
     if not compat.have_transformer_engine():
         settings.update({name: False for name in FUSIONS_OFF if name != "cross_entropy_loss_fusion"})
     if compat.cpu_mode():

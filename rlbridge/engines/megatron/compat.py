@@ -11,6 +11,11 @@ without CUDA only
     `TorchFunctionMode` maps explicit CUDA devices (`device="cuda"`, `.cuda()`, `.to("cuda")`) to the
     CPU, and reports CPU tensors under their CUDA type names so megatron's `param.type() ==
     'torch.cuda.FloatTensor'` checks hold. It is scoped, so code outside the engine is unaffected;
+  * Megatron-Bridge's `scatter_to_tp_ranks` hands gloo the TP splits as views (on GPU the `.to(cuda)`
+    copy makes them contiguous; on CPU it is a no-op), and gloo's scatter reads a non-contiguous view's
+    raw storage: row-parallel weights (linear_proj, linear_fc2) then load scrambled at TP > 1, while the
+    export gathers them back "consistently" so a merged-export round trip does not notice. The splits are
+    made contiguous first;
 without TE (CPU or GPU)
   * every megatron.core module is imported first, so each caches `HAVE_TE = False` while TE is truly
     absent (megatron-core 0.19 otherwise asks the placeholder for a package version);
@@ -173,6 +178,23 @@ def _redirect_cuda_to_cpu() -> None:
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _contiguous_tp_scatter() -> None:
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    original = cls.scatter_to_tp_ranks
+    if getattr(original, "_rlbridge", False):
+        return
+
+    def scatter_to_tp_ranks(self: Any, splits: Any, *args: Any, **kwargs: Any) -> Any:
+        if splits:
+            splits = [s.contiguous() for s in splits]
+        return original(self, splits, *args, **kwargs)
+
+    scatter_to_tp_ranks._rlbridge = True  # type: ignore[attr-defined]
+    cls.scatter_to_tp_ranks = scatter_to_tp_ranks  # type: ignore[method-assign]
+
+
 def device_scope() -> contextlib.AbstractContextManager[Any]:
     """Around any call into megatron: maps CUDA devices to the CPU in CPU mode; a no-op otherwise."""
     if is_active() and cpu_mode():
@@ -279,6 +301,8 @@ def activate() -> None:
         if on_cpu:
             _redirect_cuda_to_cpu()
         _import_bridge_with_te_placeholder()
+        if on_cpu:
+            _contiguous_tp_scatter()
 
 
 def is_active() -> bool:

@@ -72,10 +72,22 @@ class MegatronTrainEngine:
         self._set_lr()
 
     # --------------------------------------------------------------------------------- helpers
-    @property
-    def _seq_multiple(self) -> int:
+    def _split(self, batch: SeqBatch, num: int, *, training: bool = False) -> list[forward.MicroBatch]:
         provider = self.built.provider
-        return provider.tensor_model_parallel_size if provider.sequence_parallel else 1
+        pp = provider.pipeline_model_parallel_size
+        interleaved = pp > 1 and provider.virtual_pipeline_model_parallel_size is not None
+        if training and interleaved and num % pp:
+            raise RlbridgeError(
+                f"the interleaved pipeline schedule needs a multiple of pipeline={pp} micro-batches per step, "
+                f"got {num}: change the mini-batch size or trainer.micro_batch_size"
+            )
+        return forward.split_micro_batches(
+            batch,
+            num,
+            seq_multiple=provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
+            equal_rows=pp > 1,
+            count_multiple=pp if interleaved else 1,
+        )
 
     def _set_lr(self) -> float:
         from rlbridge.engines.hf import lr_at
@@ -135,7 +147,7 @@ class MegatronTrainEngine:
 
         scope = self._reference() if reference else contextlib.nullcontext()
         with compat.device_scope(), self._mode(False), scope:
-            mbs = forward.split_micro_batches(batch, num, seq_multiple=self._seq_multiple)
+            mbs = self._split(batch, num)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
             out = torch.cat([r["logprobs"] for r in results]) if results else None
             out = forward.broadcast_from_last_stage(out)
@@ -188,7 +200,7 @@ class MegatronTrainEngine:
 
         with compat.device_scope(), self._mode(True):
             self._zero_grads()
-            mbs = forward.split_micro_batches(batch, num_micro_batches, seq_multiple=self._seq_multiple)
+            mbs = self._split(batch, num_micro_batches, training=True)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
             metrics = _mean(results) if results else None
             return dict(forward.broadcast_from_last_stage(metrics))

@@ -102,7 +102,7 @@ def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key:
     first = specs[owners[0]]
     if any(specs[r] != first for r in owners[1:]):
         raise ValueError(
-            f"tensor {cache_key or '?'} exists on PP ranks {owners} with different specs: "
+            f"tensor {self.megatron_param} exists on PP ranks {owners} with different specs: "
             f"{[specs[r] for r in owners]}"
         )
     if tensor is None:
@@ -112,7 +112,8 @@ def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key:
             tensor.tensor_model_parallel = first[2]  # type: ignore[attr-defined]
         if first[3] is not None:
             tensor.partition_dim = first[3]  # type: ignore[attr-defined]
-    mine = tensor.detach().clone() if len(owners) > 1 and tensor is not None else None
+    tensor = tensor.contiguous()  # gloo sends a view's raw storage
+    mine = tensor.detach().clone() if len(owners) > 1 else None
     src = dist.get_global_rank(self.pp_group, owners[0])
     dist.broadcast(tensor, src=src, group=self.pp_group)
     if len(owners) > 1:
@@ -122,7 +123,7 @@ def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key:
         dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.pp_group)
         if differs.item():
             raise ValueError(
-                f"tensor {cache_key or '?'} is replicated on PP ranks {owners} with different values"
+                f"tensor {self.megatron_param} is replicated on PP ranks {owners} with different values"
             )
     return tensor
 

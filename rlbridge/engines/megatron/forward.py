@@ -34,7 +34,7 @@ class MicroBatch:
     attention_mask: torch.Tensor
     """[m, 1, S, S] bool, True where attention is NOT allowed (megatron's convention)."""
     rows: torch.Tensor
-    """[m] indices of these rows in the batch handed to the engine."""
+    """[n] indices of the real rows in the batch handed to the engine (n <= m: see pad_rows)."""
     prompt_width: int
     response_width: int
 
@@ -46,9 +46,17 @@ def attention_mask(valid_bs: torch.Tensor) -> torch.Tensor:
     return future[None, None] | ~valid_bs.bool()[:, None, None, :]
 
 
-def split_micro_batches(batch: SeqBatch, num: int, *, seq_multiple: int = 1) -> list[MicroBatch]:
-    """`num` row groups whose sizes differ by at most one (torch.tensor_split, as the hf engine); the
-    sequence is right-padded (masked) to a multiple of `seq_multiple` for sequence parallelism."""
+def split_micro_batches(
+    batch: SeqBatch, num: int, *, seq_multiple: int = 1, equal_rows: bool = False, count_multiple: int = 1
+) -> list[MicroBatch]:
+    """`num` row groups whose sizes differ by at most one (torch.tensor_split, as the hf engine).
+
+    With `equal_rows` (pipeline parallelism: every stage-to-stage send has one fixed shape) a shorter group
+    is padded by repeating a row; `MicroBatch.rows` lists the real rows only and the stage closures drop
+    the extra outputs. The number of groups is topped up to a multiple of `count_multiple` (the interleaved
+    schedule wants whole rounds of one micro-batch per pipeline stage) with filler groups without real rows. The sequence is
+    right-padded (masked) to a multiple of `seq_multiple` for sequence parallelism.
+    """
     if not 1 <= num <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num}")
     ids, valid, pos = batch.input_ids, batch.attention_mask, batch.position_ids
@@ -57,17 +65,25 @@ def split_micro_batches(batch: SeqBatch, num: int, *, seq_multiple: int = 1) -> 
         ids = torch.nn.functional.pad(ids, (0, extra))
         valid = torch.nn.functional.pad(valid, (0, extra))
         pos = torch.nn.functional.pad(pos, (0, extra))
-    return [
-        MicroBatch(
-            input_ids=ids[rows],
-            position_ids=pos[rows],
-            attention_mask=attention_mask(valid[rows]),
-            rows=rows,
-            prompt_width=batch.prompt_width,
-            response_width=batch.response_width,
+    groups = list(torch.arange(batch.size).tensor_split(num))
+    groups += [torch.zeros(0, dtype=torch.long)] * ((-num) % count_multiple)
+    width = max(len(g) for g in groups)
+    out = []
+    for rows in groups:
+        take = rows
+        if (equal_rows or not len(rows)) and len(rows) < width:
+            take = torch.cat([rows, torch.zeros(width - len(rows), dtype=torch.long)])
+        out.append(
+            MicroBatch(
+                input_ids=ids[take],
+                position_ids=pos[take],
+                attention_mask=attention_mask(valid[take]),
+                rows=rows,
+                prompt_width=batch.prompt_width,
+                response_width=batch.response_width,
+            )
         )
-        for rows in torch.arange(batch.size).tensor_split(num)
-    ]
+    return out
 
 
 # ------------------------------------------------------------------------------ vocab-parallel math
@@ -110,9 +126,9 @@ def vocab_parallel_logprobs(
 
 
 def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits that predict the response tokens ([m, R, v/tp]) and those tokens ([m, R])."""
-    p, r = mb.prompt_width, mb.response_width
-    return output[:, p - 1 : p + r - 1], mb.input_ids[:, p : p + r]
+    """Logits that predict the response tokens ([n, R, v/tp]) and those tokens ([n, R]), real rows only."""
+    p, r, n = mb.prompt_width, mb.response_width, len(mb.rows)
+    return output[:n, p - 1 : p + r - 1], mb.input_ids[:n, p : p + r]
 
 
 # --------------------------------------------------------------------------------------- schedule
@@ -143,7 +159,7 @@ def run_schedule(
         model=model if len(model) > 1 else model[0],
         num_microbatches=len(micro_batches),
         seq_length=first.input_ids.shape[1],
-        micro_batch_size=first.input_ids.shape[0],  # shapes are exchanged per send when they vary
+        micro_batch_size=first.input_ids.shape[0],
         forward_only=forward_only,
     )
 

@@ -201,8 +201,7 @@ def local_layer_spec(config: Any) -> Any:
 
 
 def apply_backend(provider: Any) -> None:
-    """Local layer spec and fusions off without Transformer Engine, CPU initialization on CPU, shape exchange
-    between pipeline stages."""
+    """Local layer spec and fusions off without Transformer Engine; CPU initialization on CPU."""
     from rlbridge.engines.megatron import compat
 
     if not compat.have_transformer_engine():
@@ -212,9 +211,6 @@ def apply_backend(provider: Any) -> None:
                 setattr(provider, name, False)
     if compat.cpu_mode():
         provider.use_cpu_initialization = True
-    # Micro-batches follow the hf engine's tensor_split convention (sizes may differ by one row): pipeline
-    # stages then exchange tensor shapes before each send.
-    provider.variable_seq_lengths = provider.pipeline_model_parallel_size > 1
 
 
 def make_peft(recipe: Recipe, settings: PeftSettings) -> Any:
