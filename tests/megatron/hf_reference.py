@@ -68,3 +68,14 @@ def peft_model(model_dir: str, adapter: dict[str, torch.Tensor], config: dict[st
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / "adapter_model.safetensors"))
     base = load_hf(model_dir)
     return PeftModel.from_pretrained(base, str(tmp)).eval()
+
+
+@torch.no_grad()
+def response_entropy_f64(model: Any, batch: SeqBatch) -> torch.Tensor:
+    """[b, R] float64 entropies of the next-token distributions that score the response (0 on padding)."""
+    model = model.double()
+    out = logits(model, batch).double()
+    p, r = batch.prompt_width, batch.response_width
+    logp = torch.log_softmax(out[:, p - 1 : p + r - 1], dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.where(batch.response_mask > 0, entropy, torch.zeros((), dtype=torch.float64))

@@ -74,10 +74,14 @@ def batch_dict(batch: SeqBatch) -> dict[str, Any]:
     }
 
 
-def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01) -> Any:
-    """A loss that reaches every adapter: -mean log-prob of response tokens - coef * mean entropy."""
+def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01, seen: dict | None = None) -> Any:
+    """A loss that reaches every adapter: -mean log-prob of response tokens - coef * mean entropy. With
+    `seen`, records the entropies it was handed (row index -> [R] tensor)."""
 
     def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if seen is not None:
+            for i, row in enumerate(rows.tolist()):
+                seen[row] = entropy[i].detach().clone()
         mask = batch.response_mask[rows]
         n = mask.sum().clamp(min=1)
         loss = -(logp * mask).sum() / n - entropy_coef * (entropy * mask).sum() / n
@@ -202,7 +206,21 @@ def provider_rows(model_dir: str, recipes: list[dict[str, Any]]) -> dict[str, An
                 "cpu_init": bool(built.provider.use_cpu_initialization),
             }
         )
-    return {"recipes": out}
+    import importlib.util
+
+    import megatron.bridge.peft.module_matcher as matcher
+    import megatron.bridge.peft.utils as peft_utils
+
+    from rlbridge.engines.megatron import compat
+
+    return {
+        "recipes": out,
+        "te_importable": importlib.util.find_spec("transformer_engine") is not None,
+        "have_te_flags": [peft_utils.HAVE_TE, matcher.HAVE_TE],
+        "versions": compat.versions(),
+        "features": repr(compat.features()),
+        "cuda_type_outside_scope": torch.zeros(1).type(),
+    }
 
 
 def tp1_lora_suite(qwen: str) -> dict[str, Any]:
@@ -369,6 +387,9 @@ def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bo
         "num_adapters": len(sets.adapters),
         "local_params": sum(p.numel() for _, p in engine._trainable),
     }
+    seen: dict[int, torch.Tensor] = {}  # entropies handed to loss_fn, with the adapters still a no-op
+    engine.gradients(ragged, mean_logprob_loss(ragged, seen=seen), num_micro_batches=2)
+    res["entropy"] = torch.stack([seen[i] for i in sorted(seen)]) if seen else None
     set_adapters(engine)
     local = engine.gradients(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
     res["local_grads_nonzero"] = sum(float(g.abs().sum()) > 0 for g in local.values()) == len(local) > 0
@@ -383,5 +404,56 @@ def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bo
         res["merged"] = engine.export_weights("merged").tensors
         adapter = engine.export_weights("adapter")
         res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
+    engine.close()
+    return res
+
+
+def variants_suite(qwen: str) -> dict[str, Any]:
+    """canonical LoRA (train, merged + adapter export), DoRA (train, reference, export refused) and a step
+    with a non-finite loss (skipped, named, weights untouched), all at TP1."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.errors import RlbridgeError
+
+    full, ragged = full_batch(), ragged_batch()
+    res: dict[str, Any] = {"batch_full": batch_dict(full), "batch_ragged": batch_dict(ragged)}
+    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(type_="canonical_lora"), trainer=trainer()))
+    res["canonical_init"] = full_logits(engine, full)
+    res["canonical_num_adapters"] = len(engine.param_sets.adapters)
+    set_adapters(engine)
+    res["canonical_steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+    ]
+    res["canonical_logits"] = full_logits(engine, full)
+    res["canonical_merged"] = engine.export_weights("merged").tensors
+    adapter = engine.export_weights("adapter")
+    res["canonical_adapter"], res["canonical_config"] = adapter.tensors, adapter.adapter_config
+    engine.close()
+
+    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(type_="dora"), trainer=trainer()))
+    before = engine.trainable_state()
+    res["dora_steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+    ]
+    after = engine.trainable_state()
+    res["dora_changed"] = sum(not torch.equal(before[n], after[n]) for n in before) / len(before)
+    res["dora_reference"] = engine.logprobs(ragged, reference=True)
+    res["dora_logprobs"] = engine.logprobs(ragged)
+    try:
+        engine.export_weights("merged")
+        res["dora_export"] = "exported"
+    except RlbridgeError as e:
+        res["dora_export"] = str(e)
+    engine.close()
+
+    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(), trainer=trainer()))
+    set_adapters(engine)
+    before = engine.trainable_state()
+
+    def nan_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return logp.sum() * float("nan"), {}
+
+    res["nan_step"] = engine.train_step(ragged, nan_loss, num_micro_batches=2)
+    res["nan_unchanged"] = all(torch.equal(before[n], t) for n, t in engine.trainable_state().items())
+    res["after_nan_step"] = engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
     engine.close()
     return res

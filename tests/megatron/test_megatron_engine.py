@@ -142,3 +142,42 @@ def test_mbridge_full_finetuning(tiny_dirs: dict[str, str], run_workers: Any) ->
     assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in res["steps"])
     merged = load_hf(tiny_dirs["qwen2"], state=res["merged"])
     assert rel(logits(merged, batch), res["logits"]) < 1e-4
+
+
+# ------------------------------------------------------------- canonical LoRA, DoRA, non-finite step
+@pytest.fixture(scope="module")
+def variants(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
+    return run_workers("variants_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+
+
+def test_canonical_lora(variants: dict[str, Any], tiny_dirs: dict[str, str], tmp_path: Path) -> None:
+    batch = seq_batch(variants["batch_full"])
+    assert rel(variants["canonical_init"], logits(load_hf(tiny_dirs["qwen2"]), batch)) < 1e-5
+    assert variants["canonical_num_adapters"] == 4 * 7 * 2  # separate q, k, v, gate, up adapters
+    assert all(s["skipped"] == 0.0 for s in variants["canonical_steps"])
+    merged = load_hf(tiny_dirs["qwen2"], state=variants["canonical_merged"])
+    assert rel(logits(merged, batch), variants["canonical_logits"]) < 1e-4
+    adapter, config = variants["canonical_adapter"], variants["canonical_config"]
+    q_a = adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    k_a = adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"]
+    assert not torch.equal(q_a, k_a)  # own A per projection (plain LoRA on linear_qkv shares one)
+    model = peft_model(tiny_dirs["qwen2"], adapter, config, tmp_path / "canonical")
+    assert rel(logits(model, batch), variants["canonical_logits"]) < 1e-4
+
+
+def test_dora_trains_and_refuses_a_wrong_export(variants: dict[str, Any], tiny_dirs: dict[str, str]) -> None:
+    assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in variants["dora_steps"])
+    assert variants["dora_changed"] == 1.0  # every adapter tensor (A, B, magnitude) moved
+    base = response_logprobs_f64(load_hf(tiny_dirs["qwen2"]), seq_batch(variants["batch_ragged"]))
+    assert float((variants["dora_reference"].double() - base).abs().max()) < 1e-4
+    assert float((variants["dora_logprobs"].double() - base).abs().max()) > 1e-2
+    assert "DoRA" in variants["dora_export"] and "not supported" in variants["dora_export"]
+
+
+def test_nonfinite_loss_skips_the_step_and_names_tensors(variants: dict[str, Any]) -> None:
+    step = variants["nan_step"]
+    assert step["skipped"] == 1.0 and step["nonfinite"][0] == "loss"
+    assert len(step["nonfinite"]) == 1 + 32 and all(".adapter." in n for n in step["nonfinite"][1:])
+    assert variants["nan_unchanged"]
+    after = variants["after_nan_step"]
+    assert after["skipped"] == 0.0 and math.isfinite(after["grad_norm"]) and after["grad_norm"] > 0

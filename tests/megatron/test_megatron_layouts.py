@@ -1,7 +1,8 @@
 """The engine at TP2, PP2, TP2xPP2 and PP2 with virtual stages (2-4 gloo processes on CPU), against HF and
 against the TP1 run (tp1 fixture).
 
-Tolerances: logits vs HF rel. error < 1e-5; log-probs vs float64 HF max abs error < 1e-4; first-step adapter
+Tolerances: logits vs HF rel. error < 1e-5; log-probs and the entropies handed to loss_fn (vocab-parallel
+log-softmax) vs float64 HF max abs error < 1e-4; first-step adapter
 gradients (converted to full HF shapes by the bridge's adapter exporter) vs TP1 rel. error < 1e-5 per
 tensor (measured: 2.1e-6 at TP2, 0 at PP2); after two Adam steps the merged export differs from the TP1
 one by < 1e-4 (measured 4.6e-6) and loads into transformers / peft with the trainer's logits (< 1e-4).
@@ -13,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_reference import load_hf, logits, peft_model, rel, response_logprobs_f64, seq_batch
+from hf_reference import (
+    load_hf,
+    logits,
+    peft_model,
+    rel,
+    response_entropy_f64,
+    response_logprobs_f64,
+    seq_batch,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +52,10 @@ def test_layout(
         if cfg["pp"] > 1:
             assert res["pp_duplicates"]["identical"] == "ok"
             assert "replicated on PP ranks [0, 1] with different values" in res["pp_duplicates"]["differing"]
+    entropies = [r["entropy"] for r in ranks if r["entropy"] is not None]  # last pipeline stage(s) only
+    assert len(entropies) == cfg["tp"]
+    ref_entropy = response_entropy_f64(load_hf(tiny_dirs["qwen2"]), ragged)
+    assert all(float((e.double() - ref_entropy).abs().max()) < 1e-4 for e in entropies)
     res = ranks[0]
     assert set(res["grads_hf"]) == set(tp1["grads_hf"])
     for name, grad in tp1["grads_hf"].items():

@@ -115,6 +115,10 @@ def test_provider_gets_every_row(tiny_dirs: dict[str, str], run_workers: Any) ->
             assert got["peft_fields"] == got["peft_settings"]
         assert not any(got["fusions"].values()), f"fusions left on without TE: {got['fusions']}"
         assert got["layer_spec"] == "local_layer_spec" and got["cpu_init"]
+    # the compat layer: TE placeholder gone after import, HAVE_TE off, versions known, mode scoped
+    assert not result["te_importable"] and result["have_te_flags"] == [False, False]
+    assert result["versions"]["megatron-core"] and result["versions"]["megatron-bridge"]
+    assert result["cuda_type_outside_scope"] == "torch.FloatTensor"
     first = {r["target"]: r["actual"] for r in result["recipes"][0]["rows"]}
     assert first["provider.tensor_model_parallel_size"] == "2"
     assert first["provider.recompute_method"] == "'block'"

@@ -77,7 +77,7 @@ def have_transformer_engine() -> bool:
 def versions() -> dict[str, str | None]:
     """Installed versions of the Megatron stack (None: not installed)."""
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "megatron-core": _dist_version("megatron-core", "megatron_core"),
         "megatron-bridge": _dist_version("megatron-bridge", "megatron_bridge"),
         "mbridge": _dist_version("mbridge"),
