@@ -123,7 +123,7 @@ class TrainerRole:
 def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in {k for m in items for k in m}:
-        vals = [m[k] for m in items if k in m]
+        vals = [m[key] for m in items if key in m]
         if all(isinstance(v, (int, float)) for v in vals):
             out[key] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
         else:

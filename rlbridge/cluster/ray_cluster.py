@@ -28,7 +28,9 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
     """ray.init: an existing cluster at cfg.address, else a local one sized for the plan. Dashboard off."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))}}
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))}
+    env_vars.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the step lines
+    env = {"env_vars": env_vars}
     if cfg.address:
         log(f"connecting to the Ray cluster at {cfg.address}")
         ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=True)
