@@ -232,8 +232,8 @@ def tp1_lora_suite(qwen: str) -> dict[str, Any]:
     full = full_batch()
     ragged = ragged_batch()
     res: dict[str, Any] = {
-        "logits_init": full_logits(engine, full),
         "batch_full": batch_dict(full),
+        "logits_init": full_logits(engine, full),
         "batch_ragged": batch_dict(ragged),
     }
     sets = engine.param_sets
@@ -331,13 +331,15 @@ def tied_llama_suite(llama: str) -> dict[str, Any]:
     return res
 
 
-def mbridge_suite(qwen: str) -> dict[str, Any]:
-    """trainer.bridge=mbridge, full fine-tuning at TP1: logits, a step, merged export."""
+def mbridge_suite(qwen: str, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """trainer.bridge=mbridge, full fine-tuning: logits, two steps, merged export."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
     full, ragged = full_batch(), ragged_batch()
     engine = MegatronTrainEngine(
-        make_recipe(qwen, trainer=trainer(bridge="mbridge", optim={"lr": 1e-3, "clip_grad": 1.0}))
+        make_recipe(
+            qwen, trainer=trainer(tp=tp, pp=pp, bridge="mbridge", optim={"lr": 1e-3, "clip_grad": 1.0})
+        )
     )
     res: dict[str, Any] = {"batch_full": batch_dict(full), "logits_init": full_logits(engine, full)}
     res["sets"] = {
@@ -379,6 +381,7 @@ def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bo
     full, ragged = full_batch(), ragged_batch()
     sets = engine.param_sets
     res: dict[str, Any] = {
+        "batch_full": batch_dict(full),
         "logits_init": full_logits(engine, full),
         "logprobs_init": engine.logprobs(ragged),
         "sets_equal": all(

@@ -131,17 +131,33 @@ def test_full_finetuning_with_reference_copy(tied: dict[str, Any], tiny_dirs: di
 
 
 # --------------------------------------------------------------------------------------- mbridge
-def test_mbridge_full_finetuning(tiny_dirs: dict[str, str], run_workers: Any) -> None:
-    res = run_workers("mbridge_suite", 1, qwen=tiny_dirs["qwen2"])[0]
-    batch = seq_batch(res["batch_full"])
-    assert rel(res["logits_init"], logits(load_hf(tiny_dirs["qwen2"]), batch)) < 1e-5
-    sets = res["sets"]
-    assert (
-        sets["at_wrap"] == sets["trainable"] == sets["optimizer"] == sets["grad_buffers"] == sets["adapters"]
-    )
-    assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in res["steps"])
-    merged = load_hf(tiny_dirs["qwen2"], state=res["merged"])
-    assert rel(logits(merged, batch), res["logits"]) < 1e-4
+MBRIDGE = {
+    "qwen2_tp1": ("qwen2", 1, 1, 1),
+    "qwen2_tp2pp2": ("qwen2", 2, 2, 4),
+    "llama_tied_pp2": ("llama", 1, 2, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(MBRIDGE))
+def test_mbridge_full_finetuning(case: str, tiny_dirs: dict[str, str], run_workers: Any) -> None:
+    arch, tp, pp, world = MBRIDGE[case]
+    ranks = run_workers("mbridge_suite", world, qwen=tiny_dirs[arch], tp=tp, pp=pp)
+    hf = load_hf(tiny_dirs[arch])
+    for res in ranks:
+        batch = seq_batch(res["batch_full"])
+        assert rel(res["logits_init"], logits(hf, batch)) < 1e-5
+        sets = res["sets"]
+        assert (
+            sets["at_wrap"]
+            == sets["trainable"]
+            == sets["optimizer"]
+            == sets["grad_buffers"]
+            == sets["adapters"]
+        )
+        assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in res["steps"])
+        assert set(res["merged"]) == set(hf.state_dict()) - ({"lm_head.weight"} if arch == "llama" else set())
+        merged = load_hf(tiny_dirs[arch], state=res["merged"])
+        assert rel(logits(merged, batch), res["logits"]) < 1e-4
 
 
 # ------------------------------------------------------------- canonical LoRA, DoRA, non-finite step

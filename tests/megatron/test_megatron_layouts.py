@@ -69,3 +69,17 @@ def test_layout(
     assert rel(logits(merged, full), res["logits_trained"]) < 1e-4
     model = peft_model(tiny_dirs["qwen2"], res["adapter"], res["adapter_config"], tmp_path / "adapter")
     assert rel(logits(model, full), res["logits_trained"]) < 1e-4
+
+
+def test_tied_llama_lora_pp2(tiny_dirs: dict[str, str], run_workers: Any, tmp_path: Path) -> None:
+    """Tied embeddings split over two pipeline stages (embedding on the first, output layer on the last)."""
+    ranks = run_workers("layout_suite", 2, qwen=tiny_dirs["llama"], tp=1, pp=2, export=True)
+    hf = load_hf(tiny_dirs["llama"])
+    res = ranks[0]
+    full = seq_batch(res["batch_full"])
+    assert rel(res["logits_init"], logits(hf, full)) < 1e-5
+    assert set(hf.state_dict()) - set(res["merged"]) == {"lm_head.weight"}
+    merged = load_hf(tiny_dirs["llama"], state=res["merged"])
+    assert rel(logits(merged, full), res["logits_trained"]) < 1e-4
+    model = peft_model(tiny_dirs["llama"], res["adapter"], res["adapter_config"], tmp_path / "adapter")
+    assert rel(logits(model, full), res["logits_trained"]) < 1e-4

@@ -217,6 +217,12 @@ def build_mbridge(built: Built, recipe: Recipe) -> Model:
     }
     if dropped:
         raise RlbridgeError(f"mbridge dropped configuration values (wanted, got): {dropped}")
+    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    if tied:  # mbridge 0.15's Llama bridge maps a last-stage output layer to lm_head even when tied
+        bridge._DIRECT_MAPPING = {
+            **bridge._DIRECT_MAPPING,
+            "output_layer.weight": "model.embed_tokens.weight",
+        }
     if not compat.have_transformer_engine():
         bridge._get_transformer_layer_spec = lambda vp_stage=None: local_layer_spec(bridge.config)
         bridge._OTHER_MAPPING = {
@@ -241,7 +247,7 @@ def build_mbridge(built: Built, recipe: Recipe) -> Model:
         at_wrap=at_wrap,
         export_merged=lambda model: bridge.export_weights(model),
         export_adapter=None,
-        tied=bool(getattr(bridge.hf_config, "tie_word_embeddings", False)),
+        tied=tied,
         vocab_size=int(bridge.hf_config.vocab_size),
     )
 

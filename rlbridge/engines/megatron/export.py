@@ -35,12 +35,15 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_merged_names(items: Any, *, tied: bool) -> dict[str, torch.Tensor]:
-    """HF names without `.base_layer`; duplicates are an error; tied models drop an identical lm_head."""
+    """HF names without `.base_layer`; a name produced twice must carry identical values (a tied embedding
+    exported from the first and the last pipeline stage); tied models drop an identical lm_head."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in items:
         clean = name.replace(".base_layer.", ".")
         if clean in out:
-            raise ValueError(f"export produced {clean!r} twice (raw name {name!r})")
+            if not torch.equal(out[clean], tensor.detach().to(out[clean].device)):
+                raise ValueError(f"export produced {clean!r} twice with different values (raw name {name!r})")
+            continue
         out[clean] = _own(tensor)
     if tied and "lm_head.weight" in out:
         if not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
