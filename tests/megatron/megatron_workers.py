@@ -43,6 +43,7 @@ def trainer(tp: int = 1, pp: int = 1, vpp: int | None = None, **extra: Any) -> d
         "optim": {"lr": 1e-2, "clip_grad": None},
         "parallel": {"tensor": tp, "pipeline": pp, "virtual_pipeline": vpp},
         "logprob_chunk_size": 2,
+        "micro_batch_size": 3,
         **extra,
     }
 
@@ -396,7 +397,14 @@ def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bo
     set_adapters(engine)
     local = engine.gradients(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
     res["local_grads_nonzero"] = sum(float(g.abs().sum()) > 0 for g in local.values()) == len(local) > 0
-    res["grads_hf"] = grads_in_hf_names(engine, ragged)
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if dp == 1:
+        res["grads_hf"] = grads_in_hf_names(engine, ragged)
+    else:  # each replica gets its tensor_split share as one micro-batch: DDP's average == 2 micro-batches
+        mine = ragged.select(torch.arange(ragged.size).tensor_split(dp)[dp_rank])
+        res["grads_hf"] = grads_in_hf_names(engine, mine, num_micro_batches=1)
     if pp > 1:
         res["pp_duplicates"] = _pp_duplicate_check()
     if export:

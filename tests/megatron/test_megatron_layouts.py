@@ -1,5 +1,5 @@
-"""The engine at TP2, PP2, TP2xPP2 and PP2 with virtual stages (2-4 gloo processes on CPU), against HF and
-against the TP1 run (tp1 fixture).
+"""The engine at DP2, TP2, PP2, TP2xPP2 and PP2 with virtual stages (2-4 gloo processes on CPU), against HF
+and against the TP1 run (tp1 fixture).
 
 Tolerances: logits vs HF rel. error < 1e-5; log-probs and the entropies handed to loss_fn (vocab-parallel
 log-softmax) vs float64 HF max abs error < 1e-4; first-step adapter
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hf_reference import (
     load_hf,
     logits,
@@ -27,6 +28,7 @@ from hf_reference import (
 pytestmark = pytest.mark.integration
 
 LAYOUTS = {
+    "dp2": dict(world=2, tp=1, pp=1, vpp=None, export=True),
     "tp2": dict(world=2, tp=2, pp=1, vpp=None, export=False),
     "pp2": dict(world=2, tp=1, pp=2, vpp=None, export=False),
     "tp2pp2": dict(world=4, tp=2, pp=2, vpp=None, export=True),
@@ -49,11 +51,14 @@ def test_layout(
         assert float((res["logprobs_init"].double() - ref_logp).abs().max()) < 1e-4, rank
         assert res["sets_equal"] and res["local_grads_nonzero"], rank
         assert res["num_adapters"] == 32 // cfg["pp"], rank
+        if world > cfg["tp"] * cfg["pp"]:  # data parallel: every replica computed the averaged gradient
+            for name, grad in tp1["grads_hf"].items():
+                assert rel(res["grads_hf"][name], grad) < 1e-5, (rank, name)
         if cfg["pp"] > 1:
             assert res["pp_duplicates"]["identical"] == "ok"
             assert "replicated on PP ranks [0, 1] with different values" in res["pp_duplicates"]["differing"]
     entropies = [r["entropy"] for r in ranks if r["entropy"] is not None]  # last pipeline stage(s) only
-    assert len(entropies) == cfg["tp"]
+    assert len(entropies) == world // cfg["pp"]
     ref_entropy = response_entropy_f64(load_hf(tiny_dirs["qwen2"]), ragged)
     assert all(float((e.double() - ref_entropy).abs().max()) < 1e-4 for e in entropies)
     res = ranks[0]
@@ -63,6 +68,8 @@ def test_layout(
     if not cfg["export"]:
         return
     assert all(step["skipped"] == 0.0 for step in res["steps"])
+    for other in ranks[1:]:  # every rank holds the full export; replicas stayed identical
+        assert all(torch.equal(other["merged"][k], v) for k, v in res["merged"].items())
     assert max(float((res["merged"][k] - v).abs().max()) for k, v in tp1["merged"].items()) < 1e-4
     assert set(res["merged"]) == set(tp1["merged"])
     merged = load_hf(tiny_dirs["qwen2"], state=res["merged"])

@@ -42,6 +42,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import io
+import logging
 import pkgutil
 import sys
 import types
@@ -176,6 +177,11 @@ def _redirect_cuda_to_cpu() -> None:
 
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # With the "CUDA" generator being the CPU one, every random op inside the tracker's fork changes the
+    # CPU state by construction; megatron's warning about exactly that is noise here.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
 
 
 def _contiguous_tp_scatter() -> None:

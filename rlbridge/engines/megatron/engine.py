@@ -23,6 +23,7 @@ float32 with 0 on padding.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,7 @@ class MegatronTrainEngine:
         self.lora = recipe.lora.enabled
         self.total_steps = total_steps or total_optimizer_steps(recipe)
         self.num_optimizer_steps = 0
+        self._warned_micro = False
         with compat.device_scope():
             self.built = P.build(recipe)
             self._owns_parallel_state = B.init_parallel(self.built.provider, recipe.run.seed)
@@ -66,6 +68,7 @@ class MegatronTrainEngine:
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()
         self._trainable = params.trainable(self.model)
+        self.device = next(self.model[0].parameters()).device
         self._reference_weights: list[torch.Tensor] | None = None
         if not self.lora and recipe.algorithm.kl.coef > 0:
             self._reference_weights = [p.detach().to("cpu", copy=True) for _, p in self._trainable]
@@ -81,8 +84,16 @@ class MegatronTrainEngine:
                 f"the interleaved pipeline schedule needs a multiple of pipeline={pp} micro-batches per step, "
                 f"got {num}: change the mini-batch size or trainer.micro_batch_size"
             )
+        rows = -(-batch.size // num)
+        if training and rows > self.built.run.micro_batch_size and not self._warned_micro:
+            self._warned_micro = True
+            warnings.warn(
+                f"micro-batches of {rows} rows exceed trainer.micro_batch_size={self.built.run.micro_batch_size}, "
+                "the size activation memory was planned for",
+                stacklevel=3,
+            )
         return forward.split_micro_batches(
-            batch,
+            batch.to(self.device),
             num,
             seq_multiple=provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
             equal_rows=pp > 1,
