@@ -82,8 +82,8 @@ def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01, seen: dict | 
     def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if seen is not None:
             for i, row in enumerate(rows.tolist()):
-                seen[row] = entropy[i].detach().clone()
-        mask = batch.response_mask[rows]
+                seen[row] = entropy[i].detach().cpu()
+        mask = batch.response_mask[rows].to(logp.device)
         n = mask.sum().clamp(min=1)
         loss = -(logp * mask).sum() / n - entropy_coef * (entropy * mask).sum() / n
         return loss, {"mean_logp": float((logp.detach() * mask).sum() / n)}
@@ -362,7 +362,7 @@ def _pp_duplicate_check() -> dict[str, str]:
     from megatron.core import parallel_state as ps
 
     mapping = DirectMapping("decoder.dup.weight", "model.dup.weight")
-    same = torch.arange(6.0).reshape(2, 3)
+    same = torch.arange(6.0, device="cuda" if torch.cuda.is_available() else "cpu").reshape(2, 3)
     out = {"identical": "ok" if torch.equal(mapping.broadcast_from_pp_rank(same.clone()), same) else "wrong"}
     differing = same + ps.get_pipeline_model_parallel_rank()
     try:

@@ -120,7 +120,7 @@ def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key:
     src = dist.get_global_rank(self.pp_group, owners[0])
     dist.broadcast(tensor, src=src, group=self.pp_group)
     if len(owners) > 1:
-        differs = torch.zeros(1)
+        differs = torch.zeros(1, device=tensor.device)
         if dist.get_rank(self.pp_group) in owners and mine is not None:
             differs[0] = float(not torch.equal(mine, tensor))
         dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.pp_group)
