@@ -14,7 +14,6 @@ from rlbridge.batch import Rollouts
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.engines.base import WeightExport
 from rlbridge.metrics import MetricsLog, console
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
@@ -102,12 +101,16 @@ class Session:
         return self.rollout.call("generate", ids, self.sampling(greedy=greedy), expect_version=self.version)
 
     def sync_weights(self) -> int:
-        """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved."""
+        """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved.
+
+        The export travels as a Ray object reference from the trainer straight to the rollout worker:
+        the driver never holds (or copies) the weights."""
         assert self.trainer is not None and self.rollout is not None
-        weights: WeightExport = self.trainer.call("export_weights", self.recipe.rollout.weight_sync)
+        same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
+        ref = self.trainer.submit("export_weights", self.recipe.rollout.weight_sync, as_files=same_node)
         self.version += 1
-        self.rollout.call("load_weights", weights, self.version)
-        return sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.rollout.call("load_weights", ref, self.version)
+        return int(self.trainer.call("last_export_bytes"))
 
 
 def _rollout_class(r: Recipe) -> type:

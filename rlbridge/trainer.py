@@ -39,8 +39,11 @@ class TrainerRole:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
         self.recipe = recipe
-        self.engine = build_engine(recipe, Path(model_dir))
+        self.model_dir = Path(model_dir)
+        self.engine = build_engine(recipe, self.model_dir)
         self.updates = 0
+        self._signal_updates = 0
+        self._export_bytes = 0
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
         self._gate_done = not recipe.run.health.first_step
@@ -49,8 +52,24 @@ class TrainerRole:
     def logprobs(self, batch: SeqBatch, reference: bool = False) -> torch.Tensor:
         return self.engine.logprobs(batch, reference=reference)
 
-    def export_weights(self, kind: str) -> WeightExport:
-        return self.engine.export_weights(kind)
+    def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
+        """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
+        directory in the rollout's dtype and handed over by path, instead of shipped through Ray."""
+        weights = self.engine.export_weights(kind)
+        self._export_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        if not as_files:
+            return weights
+        from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter, write_merged
+
+        if kind == "merged":
+            out = write_merged(weights, ram_tempdir("rlbridge-merged-"), base_dir=self.model_dir,
+                               dtype=getattr(torch, self.recipe.model.dtype))
+        else:
+            out = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+        return WeightExport(kind, {}, weights.adapter_config, path=str(out))
+
+    def last_export_bytes(self) -> int:
+        return self._export_bytes
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Generic access to the engine (checkpointing, tests)."""
@@ -99,6 +118,7 @@ class TrainerRole:
     def _health(self, m: dict[str, Any], *, has_signal: bool) -> None:
         if self._gate_done or self._start is None or not has_signal or m.get("skipped"):
             return
+        self._signal_updates += 1
         gn = m.get("grad_norm", float("nan"))
         if not math.isfinite(gn) or gn <= 0:
             raise HealthError(f"first update: grad_norm is {gn} (expected finite and > 0): nothing is training. "
@@ -110,9 +130,10 @@ class TrainerRole:
             raise HealthError(f"frozen tensors changed during the update: {', '.join(moved_frozen[:5])}"
                               f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)")
         unchanged = [k for k, v in now.items() if torch.equal(v, self._start[k])]
-        # LoRA's B starts at zero, so A gets no gradient on the very first update: allow two updates.
-        if unchanged and self.updates >= 2:
-            raise HealthError(f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self.updates} updates: "
+        # LoRA's B starts at zero, so A gets no gradient on the first update with a signal: allow two.
+        if unchanged and self._signal_updates >= 2:
+            raise HealthError(f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self._signal_updates} "
+                              "updates with a learning signal: "
                               f"{', '.join(unchanged[:5])}{' ...' if len(unchanged) > 5 else ''} "
                               "(run.health.first_step: false turns this check off)")
         if not unchanged:

@@ -29,6 +29,10 @@ class WeightExport:
     tensors: dict[str, torch.Tensor]
     adapter_config: dict | None = None
     """PEFT adapter_config.json content when kind == 'adapter'."""
+    path: str | None = None
+    """Set when the export was already written as an HF (merged) or PEFT (adapter) directory on this node;
+    `tensors` is then empty and the receiver takes ownership of the directory (same-node hand-off: no copy
+    through Ray's object store)."""
 
 
 class TrainEngine(Protocol):

@@ -27,6 +27,7 @@ from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
+from rlbridge.rollout.weights_dir import read_export_dir
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class HFRollout:
     def load_weights(self, weights: WeightExport, version: int) -> None:
         """Make the engine sample from these weights from now on, as `version`."""
         start = time.perf_counter()
+        if weights.path:
+            weights = read_export_dir(weights)
         if weights.kind == "merged":
             self._load_merged(weights.tensors)
         elif weights.kind == "adapter":

@@ -198,7 +198,7 @@ class VllmRollout:
     def _load_merged(self, weights: WeightExport) -> None:
         import torch
 
-        new_dir = write_merged(
+        new_dir = Path(weights.path) if weights.path else write_merged(
             weights,
             ram_tempdir("rlbridge-merged-"),
             base_dir=self._model_dir,
@@ -228,7 +228,7 @@ class VllmRollout:
             raise ValueError(
                 f"adapter rank {rank} exceeds rollout.max_lora_rank={self._kwargs['max_lora_rank']}"
             )
-        new_dir = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+        new_dir = Path(weights.path) if weights.path else write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
         self._lora_ids += 1
         request = LoRARequest(lora_name=f"v{version}", lora_int_id=self._lora_ids, lora_path=str(new_dir))
         try:

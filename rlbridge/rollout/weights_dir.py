@@ -71,3 +71,15 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     return value
+
+
+def read_export_dir(weights: WeightExport) -> WeightExport:
+    """The tensors of a directory hand-off (WeightExport.path), which is removed afterwards."""
+    from safetensors.torch import load_file
+
+    assert weights.path is not None
+    path = Path(weights.path)
+    name = "model.safetensors" if weights.kind == "merged" else "adapter_model.safetensors"
+    tensors = load_file(str(path / name))
+    remove_dir(path)
+    return WeightExport(weights.kind, tensors, weights.adapter_config)

@@ -45,10 +45,14 @@ def test_gates_pass_on_a_healthy_run(model_dir: Path) -> None:
 
 
 def test_no_signal_defers_the_gate(model_dir: Path) -> None:
+    """Updates without signal (all-equal rewards) do not count: LoRA's A only moves from the 2nd signal on."""
     t = role(model_dir)
     b, adv, lp = batch()
-    t.update(b, torch.zeros_like(adv), lp, None)  # all-equal rewards: nothing to learn, no verdict yet
-    assert not t._gate_done
+    for a in (adv * 0, adv * 0, adv):
+        t.update(b, a, lp, None)
+        assert not t._gate_done
+    t.update(b, adv, lp, None)
+    assert t._gate_done
 
 
 def test_zero_gradients_stop_the_run(model_dir: Path) -> None:
