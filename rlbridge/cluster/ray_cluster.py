@@ -29,7 +29,8 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
     if ray.is_initialized():
         return
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))}
-    env_vars.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the step lines
+    env_vars.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's INFO/WARNING lines would drown the step lines
+    env_vars.setdefault("TQDM_DISABLE", "1")  # no progress bar per weight reload
     env = {"env_vars": env_vars}
     if cfg.address:
         log(f"connecting to the Ray cluster at {cfg.address}")
