@@ -8,6 +8,7 @@ builds the loss closure from the recipe, and checks that the first updates reall
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,25 @@ def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
 
         device = "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
         return HFTrainEngine(recipe, model_dir, device=device)
-    raise RlbridgeError("the megatron engine runs through its worker group (cluster/megatron), not TrainerRole")
+    raise RlbridgeError("the megatron engine runs one TrainerRole per rank (cluster/trainer_group.py)")
 
 
 class TrainerRole:
-    def __init__(self, recipe: Recipe, model_dir: str, *, num_threads: int | None = None) -> None:
+    """The role of one trainer process. With a multi-rank engine (megatron) every rank runs one, fed the
+    same arguments by cluster/trainer_group.TrainerGroup; each data-parallel rank then works on its share
+    of the rows (`_shard`), so the loss closure and the health gates below are the one code path."""
+
+    def __init__(self, recipe: Recipe, model_dir: str, *, num_threads: int | None = None,
+                 engine_factory: Callable[[], TrainEngine] | None = None) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
         self.recipe = recipe
         self.model_dir = Path(model_dir)
-        self.engine = build_engine(recipe, self.model_dir)
+        self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
+        self.dp_rank, self.dp_size = getattr(self.engine, "data_parallel", (0, 1))
+        self.is_holder = True
+        """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
         self._signal_updates = 0
         self._export_bytes = 0
@@ -49,14 +58,27 @@ class TrainerRole:
         self._gate_done = not recipe.run.health.first_step
 
     # ---------------------------------------------------------------- passthroughs
+    def _shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's contiguous share of `rows` (all of them without data parallelism)."""
+        return rows.tensor_split(self.dp_size)[self.dp_rank] if self.dp_size > 1 else rows
+
     def logprobs(self, batch: SeqBatch, reference: bool = False) -> torch.Tensor:
-        return self.engine.logprobs(batch, reference=reference)
+        """[b, R] log-probs; with data parallelism, of this rank's share of the rows only (TrainerGroup
+        concatenates the shares in data-parallel order)."""
+        if self.dp_size == 1:
+            return self.engine.logprobs(batch, reference=reference)
+        rows = self._shard(torch.arange(batch.size))
+        if not len(rows):
+            return torch.zeros(0, batch.response_width)
+        return self.engine.logprobs(batch.select(rows), reference=reference)
 
     def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
         """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
         directory in the rollout's dtype and handed over by path, instead of shipped through Ray."""
-        weights = self.engine.export_weights(kind)
+        weights = self.engine.export_weights(kind)  # collective with a multi-rank engine: every rank calls it
         self._export_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        if not self.is_holder:
+            return WeightExport(kind, {}, weights.adapter_config)
         if not as_files:
             return weights
         from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter, write_merged
@@ -83,34 +105,45 @@ class TrainerRole:
         seqs_per_mini = r.mini_batch_size * r.rollout.n
         num_minis = batch.size // seqs_per_mini
         on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
-        old = None if on_policy else self.engine.logprobs(batch)
+        minis = [torch.arange(k * seqs_per_mini, (k + 1) * seqs_per_mini) for k in range(num_minis)]
+        mine = torch.cat([self._shard(rows) for rows in minis])  # the rows this rank trains on
+        old = None
+        if not on_policy:
+            old = torch.zeros(batch.size, batch.response_width)
+            old[mine] = self.engine.logprobs(batch if self.dp_size == 1 else batch.select(mine))
         if self._start is None and not self._gate_done:
             self._start = {k: v.detach().clone() for k, v in self.engine.trainable_state().items()}
             self._frozen = self.engine.frozen_fingerprint()
         metrics: list[dict[str, float]] = []
         for _ in range(r.trainer.ppo_epochs):
-            for k in range(num_minis):
-                rows = slice(k * seqs_per_mini, (k + 1) * seqs_per_mini)
+            for rows in minis:
                 metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt))
         out = _mean_metrics(metrics)
         if old is not None:
-            diff = (old - rollout_logp_bt).abs()[batch.response_mask > 0]
+            diff = (old - rollout_logp_bt)[mine].abs()[batch.response_mask[mine] > 0]
             out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         return out
 
-    def _update_mini(self, batch: SeqBatch, rows: slice, adv_bt: torch.Tensor, old: torch.Tensor | None,
+    def _update_mini(self, batch: SeqBatch, rows: torch.Tensor, adv_bt: torch.Tensor, old: torch.Tensor | None,
                      ref: torch.Tensor | None, rollout_lp: torch.Tensor) -> dict[str, Any]:
+        """One optimizer step on the mini-batch `rows` (contiguous). The loss inputs cover the whole
+        mini-batch, so each data-parallel rank's closure returns its exact share of the mini-batch loss."""
         r = self.recipe
-        sub = batch.select(rows)
         inputs = LossInputs(
-            adv_bt=adv_bt[rows], mask_bt=sub.response_mask, old_logp_bt=None if old is None else old[rows],
+            adv_bt=adv_bt[rows], mask_bt=batch.response_mask[rows], old_logp_bt=None if old is None else old[rows],
             ref_logp_bt=None if ref is None else ref[rows], rollout_logp_bt=rollout_lp[rows],
         )  # fmt: skip
-        num_micro = math.ceil(sub.size / r.trainer.micro_batch_size)
-        # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py): micro_scale undoes that
-        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens), micro_scale=float(num_micro))
-        m = self.engine.train_step(sub, loss_fn, num_micro_batches=num_micro)
+        mine = self._shard(rows)
+        num_micro = math.ceil(len(mine) / r.trainer.micro_batch_size)
+        # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py) and data parallelism
+        # averages the ranks' gradients: micro_scale undoes both
+        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
+                               micro_scale=float(num_micro * self.dp_size))
+        if self.dp_size > 1:  # the engine numbers the rows of its shard; the closure, those of the mini-batch
+            in_mini, mini_fn = mine - rows[0], loss_fn
+            loss_fn = lambda logp, ent, local: mini_fn(logp, ent, in_mini[local.cpu()])  # noqa: E731
+        m = self.engine.train_step(batch.select(mine), loss_fn, num_micro_batches=num_micro)
         self.updates += 1
         return m
 
