@@ -61,6 +61,7 @@ VERSIONED_PACKAGES = ("torch", "transformers", "peft", "vllm", "megatron-core", 
 
 RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every", "run.eval_samples",
                     "run.loggers", "run.health", "run.dir", "cluster.address", "cluster.placement_timeout_s",
+                    "cluster.collective_timeout_s",
                     "reward.timeout_s", "reward.workers", "reward.error_budget")
 """Recipe key prefixes that may change on resume: they do not change what the run computes."""
 

@@ -367,6 +367,10 @@ class ClusterCfg(Section):
     """Address of an existing Ray cluster; null starts a local one."""
     placement_timeout_s: Annotated[float, Field(gt=0)] = 300.0
     """How long to wait for Ray resources before failing with what is missing."""
+    collective_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
+    """Longest one call into a multi-rank trainer (an update, log-probs, a weight export) may take before
+    the run stops, naming the ranks that did not answer (a stuck collective). Also the torch.distributed
+    timeout. A rank that dies stops the run at once, whatever this says."""
 
 
 # --------------------------------------------------------------------------------------------- recipe

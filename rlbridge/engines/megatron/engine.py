@@ -273,6 +273,26 @@ class MegatronTrainEngine:
                 return WeightExport("adapter", tensors, export.peft_adapter_config(self.recipe))
         raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data-parallel replica: TrainerRole hands each replica its share of
+        the rows (tensor/pipeline ranks of one replica get the same rows)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place in the layout, as megatron's parallel state sees it."""
+        from megatron.core import parallel_state as ps
+
+        return {
+            "rank": dist.get_rank(),
+            "dp": ps.get_data_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(),
+        }
+
     # ------------------------------------------------------------------------ state / fingerprints
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Copies of this rank's trainable tensors (adapters under LoRA), under Megatron names (local shards;
