@@ -12,6 +12,7 @@ from typing import Any
 
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import ray_cluster as rc
+from rlbridge.cluster.trainer_group import TrainerGroup, start_trainer_group
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
 from rlbridge.metrics import MetricsLog, console
@@ -38,7 +39,8 @@ class Session:
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
         self.version = 0
         self._pg: Any = None
-        self.trainer: rc.Worker | None = None
+        self.trainer: rc.Worker | TrainerGroup | None = None
+        """The hf engine's one worker, or the megatron ranks behind one TrainerGroup (same interface)."""
         self.rollout: rc.Worker | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -80,13 +82,16 @@ class Session:
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1
         log("starting the trainer and rollout workers")
-        self.trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
-                                       args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
+        if r.trainer.engine == "hf":
+            self.trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
+                                           args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
         rollout_cls = _rollout_class(r)
         rollout_bundle = 0 if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
         self.rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
                                        args=(str(self.model_dir), r.rollout, r.model),
                                        kwargs=_rollout_kwargs(r, threads))
+        if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
+            self.trainer = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share, log=log)
         self.rollout.call("__ray_ready__") if hasattr(self.rollout.handle, "__ray_ready__") else None
         self.trainer.call("call", "trainable_state")  # surfaces a failed construction now, with its error
 

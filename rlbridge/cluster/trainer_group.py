@@ -1,0 +1,176 @@
+"""A trainer of several ranks (the megatron engine) as one object that the loop drives like one worker.
+
+Every rank is a Ray actor (`TrainerRank`: a TrainerRole whose engine is built once the ranks have formed
+their torch.distributed group) on its own bundle of the plan's placement group, bundle i for global rank i.
+Forming the group needs no launcher: rank 0 picks a free port on its node and returns (host, port) to the
+driver, which hands it to every rank; each rank then joins torch.distributed (gloo on CPU, NCCL on GPUs)
+and builds the megatron engine, which initializes megatron's parallel state from the recipe.
+
+`TrainerGroup` offers what `ray_cluster.Worker` offers (call, submit, kill) for TrainerRole's methods.
+Every call goes to every rank (the engine's methods are collective) and the answer comes from the ranks
+that hold it:
+
+  logprobs        each data-parallel replica computes its share of the rows; the shares, in dp order
+  update          each replica trains on its share of every mini-batch (TrainerRole._shard) with the
+                  mini-batch's loss normalization, so DP=2 takes the same step as DP=1; metrics are the
+                  replicas' mean (their max for *_max)
+  anything else   global rank 0's answer (export_weights: rank 0 holds the full export and, on one node,
+                  writes it as files; the other ranks return an empty export)
+
+Arguments are put into Ray's object store once and shared by all ranks.
+
+Waiting is a watchdog, not one blocking get: the driver polls every rank's result, and the first rank that
+fails (an exception, or its process dying) stops the call at once with that rank's error. All ranks are
+then killed, because the survivors would otherwise wait inside a collective until the distributed timeout.
+A call that runs past `cluster.collective_timeout_s` stops the run naming the ranks that did not answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rlbridge.cluster.ray_cluster import Worker, start_worker
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import Recipe
+from rlbridge.trainer import TrainerRole, _mean_metrics
+
+Log = Callable[[str], None]
+ADDRESS_TIMEOUT_S = 120.0
+
+
+class TrainerRank(TrainerRole):
+    """One rank of a multi-process trainer, inside a Ray actor. Constructing it is cheap; `join` forms the
+    process group and builds the engine (TrainerRole.__init__ then runs, with the engine factory)."""
+
+    def __init__(self, recipe: Recipe, model_dir: str, *, rank: int, world: int, num_threads: int | None) -> None:
+        self._setup = (recipe, model_dir, rank, world, num_threads)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+
+    def address(self) -> tuple[str, int]:
+        """(host, free port) for the process group's rendezvous; called on rank 0 only."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def join(self, host: str, port: int, timeout_s: float) -> dict[str, Any]:
+        """Join the torch.distributed group, build the engine; returns this rank's coordinates."""
+        import torch.distributed as dist
+
+        recipe, model_dir, rank, world, threads = self._setup
+        cuda = recipe.cluster.device == "cuda" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(0)  # Ray shows each rank only the GPU of its bundle
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+
+        def megatron_engine() -> Any:
+            from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+            return MegatronTrainEngine(recipe)
+
+        super().__init__(recipe, model_dir, num_threads=threads, engine_factory=megatron_engine)
+        self.is_holder = rank == 0
+        return {**self.engine.coordinates(), "pid": os.getpid(), "host": ray.util.get_node_ip_address()}  # type: ignore[attr-defined]
+
+
+class TrainerGroup:
+    """The driver's handle on all ranks of a multi-process trainer. See the module docstring."""
+
+    def __init__(self, ranks: list[Worker], *, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.coords: list[dict[str, Any]] = []
+        self._leaders = [0]
+        """The lowest global rank of each data-parallel replica, in dp order."""
+
+    def _set_coords(self, coords: list[dict[str, Any]]) -> None:
+        self.coords = coords
+        num_dp = max(c["dp"] for c in coords) + 1
+        self._leaders = [min(i for i, c in enumerate(coords) if c["dp"] == d) for d in range(num_dp)]
+        for worker, c in zip(self.ranks, coords, strict=True):
+            worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
+
+    # ------------------------------------------------------------------------------ Worker's interface
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        results = self._wait(self._submit_all(method, args, kwargs), method, timeout=timeout)
+        if method == "logprobs":
+            return torch.cat([results[i] for i in self._leaders])
+        if method == "update":
+            return _mean_metrics([results[i] for i in self._leaders])
+        return results[0]
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Runs `method` on every rank and returns a reference to rank 0's result once all have finished,
+        so a failed rank surfaces here (the weight export is handed to the rollout by reference: rank 0's
+        result is not fetched, it goes from rank 0 to the rollout without passing through the driver)."""
+        refs = self._submit_all(method, args, kwargs)
+        self._wait(refs, method, fetch=lambda i: i != 0)
+        return refs[0]
+
+    def kill(self) -> None:
+        for worker in self.ranks:
+            worker.kill()
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _submit_all(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        shared = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else ray.put(v)  # noqa: E731
+        args = tuple(shared(a) for a in args)
+        kwargs = {k: shared(v) for k, v in kwargs.items()}
+        return [worker.submit(method, *args, **kwargs) for worker in self.ranks]
+
+    def _wait(self, refs: list[Any], what: str, *, timeout: float | None = None,
+              fetch: Callable[[int], bool] = lambda i: True) -> list[Any]:
+        limit = timeout or self.timeout_s
+        deadline = time.monotonic() + limit
+        pending = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(self.ranks[i].name for i in sorted(pending.values()))
+                self.kill()
+                raise RlbridgeError(f"{names} did not finish {what} within {limit:.0f} s (a stuck collective?); "
+                                    "all trainer ranks were stopped (cluster.collective_timeout_s sets the limit)")
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0), fetch_local=False)
+            for ref in ready:
+                i = pending.pop(ref)
+                if fetch(i):
+                    try:
+                        results[i] = self.ranks[i].wait(ref)
+                    except RlbridgeError as e:
+                        self.kill()
+                        raise RlbridgeError(f"{e} (during {what}; all trainer ranks were stopped)") from None
+        return results
+
+
+def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: float, num_gpus: float,
+                        log: Log) -> TrainerGroup:
+    """One TrainerRank per device of the plan (rank i on bundle i), joined into one process group."""
+    world = recipe.world_size
+    threads = max(1, (os.cpu_count() or 1) // world) if recipe.cluster.device == "cpu" else None
+    timeout = recipe.cluster.collective_timeout_s
+    ranks = [
+        start_worker(TrainerRank, f"trainer rank {i}", pg, i, num_cpus=num_cpus, num_gpus=num_gpus,
+                     args=(recipe, str(model_dir)), kwargs={"rank": i, "world": world, "num_threads": threads})
+        for i in range(world)
+    ]
+    group = TrainerGroup(ranks, timeout_s=timeout)
+    log(f"starting {world} megatron trainer ranks ({recipe.cluster.device}, "
+        f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})")
+    host, port = group._wait([ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S)[0]
+    group._set_coords(group._wait([w.submit("join", host, port, timeout) for w in ranks], "start-up"))
+    for c in group.coords:
+        log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']}")
+    return group
