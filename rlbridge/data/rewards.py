@@ -10,7 +10,7 @@ A reward function is ``fn(prompt: str, completion: str, sample: dict) -> float``
 and it returns a finite real number. `RewardPool` (reward_pool.py) runs user functions in worker processes
 and turns exceptions, non-finite or non-numeric results, hangs and exits into per-sample errors.
 
-The recipe names a function as a builtin (`arithmetic`, `gsm8k`, `format`) or as
+The recipe names a function as a builtin (`arithmetic`, `gsm8k`, `format`, `length`) or as
 ``package.module:function``; `check_reward_fn` imports it and checks its signature during recipe
 validation, so a typo fails in seconds instead of at step 300. User modules are imported with the current
 directory appended to ``sys.path`` (as ``python -m`` would see it), so ``my_rewards:score`` next to the
@@ -133,10 +133,17 @@ def format_reward(prompt: str, completion: str, sample: dict[str, Any]) -> float
     return float(completion.count(_MARKER) == 1 and number_after_marker(completion) is not None)
 
 
+def length_reward(prompt: str, completion: str, sample: dict[str, Any]) -> float:
+    """min(len(completion), 100) / 100. Not a task reward: a graded signal that even a random model gets,
+    so smoke runs (recipes/smoke-megatron-cpu.yaml, `rlbridge train --smoke`) have gradients to check."""
+    return min(len(completion), 100) / 100.0
+
+
 BUILTINS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "gsm8k": gsm8k_reward,
     "format": format_reward,
+    "length": length_reward,
 }
 
 

@@ -299,7 +299,7 @@ class RewardTerm(Section):
 
 class RewardCfg(Section):
     fn: str | None = "gsm8k"
-    """Builtin reward (arithmetic, gsm8k, format) or `package.module:function`. Use `terms` for a weighted sum."""
+    """Builtin reward (arithmetic, gsm8k, format, length) or `package.module:function`. Use `terms` for a weighted sum."""
     terms: list[RewardTerm] | None = None
     """Weighted sum of reward functions (instead of fn)."""
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
