@@ -1,7 +1,17 @@
-"""Metrics sinks: metrics.jsonl in the run directory (always) and a one-line-per-step console view.
+"""Metrics: one record per step fanned out to the sinks that `run.loggers` selects.
 
-The jsonl file is the source of truth (one JSON object per step, flushed each step, so a crashed run
-keeps every finished step); other loggers (wandb, tensorboard) read the same dicts.
+The jsonl file in the run directory is always written and is the source of truth (one JSON object per
+step, flushed each step, so a crashed run keeps every finished step; `rlbridge report` reads it). The
+other sinks see the same dicts:
+
+    console      one line per step on stderr (rich)
+    tensorboard  event files under RUN_DIR/logs/tensorboard   (rlbridge.loggers.tensorboard)
+    wandb        Weights & Biases, offline without WANDB_API_KEY, files under RUN_DIR/logs/wandb
+                 (rlbridge.loggers.wandb)
+
+A sink is anything with `write(record)` and `close()`. The heavy ones import their library inside their
+own module, only when selected. A failing optional sink is dropped with a warning: a logger never stops a
+run, and the jsonl file still has every step.
 """
 
 from __future__ import annotations
@@ -9,10 +19,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 
@@ -34,27 +44,97 @@ class Timer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a record, tagged `<kind>/<key>` (`train/reward_mean`, `eval/eval_accuracy`): what
+    the tensorboard and wandb sinks log. Strings, lists and None are left out; bools become 0/1."""
+    kind = record.get("kind", "train")
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("step", "kind") or value is None or not isinstance(value, (int, float)):
+            continue
+        out[f"{kind}/{key}"] = float(value)
+    return out
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
 
 
-class MetricsLog:
-    def __init__(self, run_dir: Path, loggers: list[str], total_steps: int) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        self.console = "console" in loggers
-        self.total_steps = total_steps
-        self._file = self.path.open("a", encoding="utf-8")
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True) + "\n")
         self._file.flush()
-        if self.console:
-            console.print(_line(record, self.total_steps))
 
     def close(self) -> None:
         self._file.close()
+
+
+class ConsoleSink:
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def write(self, record: dict[str, Any]) -> None:
+        console.print(_line(record, self.total_steps))
+
+    def close(self) -> None:
+        pass
+
+
+def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] | None) -> Sink:
+    """The sink of one optional logger (imports its library)."""
+    if logger == "tensorboard":
+        from rlbridge.loggers.tensorboard import TensorBoardSink
+
+        return TensorBoardSink(run_dir / "logs" / "tensorboard")
+    if logger == "wandb":
+        from rlbridge.loggers.wandb import WandbSink
+
+        return WandbSink(run_dir / "logs", name=name, config=config or {})
+    raise ValueError(f"unknown logger {logger!r}")
+
+
+class MetricsLog:
+    """Fans every record out to metrics.jsonl (always) and the loggers the recipe selects."""
+
+    def __init__(self, run_dir: Path, loggers: Sequence[str], total_steps: int, *, name: str = "",
+                 config: dict[str, Any] | None = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
+        if "console" in loggers:
+            self.sinks["console"] = ConsoleSink(total_steps)
+        for logger in loggers:
+            if logger not in self.sinks:
+                self.sinks[logger] = make_sink(logger, run_dir, name=name or run_dir.name, config=config)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, sink in list(self.sinks.items()):
+            if key == "jsonl":
+                sink.write(record)
+                continue
+            try:
+                sink.write(record)
+            except Exception as e:  # a logger never stops a run: the jsonl file has every step
+                console.print(f"[yellow]warning[/] the {key} logger failed and is turned off for this run: {e!r}")
+                self.sinks.pop(key)
+
+    def close(self) -> None:
+        for key, sink in reversed(list(self.sinks.items())):
+            try:
+                sink.close()
+            except Exception as e:
+                console.print(f"[yellow]warning[/] closing the {key} logger failed: {e!r}")
 
 
 def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str:

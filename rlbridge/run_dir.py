@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -34,3 +37,33 @@ def create(run_dir: Path, recipe: Recipe, plan: Plan) -> Path:
     (run_dir / "recipe.yaml").write_text(resolved_yaml(recipe), encoding="utf-8")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2), encoding="utf-8")
     return run_dir
+
+
+# ------------------------------------------------------------------------------------------ run status
+STATUS_FILE = "status.json"
+"""{"state": running | finished | failed | interrupted, "pid", "host", "time", "error"}: written when a
+run starts and when it ends. A run killed without cleanup stays "running" with a dead pid: `rlbridge
+report` calls that crashed."""
+
+
+def write_status(run_dir: Path, state: str, *, error: str | None = None) -> None:
+    info = {"state": state, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    if error:
+        info["error"] = error
+    tmp = run_dir / f".{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps(info, indent=2), encoding="utf-8")
+    tmp.replace(run_dir / STATUS_FILE)
+
+
+def exit_state(exc_type: type[BaseException] | None) -> str:
+    if exc_type is None:
+        return "finished"
+    return "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((run_dir / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

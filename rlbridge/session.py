@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlbridge import run_dir as rundir
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.cluster.trainer_group import TrainerGroup, start_trainer_group
@@ -46,6 +47,7 @@ class Session:
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
         r = self.recipe
+        rundir.write_status(self.run_dir, "running")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.train_data = self._encode(load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train")
@@ -53,17 +55,19 @@ class Session:
                          if r.data.val is not None else None)
         self.sampler = PromptSampler(self.train_data.prompts, seed=r.run.seed, shuffle=r.data.shuffle)
         self.rewards = RewardPool(r.reward).__enter__()
-        self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps)
+        self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name,
+                                  config=r.model_dump(mode="json"))
         self._start_workers()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         for w in (self.rollout, self.trainer):
             if w is not None:
                 w.kill()
         rc.shutdown(self._pg)
         self.rewards.__exit__(None, None, None)
         self.metrics.close()
+        rundir.write_status(self.run_dir, rundir.exit_state(exc_type), error=None if exc is None else str(exc)[:2000])
 
     def _encode(self, prompts: list[Any], key: str) -> Encoded:
         r = self.recipe

