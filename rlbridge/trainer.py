@@ -8,12 +8,14 @@ builds the loss closure from the recipe, and checks that the first updates reall
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlbridge import faults
 from rlbridge.algo.objective import LossInputs, make_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import TrainEngine, WeightExport
@@ -101,6 +103,7 @@ class TrainerRole:
     def update(
         self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None
     ) -> dict[str, float]:
+        faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
         r = self.recipe
         seqs_per_mini = r.mini_batch_size * r.rollout.n
         num_minis = batch.size // seqs_per_mini
@@ -147,6 +150,63 @@ class TrainerRole:
         self.updates += 1
         return m
 
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_support(self) -> str | None:
+        """None when this trainer can save and restore checkpoints, else why not."""
+        missing = [m for m in _CHECKPOINT_METHODS if not callable(getattr(self.engine, m, None))]
+        if missing:
+            return (f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
+                    f"{', '.join(missing)})")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            return "checkpoints of a multi-rank trainer are not implemented yet"
+        return None
+
+    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
+                        keep: int) -> dict[str, Any]:
+        """Write checkpoint `step` from this process (the tensors never travel): the trainable tensors
+        (adapters only under LoRA), optimizer and scheduler state, this process's RNG states and the gate
+        state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
+        rlbridge/checkpoint.py). Returns path, bytes, seconds, and what retention deleted."""
+        from rlbridge import checkpoint as ckpt
+
+        problem = self.checkpoint_support()
+        if problem:
+            raise RlbridgeError(problem)
+        start = time.perf_counter()
+        optim_tensors, optim_meta = self.engine.optimizer_state()  # type: ignore[attr-defined]
+        mine = {"engine": self.recipe.trainer.engine, "rng": ckpt.rng_state(), "optimizer": optim_meta,
+                "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
+        notes: list[str] = []
+        path = ckpt.save_checkpoint(Path(run_dir), step, tensors={"trainable": self.engine.trainable_state(),
+                                                                  "optimizer": optim_tensors},
+                                    state={**state, "trainer": mine}, recipe_yaml=recipe_yaml, keep=keep,
+                                    log_fn=notes.append)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        return {"path": str(path), "bytes": size, "seconds": time.perf_counter() - start, "notes": notes}
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
+        (verified first); returns its state.json content for the driver to restore the rest."""
+        from rlbridge import checkpoint as ckpt
+
+        problem = self.checkpoint_support()
+        if problem:
+            raise RlbridgeError(problem)
+        loaded = ckpt.load_checkpoint(Path(path))
+        mine = loaded.state.get("trainer") or {}
+        if mine.get("engine") != self.recipe.trainer.engine:
+            raise RlbridgeError(f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
+                                f"trainer.engine={self.recipe.trainer.engine}")
+        self.engine.load_trainable_state(loaded.tensors["trainable"])  # type: ignore[attr-defined]
+        self.engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])  # type: ignore[attr-defined]
+        ckpt.set_rng_state(mine["rng"])
+        self.updates = int(mine.get("updates", 0))
+        self._gate_done = bool(mine.get("gate_done", self._gate_done))
+        self._signal_updates = int(mine.get("signal_updates", 0))
+        self._start = self._frozen = None
+        return loaded.state
+
     # ---------------------------------------------------------------- health gates
     def _health(self, m: dict[str, Any], *, has_signal: bool) -> None:
         if self._gate_done or self._start is None or not has_signal or m.get("skipped"):
@@ -172,6 +232,9 @@ class TrainerRole:
         if not unchanged:
             self._gate_done = True
             self._start = None
+
+
+_CHECKPOINT_METHODS = ("trainable_state", "load_trainable_state", "optimizer_state", "load_optimizer_state")
 
 
 def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:

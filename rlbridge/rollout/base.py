@@ -2,6 +2,11 @@
 
 Weights carry a version number: `load_weights` sets it, `generate` refuses to run when the caller
 expects a newer version than the engine holds (stale weights sample the wrong policy silently otherwise).
+
+Sampling is reproducible per call: `generate(..., seed=s)` re-seeds the engine's sampling RNG with `s`
+first, so the same prompts, weights and seed give the same tokens whatever ran before (the loop passes one
+seed per step, which is what makes a resumed run sample what the uninterrupted one did). Without a seed the
+engine's RNG simply continues.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ class StaleWeightsError(RuntimeError):
 class RolloutEngine(Protocol):
     weight_version: int
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int) -> Rollouts:
-        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i."""
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+    ) -> Rollouts:
+        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed the
+        sampling RNG first (same seed, prompts and weights -> same tokens); None continues the RNG."""
         ...
 
     def load_weights(self, weights: WeightExport, version: int) -> None:

@@ -58,9 +58,10 @@ class HFRollout:
     # ---------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int
+        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
     ) -> Rollouts:
-        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i."""
+        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. Sampling draws from
+        torch's RNG seeded with `seed`, or (None) with the engine seed + the number of earlier calls."""
         if expect_version != self.weight_version:
             raise StaleWeightsError(
                 f"hf rollout holds weight version {self.weight_version}, caller expects {expect_version}"
@@ -76,7 +77,7 @@ class HFRollout:
         model = self._peft if self._peft is not None else self.model
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self._seed + self._num_calls)
+            torch.manual_seed(self._seed + self._num_calls if seed is None else seed)
             self._num_calls += 1
             out = model.generate(
                 input_ids=ids.to(self.device),

@@ -15,8 +15,12 @@ What it settles so the loop does not have to:
   earlier requests would reuse KV computed with the old weights. 'adapter': the PEFT adapter is written to
   a RAM-backed directory and added under a fresh LoRA id (vLLM caches adapters by id), the previous one
   removed so at most one is resident.
-- **CPU build.** No per-request seed (it crashes the CPU sampler: "CPU Generator does not use offset");
-  the engine is seeded instead. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
+- **Reproducible sampling.** `generate(..., seed=s)` re-seeds the sampling RNG of every vLLM worker first
+  (`collective_rpc("rlbridge_reseed")`, a method of `WorkerExtension`, which the engine mixes into its
+  workers through `worker_extension_cls`): with the same prompts, weights and seed the tokens are the same
+  whatever the engine generated before, so a resumed run samples what the uninterrupted one did.
+  Per-request seeds are not used: they crash the CPU sampler ("CPU Generator does not use offset").
+- **CPU build.** The engine is seeded (`seed`) as well. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
   which also skips the warm-up pass); eager mode; sleep/wake_up are no-ops.
 
 Process model (pytest included): vLLM runs the engine core and its workers in child processes started with
@@ -49,6 +53,20 @@ log = logging.getLogger(__name__)
 GIB = 1024**3
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py)."""
+WORKER_EXTENSION = "rlbridge.rollout.vllm.WorkerExtension"
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into its worker class (`worker_extension_cls`), called through collective_rpc.
+    Imported inside vLLM's worker processes: it must not import anything heavy at module level."""
+
+    def rlbridge_reseed(self, seed: int) -> None:
+        """Re-seed the RNGs the sampler draws from (python, numpy, torch CPU and the device), as vLLM
+        seeds them at start-up; data-parallel engines get distinct streams, as there."""
+        from vllm.utils.torch_utils import set_random_seed
+
+        parallel = getattr(self, "parallel_config", None)
+        set_random_seed(seed, getattr(parallel, "data_parallel_index", 0) or 0)
 
 
 def engine_kwargs(
@@ -76,6 +94,7 @@ def engine_kwargs(
         seed=seed,
         logprobs_mode="raw_logprobs",
         enable_lora=adapter,
+        worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=cpu,
     )
     if adapter:
@@ -137,9 +156,10 @@ class VllmRollout:
 
     # ---------------------------------------------------------------------------------------- generate
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int
+        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
     ) -> Rollouts:
-        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i."""
+        """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed every
+        worker's sampling RNG first (see the module docstring); None continues it."""
         if expect_version != self.weight_version:
             raise StaleWeightsError(
                 f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
@@ -148,6 +168,8 @@ class VllmRollout:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        if seed is not None:
+            self._llm.collective_rpc("rlbridge_reseed", args=(int(seed),))
         outputs = self._llm.generate(
             prompts, self._sampling_params(sampling), lora_request=self._lora, use_tqdm=False
         )

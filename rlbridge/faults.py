@@ -1,0 +1,39 @@
+"""Fault injection for tests: stop for a while at a named point, so a test can kill or signal the run there.
+
+Off unless the environment asks for it (Ray forwards RLBRIDGE_* variables to the workers):
+
+    RLBRIDGE_FAULT_PAUSE=update#2:30       pause 30 s the 2nd time this process reaches the point "update"
+    RLBRIDGE_FAULT_PAUSE=checkpoint-files:30   ... the 1st time (several specs: separate them with commas)
+    RLBRIDGE_FAULT_MARKER=/tmp/x           a line "<point> <count> <pid>" is appended there on each pause
+
+Points: `update` (TrainerRole.update, before any work), `checkpoint-files` (checkpoint.save_checkpoint:
+tensor files written, manifest not yet). The tests use them to send SIGTERM during an update and to kill -9
+a process in the middle of a save; nothing else reads these variables.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PAUSE_ENV = "RLBRIDGE_FAULT_PAUSE"
+MARKER_ENV = "RLBRIDGE_FAULT_MARKER"
+_counts: dict[str, int] = {}
+
+
+def pause(point: str) -> None:
+    """Sleep here if RLBRIDGE_FAULT_PAUSE names this point and this occurrence (see the module docstring)."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    _counts[point] = count = _counts.get(point, 0) + 1
+    for item in spec.split(","):
+        where, _, seconds = item.strip().rpartition(":")
+        name, _, nth = where.partition("#")
+        if name != point or count != (int(nth) if nth else 1):
+            continue
+        marker = os.environ.get(MARKER_ENV)
+        if marker:
+            with open(marker, "a", encoding="utf-8") as f:
+                f.write(f"{point} {count} {os.getpid()}\n")
+        time.sleep(float(seconds))
