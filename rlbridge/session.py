@@ -105,19 +105,21 @@ class Session:
         return SamplingCfg(n=1 if greedy else ro.n, temperature=0.0 if greedy else ro.temperature, top_p=ro.top_p,
                            top_k=ro.top_k, max_tokens=ro.max_response_tokens, greedy=greedy)
 
-    def generate(self, ids: list[list[int]], *, greedy: bool = False) -> Rollouts:
+    def generate(self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None) -> Rollouts:
+        """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
         assert self.rollout is not None
-        return self.rollout.call("generate", ids, self.sampling(greedy=greedy), expect_version=self.version)
+        return self.rollout.call("generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed)
 
-    def sync_weights(self) -> int:
-        """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved.
+    def sync_weights(self, *, version: int | None = None) -> int:
+        """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved. The weights get
+        the next version number, or `version` (a resume re-sends the checkpoint's weights under their own).
 
         The export travels as a Ray object reference from the trainer straight to the rollout worker:
         the driver never holds (or copies) the weights."""
         assert self.trainer is not None and self.rollout is not None
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
         ref = self.trainer.submit("export_weights", self.recipe.rollout.weight_sync, as_files=same_node)
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         self.rollout.call("load_weights", ref, self.version)
         return int(self.trainer.call("last_export_bytes"))
 
