@@ -10,7 +10,7 @@ import sys
 import typer
 
 from rlbridge import __version__
-from rlbridge.cli import export, plan, schema, train, validate
+from rlbridge.cli import export, plan, report, schema, train, validate
 
 app = typer.Typer(
     name="rlbridge",
@@ -25,6 +25,7 @@ app.command("train")(train.train)
 app.command("resume")(train.resume)
 app.command("export-hf")(export.export_hf)
 app.command("schema")(schema.schema)
+app.command("report")(report.report)
 
 
 def _version(value: bool) -> None:
