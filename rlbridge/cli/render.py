@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -83,15 +84,14 @@ def plan_full(p: Plan) -> None:
     out.print(f"[bold]Ray bundles[/] {bundles}" + (f"; rollout: {len(p.rollout_bundles)} separate" if p.rollout_bundles else ""))
 
 
-def print_summary(summary: object) -> None:
-    s = summary  # rlbridge.loop.Summary (not imported: the loop pulls in torch)
-    before, after = getattr(s, "before"), getattr(s, "after")
-    out.print(f"[bold green]done[/] {getattr(s, 'steps')} steps in {getattr(s, 'seconds') / 60:.1f} min; run directory {getattr(s, 'run_dir')}")
-    if before and after:
+def print_summary(s: Any) -> None:
+    """s: rlbridge.loop.Summary (not imported here: the loop pulls in torch)."""
+    out.print(f"[bold green]done[/] {s.steps} steps in {s.seconds / 60:.1f} min; run directory {s.run_dir}")
+    if s.before and s.after:
         t = Table(title="held-out evaluation (greedy)", title_justify="left")
-        for col in ("", "step 0", f"step {getattr(s, 'steps')}", "change"):
+        for col in ("", "step 0", f"step {s.steps}", "change"):
             t.add_column(col, justify="right")
         for key, label in (("eval_accuracy", "accuracy"), ("eval_format", "format")):
-            b, a = before.get(key, 0.0), after.get(key, 0.0)
+            b, a = s.before.get(key, 0.0), s.after.get(key, 0.0)
             t.add_row(label, f"{b:.1%}", f"{a:.1%}", f"{(a - b) * 100:+.1f} pts")
         out.print(t)

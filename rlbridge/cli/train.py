@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -25,7 +27,7 @@ def train(
 
     plan = make_plan(valid.recipe, valid.model)
     render.plan_summary(plan)
-    with user_errors():
+    with user_errors(), stop_on_signal():
         from rlbridge.loop import train as run_training
         from rlbridge.model_cache import ensure_model
 
@@ -36,11 +38,47 @@ def train(
     render.print_summary(summary)
 
 
-@example("rlbridge resume runs/quickstart-20261130-1200")
+@example("rlbridge resume runs/quickstart-20261130-1200 --set run.steps=60")
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory to continue."),
     set_: list[str] = SetOpt,
 ) -> None:
-    """Continue a run from its newest complete checkpoint."""
-    render.err.print("[red]error:[/] resume is not available yet (see the checkpoint issue)")
-    raise typer.Exit(1)
+    """Continue a run from its newest complete checkpoint (newer broken ones are skipped, with the reason).
+    --set may change only keys that do not change what the run computes (run.steps, run.save_every, run.keep,
+    run.eval_*, run.loggers, run.health, cluster.address, reward.timeout_s/workers/error_budget); any other
+    change is refused with exit 2. Exit 0 done, 1 failure, 2 invalid or unsafe recipe, 130/143 stopped by
+    Ctrl-C/SIGTERM after saving."""
+    with user_errors():
+        from rlbridge.resume import prepare_resume
+
+        prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
+    from rlbridge.plan import make_plan
+
+    valid, point, steps = prep.valid, prep.point, prep.valid.recipe.run.steps
+    render.out.print(f"resuming {run_dir} from {point.path} (step {point.step} of {steps})")
+    if point.step >= steps:
+        render.out.print(f"nothing to do: the checkpoint is at step {point.step} and run.steps is {steps} "
+                         f"(continue further with --set run.steps=N)")
+        return
+    plan = make_plan(valid.recipe, valid.model)
+    render.plan_summary(plan)
+    with user_errors(), stop_on_signal():
+        from rlbridge.loop import train as run_training
+        from rlbridge.model_cache import ensure_model
+
+        model_dir = ensure_model(valid.recipe.model.path)
+        summary = run_training(valid.recipe, plan, run_dir, model_dir, resume=point)
+    render.print_summary(summary)
+
+
+@contextmanager
+def stop_on_signal() -> Iterator[None]:
+    """A run stopped by SIGTERM / Ctrl-C after saving: its message (with the resume command), and exit 143 /
+    130. A second Ctrl-C (no save) reaches the command's KeyboardInterrupt handler: exit 130."""
+    from rlbridge.signals import Interrupted
+
+    try:
+        yield
+    except Interrupted as e:
+        render.err.print(f"[yellow]{e.message}[/]", soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None

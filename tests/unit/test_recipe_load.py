@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rlbridge.errors import RecipeError
 from rlbridge.recipe import load_recipe
@@ -33,7 +34,7 @@ def issues_of(path: Path, *sets: str) -> list:
 def test_minimal_recipe_gets_defaults(tmp_path: Path) -> None:
     r = load_recipe(write(tmp_path, MINIMAL))
     assert isinstance(r, Recipe) and r.trainer.engine == "hf" and r.algorithm.name == "grpo"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         r.run.steps = 3  # type: ignore[misc]  (frozen)
 
 
