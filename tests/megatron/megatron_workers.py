@@ -468,3 +468,10 @@ def variants_suite(qwen: str) -> dict[str, Any]:
     res["after_nan_step"] = engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2)
     engine.close()
     return res
+
+
+def provider_rope(model_dir: str) -> dict[str, float]:
+    """The rotary base the provider gets for a model with a non-default rope_theta."""
+    from rlbridge.engines.megatron import provider as P
+
+    return {"rotary_base": float(P.build(make_recipe(model_dir)).provider.rotary_base)}

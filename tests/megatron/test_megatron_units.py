@@ -45,3 +45,18 @@ def test_micro_batches_follow_tensor_split_and_pad_for_pipelines() -> None:
     piped = split_micro_batches(batch, 2, equal_rows=True, count_multiple=4, seq_multiple=4)
     assert [mb.rows.tolist() for mb in piped] == [[0, 1, 2], [3, 4], [], []]
     assert {mb.input_ids.shape for mb in piped} == {(3, 4)}
+
+
+def test_rope_theta_moved_by_transformers5_is_put_back() -> None:
+    """transformers 5 keeps rope_theta in rope_parameters; Megatron-Bridge 0.3 read only the attribute and
+    silently used base 10000 (found by `rlbridge train --smoke` on the Qwen2.5-7B recipe: theta 1e6)."""
+    from types import SimpleNamespace
+
+    from rlbridge.engines.megatron.provider import restore_rope_fields
+
+    cfg = SimpleNamespace(rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    assert restore_rope_fields(cfg) == 1e6 and cfg.rope_theta == 1e6 and not hasattr(cfg, "rope_scaling")
+    yarn = {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}
+    cfg = SimpleNamespace(rope_parameters=yarn, rope_scaling=None)
+    assert restore_rope_fields(cfg) == 1e4 and cfg.rope_scaling == yarn
+    assert restore_rope_fields(SimpleNamespace(rope_theta=5e5)) == 5e5

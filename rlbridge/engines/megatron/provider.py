@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rlbridge.errors import RlbridgeError
 from rlbridge.model_info import resolve_model_path
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import megatron_targets
@@ -231,6 +232,21 @@ def make_peft(recipe: Recipe, settings: PeftSettings) -> Any:
     )
 
 
+def restore_rope_fields(config: Any) -> float | None:
+    """transformers 5 moved `rope_theta` (and `rope_scaling`) into `config.rope_parameters`; Megatron-Bridge
+    0.3 still reads the old attributes and, finding none, silently builds RoPE with base 10000 (Qwen2.5 uses
+    1e6: every log-prob past the first few positions is off). Put them back where the bridge reads them.
+    Returns the model's rope_theta (None if it has none)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        if getattr(config, "rope_theta", None) is None and "rope_theta" in params:
+            config.rope_theta = params["rope_theta"]
+        if getattr(config, "rope_scaling", None) is None and params.get("rope_type", "default") != "default":
+            config.rope_scaling = dict(params)
+    theta = getattr(config, "rope_theta", None)
+    return None if theta is None else float(theta)
+
+
 def build(recipe: Recipe) -> Built:
     """Bridge + configured provider + DDP/optimizer configs + PEFT. Not finalized, no model built yet."""
     from rlbridge.engines.megatron import compat
@@ -242,7 +258,14 @@ def build(recipe: Recipe) -> Built:
 
     path = str(resolve_model_path(recipe.model.path))
     bridge = AutoBridge.from_hf_pretrained(path, torch_dtype=TORCH_DTYPES[recipe.model.dtype])
+    theta = restore_rope_fields(bridge.hf_pretrained.config)
     provider = bridge.to_megatron_provider(load_weights=True)
+    if theta is not None and float(provider.rotary_base) != theta:
+        raise RlbridgeError(
+            f"Megatron-Bridge set rotary_base {provider.rotary_base} but the model's rope_theta is {theta}: "
+            "the trainer would compute different log-probs than the model (report this with the versions "
+            f"{compat.versions()})"
+        )
     built = Built(
         bridge=bridge,
         provider=provider,
