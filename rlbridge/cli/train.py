@@ -13,15 +13,27 @@ from rlbridge.cli.common import RecipeArg, SetOpt, example, user_errors
 from rlbridge.recipe import validate_recipe
 
 
-@example("rlbridge train recipes/quickstart.yaml --set run.steps=20")
+@example("rlbridge train recipes/quickstart.yaml --set run.steps=20\n\n"
+         "    rlbridge train --smoke recipes/qwen2.5-7b-grpo-lora.yaml --set model.path=DIR_WITH_CONFIG_JSON")
 def train(
     recipe: Path = RecipeArg,
     set_: list[str] = SetOpt,
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Run directory (default: run.dir or runs/<name>-<time>)."),
+    smoke: bool = typer.Option(
+        False, "--smoke",
+        help="Check a megatron recipe's wiring on this machine's CPUs first: its model shrunk to a few random "
+        "layers (same architecture and parallel layout; only config.json is read), one CPU worker per GPU, "
+        "hf rollouts, 2 steps. Prints every change it makes.",
+    ),
 ) -> None:
     """Validate the recipe, then train. Exit 0 done, 1 failure, 2 invalid recipe."""
     with user_errors():
-        valid = validate_recipe(recipe, set_)
+        if smoke:
+            from rlbridge.smoke import prepare
+
+            valid = prepare(recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"))
+        else:
+            valid = validate_recipe(recipe, set_)
     from rlbridge import run_dir as rd
     from rlbridge.plan import make_plan
 
