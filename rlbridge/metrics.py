@@ -143,6 +143,9 @@ def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str
 
 
 def _line(r: dict[str, Any], total: int) -> str:
+    if r.get("kind") == "checkpoint":
+        return (f"[bold green]saved[/] step {r['step']}: {r.get('path')} ({r.get('checkpoint_bytes', 0) / 1e6:.1f} MB "
+                f"in {r.get('time_save', 0):.2f} s)")
     if r.get("kind") == "eval":
         return (f"[bold cyan]eval[/] step {r['step']}: accuracy {r.get('eval_accuracy', 0):.1%}, "
                 f"format {r.get('eval_format', 0):.1%}, reward {r.get('eval_reward', 0):.3f} on {r.get('eval_samples', 0)} prompts")

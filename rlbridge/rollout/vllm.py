@@ -66,7 +66,7 @@ class WorkerExtension:
         from vllm.utils.torch_utils import set_random_seed
 
         parallel = getattr(self, "parallel_config", None)
-        set_random_seed(seed, getattr(parallel, "data_parallel_index", 0) or 0)
+        set_random_seed(seed % 2**32, getattr(parallel, "data_parallel_index", 0) or 0)  # numpy's range
 
 
 def engine_kwargs(

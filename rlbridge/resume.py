@@ -1,0 +1,282 @@
+"""Saving a run and continuing it: the driver's side of checkpoints (the format is rlbridge/checkpoint.py).
+
+A checkpoint of step k holds everything step k+1 depends on, so `rlbridge resume` computes what the
+uninterrupted run would have:
+
+    trainer   trainable tensors (adapters only under LoRA), AdamW moments, schedule position, the trainer
+              process's RNG, the health-gate state            (written by TrainerRole in its own process)
+    driver    data position (epoch, index, shuffle seed, data fingerprint), the driver's RNG, the weight
+              version, the non-finite streak, the step-0 evaluation       (state.json, from here)
+    recipe    the resolved recipe (a resume compares the new recipe against it)
+
+Rollouts draw from the sampler RNG re-seeded from (run.seed, step) before every generation
+(`rollout_seed`), so a fresh vLLM engine after a resume samples what the long-lived one would have.
+
+Saves happen after step k's metrics (and its evaluation, if due) are written, so on resume the records of
+metrics.jsonl past the checkpoint's step are exactly the ones to drop (`truncate_metrics`).
+
+The step loop (loop.py) drives a `Checkpointer`: `begin_step` snapshots the data position and RNG; a stop
+request (SIGTERM, Ctrl-C; rlbridge/signals.py) seen before the update of step k abandons that step and
+saves step k-1 from the snapshot, one seen during or after the update lets the step finish and saves step k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from rlbridge import checkpoint as ckpt
+from rlbridge.errors import RecipeError, RecipeIssue, RlbridgeError
+from rlbridge.run_dir import resolved_yaml
+from rlbridge.signals import Interrupted, StopSignals
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from rlbridge.recipe import ValidRecipe
+    from rlbridge.session import Session
+
+STATE_FORMAT = 1
+"""Version of the driver's part of state.json."""
+METRICS = "metrics.jsonl"
+
+
+def rollout_seed(seed: int, step: int, purpose: str = "train") -> int:
+    """The sampler seed of one generation: a function of (run.seed, step, purpose) only (31 bits: numpy and
+    every engine accept it)."""
+    digest = hashlib.sha256(f"rlbridge-rollout/{seed}/{step}/{purpose}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+def resume_command(run_dir: Path) -> str:
+    return f"rlbridge resume {run_dir}"
+
+
+# --------------------------------------------------------------------------------------- during a run
+class Checkpointer:
+    """When to save, what the driver adds to a checkpoint, and restoring one. See the module docstring."""
+
+    def __init__(self, s: Session, stop: StopSignals, log: Callable[[str], None]) -> None:
+        self.s, self.stop, self.log = s, stop, log
+        self.last_step: int | None = None
+        self.last_path: str | None = None
+        self.nonfinite = 0
+        """Steps in a row skipped for non-finite values (run.health.max_nonfinite_steps counts them)."""
+        self.eval_before: dict[str, float] = {}
+        self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
+        assert s.trainer is not None
+        self.problem: str | None = s.trainer.call("checkpoint_support")
+        if self.problem:
+            log(f"[yellow]checkpoints are off[/]: {self.problem}")
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, point: ResumePoint) -> int:
+        """Trainer (weights, optimizer, RNG), data position, driver RNG and weight version from `point`, then
+        the rollout weights, before anything is generated. Returns the checkpoint's step."""
+        s = self.s
+        assert s.trainer is not None
+        if self.problem:
+            raise RlbridgeError(f"cannot resume: {self.problem}")
+        state = s.trainer.call("load_checkpoint", str(point.path.resolve()))
+        if state.get("format") != STATE_FORMAT:
+            raise RlbridgeError(f"{point.path}: unknown run state format {state.get('format')!r}")
+        s.sampler.load_state(state["data"])
+        ckpt.set_rng_state(state["rng"])
+        self.nonfinite = int(state.get("nonfinite_streak", 0))
+        self.eval_before = dict(state.get("eval_before") or {})
+        version = int(state["weight_version"])
+        start = time.perf_counter()
+        s.sync_weights(version=version)  # the same weights keep their version number
+        self.last_step, self.last_path = point.step, str(point.path)
+        self.log(f"restored step {point.step} from {point.path}: trainer weights + optimizer, data position "
+                 f"(epoch {s.sampler.epoch}, index {s.sampler.index}), RNG; rollout weights v{version} synced "
+                 f"in {time.perf_counter() - start:.1f} s")
+        return point.step
+
+    # ------------------------------------------------------------------ the loop's calls
+    def begin_step(self, step: int) -> None:
+        """Stop before step `step` if asked to; else remember where its data and RNG start."""
+        if self.stop.requested:
+            self.interrupt(step - 1)
+        self._snapshot = (self.s.sampler.state(), ckpt.rng_state())
+
+    def abandon(self, step: int) -> NoReturn:
+        """A stop was requested before step `step` updated anything: save step - 1 from the snapshot."""
+        assert self._snapshot is not None
+        data, rng = self._snapshot
+        self.interrupt(step - 1, data=data, rng=rng)
+
+    def due(self, step: int) -> bool:
+        every = self.s.recipe.run.save_every
+        return bool(every) and step % every == 0
+
+    def save(self, step: int, *, data: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> None:
+        """Checkpoint `step` (once; nothing when checkpoints are off). The trainer writes it in its process."""
+        if self.problem or self.last_step == step:
+            return
+        s, r = self.s, self.s.recipe
+        assert s.trainer is not None
+        state = {"format": STATE_FORMAT, "step": step, "weight_version": s.version,
+                 "data": data if data is not None else s.sampler.state(),
+                 "rng": rng if rng is not None else ckpt.rng_state(),
+                 "nonfinite_streak": self.nonfinite, "eval_before": self.eval_before,
+                 "rollout_seed": "sha256(run.seed, step)"}
+        info = s.trainer.call("save_checkpoint", str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
+        for note in info["notes"]:
+            self.log(note)
+        self.last_step, self.last_path = step, info["path"]
+        s.metrics.write({"kind": "checkpoint", "step": step, "time_save": info["seconds"],
+                         "checkpoint_bytes": info["bytes"], "path": os.path.relpath(info["path"], s.run_dir)})
+
+    def interrupt(self, step: int, **state: Any) -> NoReturn:
+        """Save `step` (when it is not saved yet) and raise Interrupted with the resume hint."""
+        sig = self.stop.requested or "SIGTERM"
+        if step >= 0:
+            self.save(step, **state)
+        run = self.s.run_dir
+        if self.last_path is None:
+            why = f" ({self.problem})" if self.problem else ""
+            msg = f"stopped by {sig} before any checkpoint was written{why}; nothing to resume from"
+        else:
+            msg = (f"stopped by {sig} after step {step}; checkpoint {self.last_path}\n"
+                   f"resume with: {resume_command(run)}")
+        raise Interrupted(sig, step, self.last_path, msg)
+
+
+# --------------------------------------------------------------------------------------- resuming
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    step: int
+    recipe_yaml: str
+    """The resolved recipe the checkpoint was trained with."""
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    valid: ValidRecipe
+    point: ResumePoint
+    changed: list[tuple[str, Any, Any]]
+    """Keys that differ from the checkpoint's recipe (all of them resume-safe)."""
+    dropped_records: int
+
+
+def find_checkpoint(source: Path, *, step: int | None = None,
+                    log: Callable[[str], None] = print) -> ResumePoint:
+    """The checkpoint of `source`: a checkpoint directory itself, or a run directory's newest complete one
+    (each newer broken one reported through `log` with its reason), or its step `step`."""
+    source = Path(source)
+    if (source / ckpt.MANIFEST).is_file() or (source.name.startswith("step_") and source.parent.name == ckpt.CHECKPOINTS):
+        if step is not None and not source.name.endswith(f"{step:06d}"):
+            raise RlbridgeError(f"{source} is a checkpoint directory; --step {step} applies to a run directory")
+        info = ckpt.CheckpointInfo(0, source, ckpt.verify_checkpoint(source))
+    elif step is not None:
+        path = source / ckpt.CHECKPOINTS / ckpt.step_dir_name(step)
+        info = ckpt.CheckpointInfo(step, path, ckpt.verify_checkpoint(path))
+        if not path.exists():
+            have = [i.step for i in ckpt.list_checkpoints(source, hashes=False)]
+            raise RlbridgeError(f"no checkpoint of step {step} in {source / ckpt.CHECKPOINTS} (steps there: {have or 'none'})")
+    else:
+        found = ckpt.latest_complete(source, log=log)
+        if found is None:
+            if not (source / ckpt.CHECKPOINTS).is_dir() and not (source / "recipe.yaml").is_file():
+                raise RlbridgeError(f"{source} is neither a run directory nor a checkpoint")
+            raise RlbridgeError(f"no complete checkpoint in {source / ckpt.CHECKPOINTS}: nothing to resume or export "
+                                "(a run writes one every run.save_every steps, at the end, and on SIGTERM / Ctrl-C)")
+        info = found
+    if info.problem:
+        raise RlbridgeError(f"checkpoint {info.path} is not complete: {info.problem}")
+    manifest = json.loads((info.path / ckpt.MANIFEST).read_text(encoding="utf-8"))
+    return ResumePoint(info.path, int(manifest["step"]), (info.path / ckpt.RECIPE).read_text(encoding="utf-8"), manifest)
+
+
+def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
+                   log: Callable[[str], None] = print) -> ResumePlan:
+    """Everything `rlbridge resume` decides before starting anything: the checkpoint, the recipe (the run
+    directory's recipe.yaml + overrides, validated), its compatibility with the checkpoint's recipe
+    (RecipeError naming every key that may not change), and metrics.jsonl cut back to the checkpoint's
+    step. The run directory's recipe.yaml is updated when resume-safe keys changed (the old one is kept
+    under logs/)."""
+    from rlbridge.recipe import validate_recipe
+
+    run_dir = Path(run_dir)
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise RlbridgeError(f"{run_dir} is not a run directory (no recipe.yaml); `rlbridge train` creates one")
+    point = find_checkpoint(run_dir, log=log)
+    valid = validate_recipe(recipe_file, list(overrides))
+    new_yaml = resolved_yaml(valid.recipe)
+    diff = ckpt.recipe_diff(point.recipe_yaml, new_yaml)
+    refused = ckpt.check_resume_compatible(point.recipe_yaml, new_yaml)
+    if refused:
+        set_keys = {o.split("=", 1)[0].strip() for o in overrides}
+        unsafe = [(k, o, n) for k, o, n in diff if not ckpt.is_resume_safe(k)]
+        raise RecipeError([
+            RecipeIssue(key=k, message=m, value=json.dumps(n) if n is not ckpt.MISSING else "(absent)",
+                        where="--set" if k in set_keys else str(recipe_file),
+                        fix=f"keep {k} at {json.dumps(o) if o is not ckpt.MISSING else '(absent)'} to resume "
+                            f"{point.path.name}, or start a new run with `rlbridge train`")
+            for (k, o, n), m in zip(unsafe, refused, strict=True)])
+    for key, old, new in diff:
+        log(f"changed on resume: {key} {json.dumps(old, default=str)} -> {json.dumps(new, default=str)}")
+    if any(k == "run.steps" for k, _, _ in diff) and valid.recipe.trainer.optim.schedule != "constant":
+        log(f"note: trainer.optim.schedule={valid.recipe.trainer.optim.schedule} decays over run.steps: the rest "
+            "of the schedule is stretched to the new run.steps")
+    _warn_versions(point, log)
+    if diff:
+        _replace_recipe(run_dir, new_yaml)
+    dropped = truncate_metrics(run_dir, point.step)
+    if dropped:
+        log(f"{METRICS}: dropped {dropped} record(s) written after step {point.step} (they are recomputed)")
+    return ResumePlan(valid, point, diff, dropped)
+
+
+def _warn_versions(point: ResumePoint, log: Callable[[str], None]) -> None:
+    saved = point.manifest.get("versions") or {}
+    now = ckpt.library_versions()
+    changed = [f"{k} {saved[k]} -> {now.get(k, '(absent)')}" for k in sorted(saved) if saved[k] != now.get(k)
+               and k != "rlbridge"]
+    if changed:
+        log(f"note: library versions changed since the checkpoint ({', '.join(changed)}): the resumed run may not "
+            "repeat the uninterrupted one bit for bit")
+
+
+def _replace_recipe(run_dir: Path, new_yaml: str) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    old = run_dir / "recipe.yaml"
+    (logs / f"recipe.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml").write_text(old.read_text(encoding="utf-8"),
+                                                                                     encoding="utf-8")
+    tmp = run_dir / ".recipe.yaml.tmp"
+    tmp.write_text(new_yaml, encoding="utf-8")
+    tmp.replace(old)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Keep the records of metrics.jsonl up to `step` (a torn last line goes too); returns how many went."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record.get("step", 0)) <= step
+        except (ValueError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{METRICS}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+    return dropped
