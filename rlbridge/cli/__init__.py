@@ -10,11 +10,11 @@ import sys
 import typer
 
 from rlbridge import __version__
-from rlbridge.cli import export, plan, report, schema, train, validate
+from rlbridge.cli import export, plan, recipes, report, schema, train, validate
 
 app = typer.Typer(
     name="rlbridge",
-    help="Declarative RL post-training of language models. Start with: rlbridge validate-recipe recipes/quickstart.yaml",
+    help="Declarative RL post-training of language models. Start with: rlbridge recipes list",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -26,6 +26,7 @@ app.command("resume")(train.resume)
 app.command("export-hf")(export.export_hf)
 app.command("schema")(schema.schema)
 app.command("report")(report.report)
+app.add_typer(recipes.app, name="recipes")
 
 
 def _version(value: bool) -> None:

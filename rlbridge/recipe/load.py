@@ -196,7 +196,7 @@ def load_recipe_data(path: str | Path, overrides: Sequence[str] = ()) -> tuple[d
     if issues and data is None:
         raise RecipeError(issues)
     if data is None:
-        raise RecipeError([RecipeIssue("<file>", "the recipe is empty", where=str(path), fix="start from recipes/quickstart.yaml")])
+        raise RecipeError([RecipeIssue("<file>", "the recipe is empty", where=str(path), fix="start from a shipped recipe: rlbridge recipes copy quickstart recipe.yaml")])
     if not isinstance(data, dict):
         raise RecipeError([RecipeIssue("<file>", f"the recipe must be a mapping of sections, got {type(data).__name__}", where=str(path))])
     data, overridden = apply_overrides(data, overrides)
