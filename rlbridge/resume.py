@@ -149,6 +149,10 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------- resuming
+class UnsafeResumeError(RecipeError):
+    """The recipe changed since the checkpoint in keys that change what the run computes (exit 2)."""
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     path: Path
@@ -217,12 +221,8 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     if refused:
         set_keys = {o.split("=", 1)[0].strip() for o in overrides}
         unsafe = [(k, o, n) for k, o, n in diff if not ckpt.is_resume_safe(k)]
-        raise RecipeError([
-            RecipeIssue(key=k, message=m, value=json.dumps(n) if n is not ckpt.MISSING else "(absent)",
-                        where="--set" if k in set_keys else str(recipe_file),
-                        fix=f"keep {k} at {json.dumps(o) if o is not ckpt.MISSING else '(absent)'} to resume "
-                            f"{point.path.name}, or start a new run with `rlbridge train`")
-            for (k, o, n), m in zip(unsafe, refused, strict=True)])
+        raise UnsafeResumeError([RecipeIssue(key=k, message=m, where="--set" if k in set_keys else str(recipe_file))
+                                 for (k, _, _), m in zip(unsafe, refused, strict=True)])
     for key, old, new in diff:
         log(f"changed on resume: {key} {json.dumps(old, default=str)} -> {json.dumps(new, default=str)}")
     if any(k == "run.steps" for k, _, _ in diff) and valid.recipe.trainer.optim.schedule != "constant":

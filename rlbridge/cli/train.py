@@ -61,9 +61,15 @@ def resume(
     change is refused with exit 2. Exit 0 done, 1 failure, 2 invalid or unsafe recipe, 130/143 stopped by
     Ctrl-C/SIGTERM after saving."""
     with user_errors():
-        from rlbridge.resume import prepare_resume
+        from rlbridge.resume import UnsafeResumeError, prepare_resume
 
-        prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
+        try:
+            prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
+        except UnsafeResumeError as e:
+            n = len(e.issues)
+            render.issues_table(e.issues, f"cannot resume {run_dir}: {n} recipe change{'s' if n != 1 else ''} since "
+                                "the checkpoint would change what the run computes")
+            raise typer.Exit(2) from None
     from rlbridge.plan import make_plan
 
     valid, point, steps = prep.valid, prep.point, prep.valid.recipe.run.steps

@@ -8,7 +8,7 @@ to save it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -308,6 +308,15 @@ class RewardCfg(Section):
     """Reward worker processes."""
     error_budget: Annotated[int, Field(ge=0)] = 100
     """Reward errors tolerated over the run before it stops with the function's traceback."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _terms_replace_the_default_fn(cls, data: Any) -> Any:
+        # with terms, fn is None rather than its default: the resolved recipe (run dir, checkpoints) then
+        # loads again, which `rlbridge resume` relies on
+        if isinstance(data, dict) and data.get("terms") is not None and "fn" not in data:
+            return {**data, "fn": None}
+        return data
 
     @model_validator(mode="after")
     def _one_of(self) -> RewardCfg:
