@@ -1,0 +1,99 @@
+"""The docs cannot rot: the recipe reference is regenerated and compared, runnable command blocks are run,
+and every `rlbridge ...` line in a bash block names a real command.
+
+Convention (docs/README.md): a ```bash block right after a `<!-- runnable -->` line is executed, one line
+at a time, in an empty directory holding the checkout's recipes/ and tests/fixtures/ (symlinks); each line
+must exit 0, or the code its trailing `# exit N` comment names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from rlbridge.cli import app
+from rlbridge.recipe.docs import render_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+BLOCK = re.compile(r"(<!-- runnable -->\s*\n)?```bash\n(.*?)```", re.S)
+
+
+def blocks(page: Path) -> list[tuple[bool, list[str]]]:
+    """(runnable, command lines) of every bash block; comment-only and blank lines dropped."""
+    out = []
+    for m in BLOCK.finditer(page.read_text()):
+        lines = [x.strip() for x in m.group(2).splitlines()]
+        out.append((m.group(1) is not None, [x for x in lines if x and not x.startswith("#")]))
+    return out
+
+
+RUNNABLE = [(p, i, lines) for p in PAGES for i, (run, lines) in enumerate(blocks(p)) if run]
+
+
+def test_recipe_reference_is_up_to_date() -> None:
+    committed = (ROOT / "docs" / "recipe-reference.md").read_text()
+    assert committed == render_reference(), (
+        "docs/recipe-reference.md is out of date: python -m rlbridge.recipe.docs > docs/recipe-reference.md")
+
+
+def test_there_are_runnable_blocks() -> None:
+    pages = {p.name for p, _, _ in RUNNABLE}
+    assert {"getting-started.md", "cli.md", "lora.md", "README.md"} <= pages, pages
+
+
+def expected_code(line: str) -> tuple[str, int]:
+    m = re.search(r"\s#\s*exit (\d+)\s*$", line)
+    return (line[:m.start()], int(m.group(1))) if m else (line, 0)
+
+
+@pytest.mark.parametrize(("page", "index", "lines"), RUNNABLE,
+                         ids=[f"{p.relative_to(ROOT)}#{i}" for p, i, _ in RUNNABLE])
+def test_runnable_block(page: Path, index: int, lines: list[str], tmp_path: Path) -> None:
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": str(ROOT), "COLUMNS": "120", "NO_COLOR": "1"}
+    for line in lines:
+        command, code = expected_code(line)
+        res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == code, f"{page.name}: `{command}` exited {res.returncode}, expected {code}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def command_names() -> set[str]:
+    group = typer.main.get_command(app)
+    names = set()
+    for name, cmd in group.commands.items():  # type: ignore[attr-defined]
+        names.add(name)
+        for sub in getattr(cmd, "commands", {}):
+            names.add(f"{name} {sub}")
+    return names
+
+
+def test_every_documented_command_exists() -> None:
+    known = command_names()
+    for page in PAGES:
+        for _, lines in blocks(page):
+            for line in lines:
+                if not line.startswith("rlbridge "):
+                    continue
+                words = [w for w in shlex.split(line, comments=True)[1:] if not w.startswith("-")]
+                if not words:
+                    continue
+                name = words[0] if words[0] in known else " ".join(words[:2])
+                assert name in known, f"{page.relative_to(ROOT)}: `{line}` names no rlbridge command ({sorted(known)})"
+
+
+def test_readme_lists_every_shipped_recipe() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "recipes").glob("*.yaml")) if f"`{p.name}`" not in readme]
+    assert not missing, f"README.md's recipe table lacks {missing}"
