@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from rlbridge.cli import render
 from rlbridge.errors import RecipeError, RlbridgeError
@@ -30,7 +31,7 @@ def user_errors(as_json: bool = False) -> Iterator[None]:
             render.issues_table(e.issues, f"recipe invalid: {n} problem{'s' if n != 1 else ''}")
         raise typer.Exit(2) from None
     except RlbridgeError as e:
-        render.err.print(f"[red]error:[/] {e}")
+        render.err.print(f"[red]error:[/] {escape(str(e))}")  # messages quote paths like [/a/b.cc:553]
         raise typer.Exit(1) from None
 
 

@@ -45,6 +45,8 @@ from rlbridge.trainer import TrainerRole, _mean_metrics
 
 Log = Callable[[str], None]
 ADDRESS_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 3.0
+"""After a rank fails, how long to collect the other ranks' errors before stopping them all."""
 
 
 class TrainerRank(TrainerRole):
@@ -150,9 +152,22 @@ class TrainerGroup:
                     try:
                         results[i] = self.ranks[i].wait(ref)
                     except RlbridgeError as e:
-                        self.kill()
-                        raise RlbridgeError(f"{e} (during {what}; all trainer ranks were stopped)") from None
+                        self._fail(what, [str(e)], pending)
         return results
+
+    def _fail(self, what: str, errors: list[str], pending: dict[Any, int]) -> None:
+        """Stop every rank and raise. The first error is often a peer's broken collective; the ranks that
+        fail within a short grace period are collected too, and a rank that died is named first."""
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
+        for ref in ready:
+            try:
+                self.ranks[pending[ref]].wait(ref)
+            except RlbridgeError as e:
+                errors.append(str(e))
+        self.kill()
+        errors.sort(key=lambda e: " died" not in e)
+        others = "".join(f"\n  also: {e.splitlines()[0]}" for e in errors[1:])
+        raise RlbridgeError(f"{errors[0]}\n(during {what}; all trainer ranks were stopped){others}")
 
 
 def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: float, num_gpus: float,
