@@ -44,6 +44,6 @@ def _root(
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="rlbridge")  # also under `python -m rlbridge`: usage lines and completion say rlbridge
     except KeyboardInterrupt:
         sys.exit(130)

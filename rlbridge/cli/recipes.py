@@ -13,7 +13,15 @@ from rlbridge.cli.common import JsonOpt, example
 from rlbridge.recipe import shipped as sh
 
 app = typer.Typer(help="Shipped recipes: list them, print one, copy one to start from.", no_args_is_help=True)
-NameArg = typer.Argument(..., help="Recipe name, as `rlbridge recipes list` shows it (e.g. quickstart).", show_default=False)
+
+
+def _complete_names(incomplete: str) -> list[str]:
+    """Shell completion of shipped recipe names (`rlbridge recipes show q<TAB>`)."""
+    return [r.name for r in sh.shipped() if r.name.startswith(incomplete)]
+
+
+NameArg = typer.Argument(..., help="Recipe name, as `rlbridge recipes list` shows it (e.g. quickstart).", show_default=False,
+                         autocompletion=_complete_names)
 DestArg = typer.Argument(..., help="File to write, or a directory (the recipe keeps its name there).", show_default=False)
 ForceOpt = typer.Option(False, "--force", help="Overwrite an existing file.")
 
