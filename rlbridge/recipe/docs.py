@@ -22,7 +22,7 @@ HEADER = """\
 # Recipe reference
 
 Generated from `rlbridge/recipe/schema.py` by `python -m rlbridge.recipe.docs > docs/recipe-reference.md`
-(do not edit by hand: a test compares this page with the schema). The same text is in the JSON Schema
+(or `make docs`; do not edit by hand: a test compares this page with the schema). The same text is in the JSON Schema
 (`rlbridge schema`), so an editor shows it on hover (see the README, "Editor support").
 
 Every section rejects unknown keys, with a suggestion for the closest known one. Any key can be overridden

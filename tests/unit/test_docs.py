@@ -41,7 +41,7 @@ RUNNABLE = [(p, i, lines) for p in PAGES for i, (run, lines) in enumerate(blocks
 def test_recipe_reference_is_up_to_date() -> None:
     committed = (ROOT / "docs" / "recipe-reference.md").read_text()
     assert committed == render_reference(), (
-        "docs/recipe-reference.md is out of date: python -m rlbridge.recipe.docs > docs/recipe-reference.md")
+        "docs/recipe-reference.md is out of date: make docs (python -m rlbridge.recipe.docs > docs/recipe-reference.md)")
 
 
 def test_there_are_runnable_blocks() -> None:
