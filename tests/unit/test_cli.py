@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def recipe_sets(path: Path) -> list[str]:
 def test_every_shipped_recipe_validates(recipe: Path) -> None:
     if "gsm8k" in recipe.read_text() and not GSM8K.is_dir():
         pytest.skip(f"GSM8K not found at {GSM8K} (set RLBRIDGE_GSM8K_DIR)")
-    assert recipe.read_text().startswith("#") and "Run:" in recipe.read_text().splitlines()[1] + recipe.read_text().splitlines()[0]
+    header = list(itertools.takewhile(lambda line: line.startswith("#"), recipe.read_text().splitlines()))
+    assert recipe.read_text().startswith("#") and any("# Run:" in line for line in header), "the header needs a '# Run:' line"
     args = ["validate-recipe", str(recipe)]
     for s in recipe_sets(recipe):
         args += ["--set", s]
