@@ -475,3 +475,26 @@ def provider_rope(model_dir: str) -> dict[str, float]:
     from rlbridge.engines.megatron import provider as P
 
     return {"rotary_base": float(P.build(make_recipe(model_dir)).provider.rotary_base)}
+
+
+def role_update_suite(qwen: str) -> dict[str, Any]:
+    """TrainerRole on the megatron engine (the per-rank role of TrainerGroup), data parallel = world size:
+    one off-policy GRPO step of two mini-batches on a fixed batch; log-prob shares, metrics, adapters after."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.trainer import TrainerRole
+
+    recipe = make_recipe(
+        qwen, lora=lora(), trainer=trainer(micro_batch_size=1), rollout={"n": 2},
+        data={"train": {"path": "unused.jsonl"}, "batch_size": 4, "mini_batch_size": 2},
+    )  # fmt: skip
+    role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
+    set_adapters(role.engine)
+    batch = ragged_batch(seed=4, rows=8)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(8, 1, generator=g).expand(8, batch.response_width) * batch.response_mask
+    rollout = role.engine.logprobs(batch) + 0.01 * batch.response_mask
+    res = {"logprobs_share": role.logprobs(batch), "dp": role.dp_size}
+    res["metrics"] = role.update(batch, adv, rollout, None)
+    res["after"] = role.engine.trainable_state()
+    role.engine.close()  # type: ignore[attr-defined]
+    return res

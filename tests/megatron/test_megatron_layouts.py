@@ -90,3 +90,18 @@ def test_tied_llama_lora_pp2(tiny_dirs: dict[str, str], run_workers: Any, tmp_pa
     assert rel(logits(merged, full), res["logits_trained"]) < 1e-4
     model = peft_model(tiny_dirs["llama"], res["adapter"], res["adapter_config"], tmp_path / "adapter")
     assert rel(logits(model, full), res["logits_trained"]) < 1e-4
+
+
+@pytest.mark.integration
+def test_trainer_role_data_parallel_2_equals_1(tiny_dirs: dict[str, str], run_workers: Any) -> None:
+    """TrainerGroup's data-parallel contract on the real engine: two replicas, each training on its share
+    of every mini-batch, take the same optimizer steps as one replica on all rows."""
+    one = run_workers("role_update_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+    two = run_workers("role_update_suite", 2, qwen=tiny_dirs["qwen2"])
+    assert one["dp"] == 1 and [r["dp"] for r in two] == [2, 2]
+    torch.testing.assert_close(torch.cat([r["logprobs_share"] for r in two]), one["logprobs_share"])
+    assert abs(one["metrics"]["grad_norm"] - two[0]["metrics"]["grad_norm"]) < 1e-5 * one["metrics"]["grad_norm"]
+    for name, tensor in one["after"].items():  # both replicas hold the single replica's adapters
+        for r in two:  # two Adam steps of lr 1e-2 (each moves an element up to 1e-2): float32 summation order only
+            torch.testing.assert_close(r["after"][name], tensor, rtol=1e-4, atol=1e-5)
+    assert one["metrics"]["grad_norm"] > 0 and one["metrics"]["skipped"] == 0
