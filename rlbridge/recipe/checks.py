@@ -72,6 +72,9 @@ def check_layout(r: Recipe, out: Issues) -> None:
         if r.trainer.distributed_optimizer:
             out.append(RecipeIssue("trainer.distributed_optimizer", "the distributed optimizer needs reduce-scatter, which gloo (CPU) lacks",
                                    fix="set trainer.distributed_optimizer: false for CPU runs"))
+        if p.context > 1:
+            out.append(RecipeIssue("trainer.parallel.context", "context parallel needs Transformer Engine's attention, which CPU runs lack",
+                                   value=str(p.context), fix="set trainer.parallel.context: 1 for CPU runs (rlbridge train --smoke does this)"))
     if r.trainer.bridge == "mbridge" and r.lora.enabled:
         out.append(RecipeIssue("trainer.bridge", "mbridge has no LoRA support", value="mbridge",
                                fix="set trainer.bridge: megatron-bridge (or lora.rank: 0 for full fine-tuning)"))

@@ -107,6 +107,8 @@ CASES = [
      "trainer.parallel.sequence_parallel", "gloo", {"trainer__parallel": {"tensor": 2}, "cluster__device": "cpu"}),
     ("distributed optimizer on cpu", {"trainer__distributed_optimizer": True, "cluster__device": "cpu"}, "trainer.distributed_optimizer",
      "gloo", {"trainer__distributed_optimizer": False, "cluster__device": "cpu"}),
+    ("context parallel on cpu", {"trainer__parallel": {"tensor": 2, "context": 2}, "cluster__device": "cpu"},
+     "trainer.parallel.context", "Transformer Engine", {"trainer__parallel": {"tensor": 2, "context": 1}, "cluster__device": "cpu"}),
 ]
 
 
