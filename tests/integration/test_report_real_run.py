@@ -61,6 +61,7 @@ def test_report_of_a_real_run(run_dir: Path, tmp_path: Path) -> None:
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "# Run report: report-run" in md and "**finished**" in md and "2 done of 2 planned" in md
     assert all(f"]({name})" in md for name in PLOTS)
+    assert "| checkpoints | step 2 |" in md  # the loop's final save, found through its manifest
     for phase in ("generate", "reward", "update", "sync", "ref_logprobs"):
         assert f"| {phase} |" in md, phase
     assert "| accuracy | " in md and "(step 0)" in md and "(step 2)" in md  # first and last evaluation
