@@ -373,12 +373,15 @@ def _pp_duplicate_check() -> dict[str, str]:
     return out
 
 
-def layout_suite(qwen: str, tp: int, pp: int, vpp: int | None = None, export: bool = False) -> dict[str, Any]:
+def layout_suite(
+    qwen: str, tp: int, pp: int, vpp: int | None = None, export: bool = False, dtype: str = "float32"
+) -> dict[str, Any]:
     """LoRA at a TP x PP (x VPP) layout: logits, log-probs, first-step gradients in HF names, per-rank
     parameter sets and, with export, two steps then merged + adapter export and the trainer's logits."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    engine = MegatronTrainEngine(make_recipe(qwen, lora=lora(), trainer=trainer(tp=tp, pp=pp, vpp=vpp)))
+    recipe = make_recipe(qwen, model={"dtype": dtype}, lora=lora(), trainer=trainer(tp=tp, pp=pp, vpp=vpp))
+    engine = MegatronTrainEngine(recipe)
     full, ragged = full_batch(), ragged_batch()
     sets = engine.param_sets
     res: dict[str, Any] = {
