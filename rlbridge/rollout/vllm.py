@@ -19,13 +19,19 @@ What it settles so the loop does not have to:
   (`collective_rpc("rlbridge_reseed")`, a method of `WorkerExtension`, which the engine mixes into its
   workers through `worker_extension_cls`): with the same prompts, weights and seed the tokens are the same
   whatever the engine generated before, so a resumed run samples what the uninterrupted one did.
-  Per-request seeds are not used: they crash the CPU sampler ("CPU Generator does not use offset").
+  The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `LLM.generate` then hands
+  every request to the scheduler before the first step. With the core in its own process (vLLM's
+  default) it starts stepping while requests still arrive, batch composition depends on timing, and so
+  does which random number each row draws: a re-seeded generate repeated itself in 8 of 15 calls on
+  vLLM-CPU that way, in 15 of 15 in-process. Per-request seeds are not used: the CPU sampler fails on them
+  as soon as a prefill is chunked ("CPU Generator does not use offset").
 - **CPU build.** The engine is seeded (`seed`) as well. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
   which also skips the warm-up pass); eager mode; sleep/wake_up are no-ops.
 
-Process model (pytest included): vLLM runs the engine core and its workers in child processes started with
-`spawn` (the CPU platform forces it). Any script that creates a `VllmRollout` therefore needs an
-`if __name__ == "__main__":` guard; pytest's entry points have one, so tests need no extra env vars
+Process model (pytest included): the engine core runs in the process that creates the `VllmRollout` (see
+"Reproducible sampling"), and so does the worker at tensor_parallel 1; with more, vLLM starts its workers
+in child processes with `spawn` (the CPU platform forces it), so a script that creates a `VllmRollout`
+needs an `if __name__ == "__main__":` guard; pytest's entry points have one
 (tests/integration/test_vllm_rollout.py runs two engines one after the other under `python -m pytest`).
 
 On large GPU models the merged route costs a write of the full state dict to /dev/shm per sync; vLLM 0.32's
@@ -54,6 +60,8 @@ GIB = 1024**3
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py)."""
 WORKER_EXTENSION = "rlbridge.rollout.vllm.WorkerExtension"
+INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""Set to 0 (engine core in this process) unless the environment sets it: see "Reproducible sampling"."""
 
 
 class WorkerExtension:
@@ -147,6 +155,9 @@ class VllmRollout:
                 os.environ["VLLM_CPU_KVCACHE_SPACE"],
                 rollout_cfg.kv_cache_gib,
             )
+        if os.environ.setdefault(INPROC_ENV, "0") != "0":
+            log.warning("%s=%s: vLLM's engine core runs in its own process and sampling is not reproducible "
+                        "(a resumed run will not repeat the uninterrupted one)", INPROC_ENV, os.environ[INPROC_ENV])
         start = time.perf_counter()
         self._llm: Any = LLM(**self._kwargs)
         self.startup_s = time.perf_counter() - start
