@@ -316,6 +316,12 @@ class HFTrainEngine:
         raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
 
     def _merged_state(self) -> dict[str, Tensor]:
+        return self.merged_state()
+
+    def merged_state(self, *, drop_tied: bool = True) -> dict[str, Tensor]:
+        """Every weight under the HF checkpoint's names, adapters folded in (float32 merge, cast to
+        model.dtype). drop_tied: leave out output embeddings the config ties to the input ones, as
+        save_pretrained does; False keeps them, so that export-hf can check they still agree."""
         merged = self._merged_lora_weights() if self.lora else {}
         state: dict[str, Tensor] = {}
         for key, tensor in self.hf_model.state_dict().items():
@@ -323,7 +329,8 @@ class HFTrainEngine:
                 continue
             name = key.replace(".base_layer.", ".")
             state[name] = merged.get(name, tensor)
-        state = remove_tied_weights_from_state_dict(state, self.hf_model)
+        if drop_tied:
+            state = remove_tied_weights_from_state_dict(state, self.hf_model)
         return revert_weight_conversion(self.hf_model, state)
 
     def _merged_lora_weights(self) -> dict[str, Tensor]:
