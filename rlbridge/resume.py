@@ -214,6 +214,8 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     if not recipe_file.is_file():
         raise RlbridgeError(f"{run_dir} is not a run directory (no recipe.yaml); `rlbridge train` creates one")
     point = find_checkpoint(run_dir, log=log)
+    for leftover in sorted((run_dir / ckpt.CHECKPOINTS).glob(".tmp-step_*")):
+        log(f"ignoring {leftover.name}: a save that never finished (the next save removes it)")
     valid = validate_recipe(recipe_file, list(overrides))
     new_yaml = resolved_yaml(valid.recipe)
     diff = ckpt.recipe_diff(point.recipe_yaml, new_yaml)
