@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlbridge.algo.advantages import dynamic_sampling_filter, overlong_penalty
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
@@ -73,20 +74,14 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     changed nothing but the data position, which the caller's snapshot restores)."""
     r, timer = s.recipe, Timer()
     stopping = lambda: stop is not None and stop.requested is not None  # noqa: E731
-    rows = s.sampler.next_indices(r.data.batch_size)
-    prompts = [s.train_data.prompts[i] for i in rows]
-    with timer("generate"):
-        ro = s.generate([s.train_data.ids[i] for i in rows], seed=rollout_seed(r.run.seed, step))
-    if stopping():
+    collected = collect(s, step, timer, stopping)
+    if collected is None:
         return None
-    with timer("reward"):
-        rewards, reward_metrics = score(s, prompts, ro, n=r.rollout.n)
-    if stopping():
-        return None
+    ro, rewards, reward_metrics = collected
     batch = SeqBatch.from_token_lists(ro.prompt_ids, ro.response_ids, s.pad_id)
     rollout_lp = pad_lists(ro.response_logprobs, batch.response_width)
     ref = None
-    if r.algorithm.kl.coef > 0:
+    if r.algorithm.kl.coef > 0:  # in the loss, or in the reward (compute_advantages subtracts it there)
         with timer("ref_logprobs"):
             ref = s.trainer.call("logprobs", batch, True)  # type: ignore[union-attr]
         if stopping():
@@ -105,6 +100,91 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     record["tokens_per_s"] = record["tokens"] / max(record["time_step"], 1e-9)
     s.metrics.write(record)
     return record
+
+
+def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollouts, torch.Tensor, dict[str, float]] | None:
+    """generate -> reward for one step's prompts, with DAPO's additions when algorithm.name is dapo:
+    the soft overlong penalty added to the rewards, and dynamic sampling, which drops the groups whose
+    rewards are all equal and refills the batch by generating for further prompts (at most
+    max_refill_rounds extra rounds; still short: it trains on the groups it has and says so in the metrics
+    `groups_short`). None when a stop was requested."""
+    r, n, algo = s.recipe, s.recipe.rollout.n, s.recipe.algorithm
+    dapo = algo.name == "dapo"
+    want = r.data.batch_size
+    kept_ro: list[Rollouts] = []
+    kept_rewards: list[torch.Tensor] = []
+    all_rewards: list[torch.Tensor] = []
+    round_metrics: list[tuple[int, dict[str, float]]] = []
+    dropped = rounds = have = 0
+    while True:
+        rows = s.sampler.next_indices(want - have if rounds else want)
+        prompts = [s.train_data.prompts[i] for i in rows]
+        seed = rollout_seed(r.run.seed, step) if rounds == 0 else rollout_seed(r.run.seed, step, f"refill{rounds}")
+        with timer("generate"):
+            ro = s.generate([s.train_data.ids[i] for i in rows], seed=seed)
+        if stopping():
+            return None
+        with timer("reward"):
+            rewards, m = score(s, prompts, ro, n=n)
+        if stopping():
+            return None
+        all_rewards.append(rewards)
+        if dapo and algo.overlong.buffer > 0:  # type: ignore[union-attr]
+            lengths = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
+            pen = overlong_penalty(lengths, max_len=r.rollout.max_response_tokens, buffer=algo.overlong.buffer,  # type: ignore[union-attr]
+                                   penalty_factor=algo.overlong.penalty)  # type: ignore[union-attr]
+            rewards = rewards + pen
+            m["overlong_penalty"] = float(pen.mean())
+        round_metrics.append((len(ro), m))
+        keep_g = torch.ones(len(rows), dtype=torch.bool)
+        if dapo and algo.dynamic_sampling:  # type: ignore[union-attr]
+            keep_g, num_dropped = dynamic_sampling_filter(rewards, n)
+            dropped += num_dropped
+        keep = keep_g.repeat_interleave(n).nonzero().view(-1).tolist()
+        kept_ro.append(_take(ro, keep))
+        kept_rewards.append(rewards[keep])
+        have += int(keep_g.sum())
+        if have >= want or not dapo or rounds >= algo.max_refill_rounds:  # type: ignore[union-attr]
+            break
+        rounds += 1
+    if have == 0:  # no group with a signal: the last round as it is (all-zero advantages move nothing)
+        kept_ro, kept_rewards = [ro], [rewards]
+    ro, rewards = _cat(kept_ro), torch.cat(kept_rewards)
+    metrics = _merge(round_metrics)
+    raw = torch.cat(all_rewards)  # every sampled completion, before any penalty or filtering
+    metrics["reward_mean"] = float(raw.mean())
+    metrics["reward_std"] = float(raw.std()) if raw.numel() > 1 else 0.0
+    if dapo:
+        metrics.update(groups_dropped=float(dropped), refill_rounds=float(rounds), groups_trained=float(min(have, want)),
+                       groups_short=float(max(want - have, 0)))
+        if have < want:
+            log(f"step {step}: dynamic sampling kept {have} of {want} groups after {rounds} refill rounds "
+                "(algorithm.max_refill_rounds); training on those")
+    if have > want:
+        ro, rewards = _take(ro, list(range(want * n))), rewards[: want * n]
+    return ro, rewards, metrics
+
+
+def _take(ro: Rollouts, idx: list[int]) -> Rollouts:
+    return Rollouts([ro.prompt_ids[i] for i in idx], [ro.response_ids[i] for i in idx],
+                    [ro.response_logprobs[i] for i in idx], [ro.finish_reasons[i] for i in idx], ro.weight_version,
+                    [ro.texts[i] for i in idx] if ro.texts else [])
+
+
+def _cat(items: list[Rollouts]) -> Rollouts:
+    return Rollouts([x for r in items for x in r.prompt_ids], [x for r in items for x in r.response_ids],
+                    [x for r in items for x in r.response_logprobs], [x for r in items for x in r.finish_reasons],
+                    items[-1].weight_version, [x for r in items for x in r.texts])
+
+
+def _merge(items: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Sample-weighted mean of the rounds' reward metrics (reward_error: summed)."""
+    total = sum(c for c, _ in items) or 1
+    out: dict[str, float] = {}
+    for key in {k for _, m in items for k in m}:
+        vals = [(c, m[key]) for c, m in items if key in m]
+        out[key] = sum(v for _, v in vals) if key == "reward_error" else sum(c * v for c, v in vals) / total
+    return out
 
 
 def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torch.Tensor, dict[str, float]]:

@@ -106,9 +106,11 @@ class TrainerRole:
         faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
         r = self.recipe
         seqs_per_mini = r.mini_batch_size * r.rollout.n
-        num_minis = batch.size // seqs_per_mini
+        # a batch need not be exactly batch_size * n (DAPO's dynamic sampling can come up short): as many
+        # mini-batches as fit to the nearest whole number, at least one, in contiguous near-equal slices
+        num_minis = max(1, min(batch.size, round(batch.size / seqs_per_mini)))
         on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
-        minis = [torch.arange(k * seqs_per_mini, (k + 1) * seqs_per_mini) for k in range(num_minis)]
+        minis = list(torch.arange(batch.size).tensor_split(num_minis))
         mine = torch.cat([self._shard(rows) for rows in minis])  # the rows this rank trains on
         old = None
         if not on_policy:

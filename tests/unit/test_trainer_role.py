@@ -82,3 +82,14 @@ def test_gate_can_be_turned_off(model_dir: Path) -> None:
             p.register_hook(lambda g: torch.zeros_like(g))
     b, adv, lp = batch()
     assert t.update(b, adv, lp, None)["grad_norm"] == 0
+
+
+def test_a_batch_short_of_batch_size_times_n_still_trains(model_dir: Path) -> None:
+    """DAPO's dynamic sampling can hand over fewer rows than batch_size * n: one mini-batch, not zero."""
+    t = role(model_dir)
+    b, adv, _ = batch()
+    rows = torch.tensor([0, 1, 2])
+    before = {k: v.clone() for k, v in t.engine.trainable_state().items()}
+    m = t.update(b.select(rows), adv[rows], t.logprobs(b.select(rows)), None)
+    assert m["grad_norm"] > 0 and t.updates == 1
+    assert any(not torch.equal(v, before[k]) for k, v in t.engine.trainable_state().items())
