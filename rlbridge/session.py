@@ -97,6 +97,7 @@ class Session:
         if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
             self.trainer = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share, log=log)
         self.rollout.call("__ray_ready__") if hasattr(self.rollout.handle, "__ray_ready__") else None
+        assert self.trainer is not None
         self.trainer.call("call", "trainable_state")  # surfaces a failed construction now, with its error
 
     # ------------------------------------------------------------------ verbs used by the loop

@@ -49,7 +49,8 @@ class TrainerRole:
         self.recipe = recipe
         self.model_dir = Path(model_dir)
         self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
-        self.dp_rank, self.dp_size = getattr(self.engine, "data_parallel", (0, 1))
+        dp: tuple[int, int] = getattr(self.engine, "data_parallel", (0, 1))
+        self.dp_rank, self.dp_size = dp
         self.is_holder = True
         """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
