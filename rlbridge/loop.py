@@ -88,6 +88,7 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
             return None
     adv = compute_advantages(r.algorithm, r.rollout, rewards, batch.response_mask, logp_bt=rollout_lp, ref_logp_bt=ref)
     with timer("update"):
+        s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
         m = s.trainer.call("update", batch, adv.adv_bt, rollout_lp, ref)  # type: ignore[union-attr]
     check_agreement(r, m)
     with timer("sync"):

@@ -20,6 +20,7 @@ from rlbridge.metrics import MetricsLog, console
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
+from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.tokenizer import load_tokenizer
 from rlbridge.trainer import TrainerRole
 
@@ -94,9 +95,10 @@ class Session:
         self.rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
                                        args=(str(self.model_dir), r.rollout, r.model),
                                        kwargs=_rollout_kwargs(r, threads))
+        colocated_gpu = r.cluster.colocate and r.cluster.device == "cuda" and r.rollout.engine == "vllm"
+        self.memory = RolloutMemory(self.rollout.call, enabled=colocated_gpu)
         if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
             self.trainer = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share, log=log)
-        self.rollout.call("__ray_ready__") if hasattr(self.rollout.handle, "__ray_ready__") else None
         assert self.trainer is not None
         self.trainer.call("call", "trainable_state")  # surfaces a failed construction now, with its error
 
@@ -121,8 +123,13 @@ class Session:
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
         ref = self.trainer.submit("export_weights", self.recipe.rollout.weight_sync, as_files=same_node)
         self.version = self.version + 1 if version is None else version
-        self.rollout.call("load_weights", ref, self.version)
+        rollout, v = self.rollout, self.version
+        self.memory.load(lambda: rollout.call("load_weights", ref, v))
         return int(self.trainer.call("last_export_bytes"))
+
+    def release_rollout_memory(self) -> None:
+        """Colocated GPUs: vLLM sleeps during the update (a no-op on CPU or separate devices)."""
+        self.memory.release()
 
 
 def _rollout_class(r: Recipe) -> type:
