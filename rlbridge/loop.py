@@ -9,6 +9,7 @@ resuming and the stop on SIGTERM / Ctrl-C behind resume.Checkpointer and signals
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,11 +97,21 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     record = {"kind": "train", "step": step, **reward_metrics, **adv.metrics, **m,
               "kl": m.get("kl_loss", adv.metrics.get("kl_reward")),
               "tokens": int(batch.response_mask.sum()), "weight_version": s.version,
-              "data_epoch": s.sampler.state()["epoch"], **{f"time_{k}": v for k, v in timer.seconds.items()}}
+              "data_epoch": s.sampler.state()["epoch"], "rollout_sha": rollout_digest(ro),
+              **{f"time_{k}": v for k, v in timer.seconds.items()}}
     record["time_step"] = sum(timer.seconds.values())
     record["tokens_per_s"] = record["tokens"] / max(record["time_step"], 1e-9)
     s.metrics.write(record)
     return record
+
+
+def rollout_digest(ro: Rollouts) -> str:
+    """A short hash of the sampled token ids: two runs (a resumed one and the uninterrupted one) sampled the
+    same completions iff their records carry the same digest."""
+    h = hashlib.sha256()
+    for ids in ro.response_ids:
+        h.update(b",".join(str(i).encode() for i in ids) + b";")
+    return h.hexdigest()[:16]
 
 
 def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollouts, torch.Tensor, dict[str, float]] | None:
