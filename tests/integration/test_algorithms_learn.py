@@ -14,6 +14,7 @@ import pytest
 from rlbridge.loop import train_step
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.hf import HFRollout
+from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.session import Session
 from rlbridge.trainer import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
@@ -46,6 +47,7 @@ class LocalSession(Session):
         r = self.recipe
         self.trainer = Local(TrainerRole(r, str(self.model_dir)))  # type: ignore[assignment]
         self.rollout = Local(HFRollout(str(self.model_dir), r.rollout, r.model, seed=r.run.seed))  # type: ignore[assignment]
+        self.memory = RolloutMemory(self.rollout.call, enabled=False)
 
 
 def make_recipe(model_dir: Path, algorithm: dict[str, Any], steps: int = STEPS) -> Recipe:
