@@ -119,7 +119,7 @@ def _tail(text: str, lines: int = 15) -> str:
 
 def start_worker(cls: type, name: str, pg: PlacementGroup, bundle: int, *, num_cpus: float, num_gpus: float,
                  args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Worker:
-    actor = ray.remote(cls).options(
+    actor: Any = ray.remote(cls).options(
         name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=1,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
     )
