@@ -25,6 +25,7 @@ engine produced the tensors:
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -130,12 +131,38 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: Mapping[str, Mapping[s
         _write_manifest(tmp, _manifest(tmp, step))
         _fsync_path(tmp)
         final = _publish(tmp, root / step_dir_name(step))
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(e):
+            raise RlbridgeError(_disk_full_message(root, step, e)) from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _remove_leftovers(root, log_fn)
     _apply_retention(root, keep, log_fn)
     return final
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT, as an OSError or as safetensors' SafetensorError (which wraps the OS error in text)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(
+        s in text for s in (f"os error {errno.ENOSPC})", f"os error {errno.EDQUOT})", "No space left on device"))
+
+
+def _disk_full_message(root: Path, step: int, e: BaseException) -> str:
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free now"
+    except OSError:
+        free = "free space unknown"
+    done = [i.step for i in list_checkpoints(root.parent, hashes=False) if i.complete]
+    kept = f"the newest complete checkpoint, {step_dir_name(done[-1])}, is untouched" if done else \
+        "there is no earlier complete checkpoint"
+    return (f"disk full: no space left on the device of {root} while saving checkpoint step {step} "
+            f"({getattr(e, 'strerror', None) or e}; {free}). The partial save was removed, nothing of step {step} was kept; {kept}")
 
 
 def _check_groups(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

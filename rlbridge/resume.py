@@ -126,7 +126,13 @@ class Checkpointer:
                  "rng": rng if rng is not None else ckpt.rng_state(),
                  "nonfinite_streak": self.nonfinite, "eval_before": self.eval_before,
                  "rollout_seed": "sha256(run.seed, step)"}
-        info = s.trainer.call("save_checkpoint", str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
+        try:
+            info = s.trainer.call("save_checkpoint", str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
+        except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
+            hint = (f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
+                    f"{resume_command(s.run_dir)}" if self.last_path else
+                    "the run stops; no checkpoint was written yet, nothing to resume from")
+            raise RlbridgeError(f"saving checkpoint step {step} failed: {e}\n{hint}") from e
         for note in info["notes"]:
             self.log(note)
         self.last_step, self.last_path = step, info["path"]
