@@ -43,7 +43,9 @@ def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume:
     """Steps 1..run.steps, or from the step after `resume`'s checkpoint. SIGTERM / Ctrl-C: the current
     phase finishes, a checkpoint is saved, and signals.Interrupted (a KeyboardInterrupt) is raised."""
     start = time.perf_counter()
-    with StopSignals() as stop, Session(recipe, plan, run_dir, model_dir) as s:
+    # the handlers go in after Session has started Ray: ray.init installs its own SIGTERM handler in the driver
+    # (it dies at once), so ours must come later to win
+    with Session(recipe, plan, run_dir, model_dir) as s, StopSignals() as stop:
         saver = Checkpointer(s, stop, log)
         if resume is None:
             saver.eval_before = evaluate(s, step=0)
