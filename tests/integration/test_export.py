@@ -210,6 +210,15 @@ def test_vllm_loads_both_exports_and_matches_transformers_greedy(case: Case, vll
     assert vllm_greedy(case.model_dir, 12, adapter=case.adapter) == want
 
 
+def test_sharded_merged_export_loads(case: Case, tmp_path: Path) -> None:
+    from rlbridge.export import export_hf
+
+    res = export_hf(case.merged.parent / "run", tmp_path / "sharded", max_shard_size="100KB", log=lambda _: None)
+    shards = [f for f in res.files if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in res.files
+    assert rel_err(logits(load(tmp_path / "sharded")), logits(case.role.engine.model)) < REL_TOL  # type: ignore[attr-defined]
+
+
 def test_out_is_guarded(case: Case, tmp_path: Path) -> None:
     run = case.merged.parent / "run"
     out = tmp_path / "out"

@@ -81,6 +81,14 @@ def test_same_seed_same_samples(model_dir: Path) -> None:
     assert a.response_ids == b.response_ids
 
 
+def test_seed_argument_makes_a_call_repeatable(model_dir: Path) -> None:
+    rollout = make_rollout(model_dir)
+    first = rollout.generate(PROMPTS, SAMPLE, expect_version=0, seed=7)
+    rollout.generate(PROMPTS, SAMPLE, expect_version=0)  # calls in between do not matter
+    assert rollout.generate(PROMPTS, SAMPLE, expect_version=0, seed=7).response_ids == first.response_ids
+    assert rollout.generate(PROMPTS, SAMPLE, expect_version=0, seed=8).response_ids != first.response_ids
+
+
 def test_merged_load_changes_outputs_and_versions(model_dir: Path) -> None:
     rollout = make_rollout(model_dir)
     before = rollout.generate(PROMPTS, GREEDY, expect_version=0)
