@@ -143,16 +143,35 @@ def evals(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "time_eval"} for r in records(run_dir) if r["kind"] == "eval"]
 
 
+# What must repeat exactly: the data (steps, epochs, prompts), the sampled completions (rollout_sha), the
+# rewards and the weight versions. The trainer's float numbers are bit-identical in most runs, but one SIGTERM
+# run under heavy CPU load differed in the 6th digit of grad_norm (1.6526626 vs 1.6526880) with identical
+# completions: CPU kernels may reduce in a different order. Trainer floats therefore get rel 1e-4, weights and
+# optimizer state allclose(rtol 1e-4, atol 1e-6); everything else is compared exactly.
+TRAINER_FLOATS = ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "kl", "kl_loss", "logprob_diff_mean",
+                  "logprob_diff_max", "ratio_min", "ratio_max", "ratio_mean", "clip_frac", "dual_clip_frac")
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-7
+    return a == b
+
+
 def assert_same_run(got: Path, want: Path) -> None:
     g, w = train_metrics(got), train_metrics(want)
     assert [r["step"] for r in g] == list(range(1, STEPS + 1)), [r["step"] for r in g]  # no step twice or missing
     for a, b in zip(g, w, strict=True):
-        assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert a.keys() == b.keys()
+        diff = {k: (a[k], b[k]) for k in a if not (_close(a[k], b[k]) if k in TRAINER_FLOATS else a[k] == b[k])}
+        assert not diff, diff
     assert evals(got) == evals(want)
     for group in ("trainable", "optimizer"):
         name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
         tg, tw = load_file(str(got / name)), load_file(str(want / name))
-        assert tg.keys() == tw.keys() and all(torch.equal(tg[k], tw[k]) for k in tg), group
+        assert tg.keys() == tw.keys(), group
+        bad = [k for k in tg if not torch.allclose(tg[k], tw[k], rtol=1e-4, atol=1e-6)]
+        assert not bad, (group, bad[:5])
 
 
 @pytest.fixture(scope="module")
