@@ -9,6 +9,8 @@ setup:
 	@bash scripts/setup.sh
 
 test: setup
+	$(VENV)/bin/ruff check rlbridge tests bench
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 test-fast: setup
