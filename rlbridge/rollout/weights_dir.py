@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,51 @@ from rlbridge.engines.weights import save_hf
 
 
 def ram_tempdir(prefix: str) -> Path:
-    """A fresh directory in RAM-backed storage (/dev/shm) when available, else the system temp dir."""
+    """A fresh directory in RAM-backed storage (/dev/shm) when available, else the system temp dir, named
+    `<prefix><pid>-<random>`. Directories of this kind left by dead processes are removed first: a run that
+    is killed (or whose rollout worker is killed on the way out) cannot delete its last weights, and in
+    /dev/shm they would hold RAM until the next reboot (a merged SmolLM2 is 540 MB)."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    sweep_stale(Path(base or tempfile.gettempdir()))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
+
+
+_WEIGHTS_DIR = re.compile(r"rlbridge-(?:merged|adapter)-(?:(\d+)-)?[A-Za-z0-9_]+")
+_UNOWNED_AGE_S = 3600.0
+"""Directories named without a pid (earlier rlbridge versions) are removed once this old."""
+
+
+def sweep_stale(base: Path) -> list[str]:
+    """Remove the weight directories under `base` whose creating process is gone (or, unnamed, that are over
+    an hour old); returns their names. A live process's directories are never touched."""
+    removed: list[str] = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        m = _WEIGHTS_DIR.fullmatch(path.name)
+        if not m or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            stale = not _alive(int(m.group(1))) if m.group(1) else time.time() - path.stat().st_mtime > _UNOWNED_AGE_S
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_dir(path: Path | None) -> None:
