@@ -8,7 +8,10 @@ abandoned; the checkpoint format keeps the previous one intact) and exits 130. R
 reported: schedulers resend it, and the save must be given its chance.
 
 The driver must receive the signal: the trainer and rollout workers are Ray actors in their own process
-groups, and they keep running until the driver has saved and stops them.
+groups, and they keep running until the driver has saved and stops them. The loop installs the handlers
+once Ray is up (`ray.init` installs a SIGTERM handler of its own in the driver that exits at once); a signal
+during start-up therefore stops the run the default way, with nothing to save yet. A terminal's Ctrl-C
+reaches the driver's whole process group, Ray's GCS and raylet included; they ignore it (tested).
 """
 
 from __future__ import annotations
