@@ -292,8 +292,8 @@ DIFFERENCES = [
     "TRL via accelerate/Trainer (gradient accumulation over 4 micro-batches of 8)",
     "TRL defaults changed to match: gradient_checkpointing False (TRL default True), bf16 False (TRL default "
     "True), lr_scheduler constant (Trainer default linear), shuffle_dataset False (rlbridge's order fed in)",
-    "padding: TRL left-pads prompts and right-pads completions to the longest in the batch of 32, then trains "
-    "micro-batches of 8 at that width; rlbridge pads each micro-batch",
+    "padding: the same in both: prompts left-padded to the longest prompt, responses right-padded to the "
+    "longest response of the 32 sequences, micro-batches of 8 at that width (neither trims a micro-batch)",
     "per step outside the timed loop: rlbridge writes metrics.jsonl + a console line, and saves a final "
     "checkpoint after the last step (not in any step); TRL logs its metrics every step (logging_steps=1)",
     "health checks: rlbridge's first-step gate snapshots the trainable weights and fingerprints the frozen ones "
@@ -354,7 +354,15 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
                     "peak_rss_gib"):
             x, y = mean("rlbridge", key), mean("trl", key)
             ratios[f"{key}_rlbridge_over_trl"] = x / y if x and y else None
-        ratios["rlbridge_step_faster"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
+        # a load spike on a shared machine can multiply one step's time: the median and the fastest of all the
+        # timed steps of each tool are reported beside the mean
+        steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ok}
+        for t in ok:
+            ratios[f"{t}_step_s_median"], ratios[f"{t}_step_s_min"] = statistics.median(steps[t]), steps[t][0]
+        ratios["step_s_median_rlbridge_over_trl"] = statistics.median(steps["rlbridge"]) / statistics.median(steps["trl"])
+        ratios["step_s_min_rlbridge_over_trl"] = steps["rlbridge"][0] / steps["trl"][0]
+        ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
+        ratios["rlbridge_step_faster_median"] = statistics.median(steps["rlbridge"]) < statistics.median(steps["trl"])
     rows = [{k: x.get(k) for k in ("tool", "round", "step_s", "step_cpu_s", "generate_s", "rest_s",
                                     "generated_tokens_per_step", "generated_tokens_per_s", "trained_tokens_per_s",
                                     "peak_rss_gib", "peak_pss_gib", "startup_s", "load_avg_during_steps")}
