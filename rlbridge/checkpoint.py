@@ -274,7 +274,8 @@ def _sha256(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------- retention
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -288,7 +289,7 @@ def _remove_leftovers(root: Path, log_fn: Callable[[str], None]) -> None:
     """Delete `.tmp-*` dirs of crashed saves; restore an `.old-*` dir whose replacement never landed."""
     for path in sorted(root.iterdir()):
         m = _LEFTOVER_DIR.fullmatch(path.name)
-        if not m or not path.is_dir() or _pid_alive(int(m.group(3))):
+        if not m or not path.is_dir() or pid_alive(int(m.group(3))):
             continue
         kind, final = m.group(1), root / m.group(2)
         if kind == "old" and not final.exists():

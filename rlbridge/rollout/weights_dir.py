@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlbridge.checkpoint import pid_alive
 from rlbridge.engines.base import WeightExport
 from rlbridge.engines.weights import save_hf
 
@@ -54,7 +55,7 @@ def sweep_stale(base: Path) -> list[str]:
         if not m or not path.is_dir() or path.is_symlink():
             continue
         try:
-            stale = not _alive(int(m.group(1))) if m.group(1) else time.time() - path.stat().st_mtime > _UNOWNED_AGE_S
+            stale = not pid_alive(int(m.group(1))) if m.group(1) else time.time() - path.stat().st_mtime > _UNOWNED_AGE_S
         except OSError:
             continue
         if stale:
@@ -63,13 +64,6 @@ def sweep_stale(base: Path) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
