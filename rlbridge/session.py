@@ -145,5 +145,6 @@ def _rollout_class(r: Recipe) -> type:
 def _rollout_kwargs(r: Recipe, threads: int) -> dict[str, Any]:
     kw: dict[str, Any] = {"seed": r.run.seed}
     if r.rollout.engine == "vllm":
-        kw.update(lora_rank=r.lora.rank, cpu=r.cluster.device == "cpu")
+        cpu = r.cluster.device == "cpu"
+        kw.update(lora_rank=r.lora.rank, cpu=cpu, **({"num_threads": threads} if cpu else {}))
     return kw
