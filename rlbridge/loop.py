@@ -1,6 +1,7 @@
 """The training loop: a readable list of verbs.
 
-    for step: prompts -> generate -> reward -> (reference log-probs) -> advantages -> update -> sync -> log
+    for step: prompts -> generate -> reward -> (reference log-probs) -> (PPO: critic values) -> advantages
+              -> update (PPO: policy and critic) -> sync -> log
               -> evaluate (every run.eval_every) -> checkpoint (every run.save_every, at the end, on a signal)
 
 Everything else (workers, data, rewards, health gates) sits behind Session and TrainerRole; checkpoints,
@@ -89,10 +90,18 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
             ref = s.trainer.call("logprobs", batch, True)  # type: ignore[union-attr]
         if stopping():
             return None
-    adv = compute_advantages(r.algorithm, r.rollout, rewards, batch.response_mask, logp_bt=rollout_lp, ref_logp_bt=ref)
+    values = None
+    if r.algorithm.name == "ppo":  # the critic's values before the update: GAE's baseline, the value clip's centre
+        with timer("values"):
+            values = s.trainer.call("values", batch)  # type: ignore[union-attr]
+    kl_ctl = s.kl_control
+    adv = compute_advantages(r.algorithm, r.rollout, rewards, batch.response_mask, logp_bt=rollout_lp, ref_logp_bt=ref,
+                             values_bt=values, kl_coef=None if kl_ctl is None else kl_ctl.coef)
+    if kl_ctl is not None and adv.kl_seq_mean is not None:  # this step's rewards used the coefficient before it moves
+        kl_ctl.update(adv.kl_seq_mean, batch.size)
     with timer("update"):
         s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
-        m = s.trainer.call("update", batch, adv.adv_bt, rollout_lp, ref)  # type: ignore[union-attr]
+        m = s.trainer.call("update", batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)  # type: ignore[union-attr]
     check_agreement(r, m)
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()

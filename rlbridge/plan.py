@@ -7,6 +7,7 @@ read from here rather than re-derived.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rlbridge.model_info import ModelInfo
@@ -73,6 +74,10 @@ class Memory:
     total_params: int
     full_ft_trainer_total: float
     """What the trainer would need with full fine-tuning, for comparison under LoRA."""
+    critic: float = 0.0
+    """PPO's critic, included in trainer_total: a second copy of the backbone (weights; under LoRA the frozen
+    base again, engines/hf_critic.py), its gradients and AdamW state. No extra activations: its forward and
+    backward run after the policy's, per micro-batch, and hold no vocabulary-sized logits."""
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,12 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         kv = r.rollout.kv_cache_gib
     else:  # vLLM takes gpu_memory_utilization of the device; what the weights leave is KV cache
         kv = max(r.rollout.gpu_memory_utilization * capacity - rollout_w, 0.0)
-    trainer_total = weights + grads + opt + act
+    critic = full_critic = 0.0
+    if r.algorithm.name == "ppo":
+        critic, full_critic = _critic_gib(r, m, stage_params / total, trainer_gib)
+    trainer_total = weights + grads + opt + act + critic
     _, full_grads, full_opt = trainer_gib(stage_params)
-    full_total = weights + full_grads + full_opt + act
+    full_total = weights + full_grads + full_opt + act + full_critic
     # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up.
     rollout_total = rollout_w + kv
     if r.cluster.device == "cpu":  # both live in host memory at once
@@ -184,8 +192,28 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     return Memory(
         round(weights, 3), round(grads, 3), round(opt, 3), round(act, 3), round(trainer_total, 3),
         round(rollout_w, 3), round(kv, 3), round(rollout_total, 3), round(peak, 3), capacity,
-        int(trainable), int(total), round(full_total, 3),
+        int(trainable), int(total), round(full_total, 3), round(critic, 3),
     )
+
+
+def _critic_gib(r: Recipe, m: ModelInfo, local_share: float,
+                trainer_gib: Callable[[float], tuple[float, float, float]]) -> tuple[float, float]:
+    """(critic GiB as the recipe trains it, critic GiB under full fine-tuning): the backbone (every weight but
+    an untied output layer) plus the value head, in model.dtype; gradients and AdamW state for its adapter
+    (the policy's LoRA shapes) or for all of it."""
+    wbytes = DTYPE_BYTES[r.model.dtype]
+    backbone = (m.total_params() - (0 if m.tied_embeddings else m.vocab * m.hidden)) * local_share
+    head = m.hidden + 1
+    weights = (backbone * wbytes + head * 4) / GIB
+
+    def state(trainable: float) -> float:
+        _, grads, opt = trainer_gib(trainable)
+        return grads + opt
+
+    full = weights + state(backbone + head)
+    if not r.lora.enabled:
+        return full, full
+    return weights + state(lora_params(r, m) * local_share + head), full
 
 
 def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:

@@ -89,6 +89,10 @@ class Checkpointer:
         ckpt.set_rng_state(state["rng"])
         self.nonfinite = int(state.get("nonfinite_streak", 0))
         self.eval_before = dict(state.get("eval_before") or {})
+        if s.kl_control is not None:
+            if not state.get("kl_control"):
+                raise RlbridgeError(f"{point.path}: no adaptive KL state, which algorithm.adaptive_kl_target needs")
+            s.kl_control.load_state(state["kl_control"])
         version = int(state["weight_version"])
         start = time.perf_counter()
         s.sync_weights(version=version)  # the same weights keep their version number
@@ -125,7 +129,8 @@ class Checkpointer:
                  "data": data if data is not None else s.sampler.state(),
                  "rng": rng if rng is not None else ckpt.rng_state(),
                  "nonfinite_streak": self.nonfinite, "eval_before": self.eval_before,
-                 "rollout_seed": "sha256(run.seed, step)"}
+                 "rollout_seed": "sha256(run.seed, step)",
+                 "kl_control": s.kl_control.state() if s.kl_control is not None else None}
         try:
             info = s.trainer.call("save_checkpoint", str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save

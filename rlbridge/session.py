@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge import run_dir as rundir
+from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.cluster.trainer_group import TrainerGroup, start_trainer_group
@@ -44,6 +45,8 @@ class Session:
         self.trainer: rc.Worker | TrainerGroup | None = None
         """The hf engine's one worker, or the megatron ranks behind one TrainerGroup (same interface)."""
         self.rollout: rc.Worker | None = None
+        self.kl_control = kl_controller(recipe.algorithm)
+        """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by resume.py."""
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:

@@ -11,29 +11,47 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlbridge import faults
-from rlbridge.algo.objective import LossInputs, make_loss_fn
+from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import TrainEngine, WeightExport
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from rlbridge.engines.hf_critic import HFCritic
 
 
 class HealthError(RlbridgeError):
     """A health gate failed; the message says which and how to turn it off."""
 
 
+def _device(recipe: Recipe) -> str:
+    return "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
 def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
     if recipe.trainer.engine == "hf":
         from rlbridge.engines.hf import HFTrainEngine
 
-        device = "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
-        return HFTrainEngine(recipe, model_dir, device=device)
+        return HFTrainEngine(recipe, model_dir, device=_device(recipe))
     raise RlbridgeError("the megatron engine runs one TrainerRole per rank (cluster/trainer_group.py)")
+
+
+def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | None:
+    """PPO's critic (engines/hf_critic.py) next to the policy engine; None for the critic-free algorithms."""
+    if recipe.algorithm.name != "ppo":
+        return None
+    if recipe.trainer.engine != "hf":
+        raise RlbridgeError("algorithm.name=ppo: PPO's critic is implemented on the hf engine only for now "
+                            "(set trainer.engine: hf)")
+    from rlbridge.engines.hf_critic import HFCritic
+
+    return HFCritic(recipe, model_dir, device=_device(recipe))
 
 
 class TrainerRole:
@@ -49,6 +67,8 @@ class TrainerRole:
         self.recipe = recipe
         self.model_dir = Path(model_dir)
         self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
+        self.critic = build_critic(recipe, self.model_dir)
+        """PPO's value model (None for the other algorithms); updated in `update` on the policy's micro-batches."""
         dp: tuple[int, int] = getattr(self.engine, "data_parallel", (0, 1))
         self.dp_rank, self.dp_size = dp
         self.is_holder = True
@@ -74,6 +94,13 @@ class TrainerRole:
         if not len(rows):
             return torch.zeros(0, batch.response_width)
         return self.engine.logprobs(batch.select(rows), reference=reference)
+
+    def values(self, batch: SeqBatch) -> torch.Tensor:
+        """[b, R] critic values V(s_t) of the response tokens (PPO), before the update: GAE's and the value
+        clip's old values."""
+        if self.critic is None:
+            raise RlbridgeError(f"algorithm.name={self.recipe.algorithm.name} has no critic")
+        return self.critic.values(batch)
 
     def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
         """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
@@ -102,9 +129,17 @@ class TrainerRole:
 
     # ---------------------------------------------------------------- the update
     def update(
-        self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None
+        self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None = None, returns_bt: torch.Tensor | None = None,
     ) -> dict[str, float]:
+        """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
+        PPO passes the critic's pre-update values and the GAE returns (its targets)."""
         faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
+        critic = None
+        if self.critic is not None:
+            if old_values_bt is None or returns_bt is None:
+                raise RlbridgeError("the PPO update needs the critic's old values and the returns")
+            critic = (old_values_bt, returns_bt)
         r = self.recipe
         seqs_per_mini = r.mini_batch_size * r.rollout.n
         # a batch need not be exactly batch_size * n (DAPO's dynamic sampling can come up short): as many
@@ -123,7 +158,7 @@ class TrainerRole:
         metrics: list[dict[str, float]] = []
         for _ in range(r.trainer.ppo_epochs):
             for rows in minis:
-                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt))
+                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt, critic))
         out = _mean_metrics(metrics)
         if old is not None:
             diff = (old - rollout_logp_bt)[mine].abs()[batch.response_mask[mine] > 0]
@@ -132,7 +167,8 @@ class TrainerRole:
         return out
 
     def _update_mini(self, batch: SeqBatch, rows: torch.Tensor, adv_bt: torch.Tensor, old: torch.Tensor | None,
-                     ref: torch.Tensor | None, rollout_lp: torch.Tensor) -> dict[str, Any]:
+                     ref: torch.Tensor | None, rollout_lp: torch.Tensor,
+                     critic: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
         """One optimizer step on the mini-batch `rows` (contiguous). The loss inputs cover the whole
         mini-batch, so each data-parallel rank's closure returns its exact share of the mini-batch loss."""
         r = self.recipe
@@ -150,6 +186,11 @@ class TrainerRole:
             in_mini, mini_fn = mine - rows[0], loss_fn
             loss_fn = lambda logp, ent, local: mini_fn(logp, ent, in_mini[local.cpu()])  # noqa: E731
         m = self.engine.train_step(batch.select(mine), loss_fn, num_micro_batches=num_micro)
+        if self.critic is not None and critic is not None:  # the same rows, in the same micro-batches
+            old_values, returns = critic
+            value_fn = make_value_loss_fn(self.recipe.algorithm.critic, old_values[rows], returns[rows],  # type: ignore[union-attr]
+                                          batch.response_mask[rows], micro_scale=float(num_micro))
+            m.update(self.critic.train_step(batch.select(mine), value_fn, num_micro_batches=num_micro))
         self.updates += 1
         return m
 
@@ -181,8 +222,11 @@ class TrainerRole:
         mine = {"engine": self.recipe.trainer.engine, "rng": ckpt.rng_state(), "optimizer": optim_meta,
                 "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
         notes: list[str] = []
-        path = ckpt.save_checkpoint(Path(run_dir), step, tensors={"trainable": self.engine.trainable_state(),
-                                                                  "optimizer": optim_tensors},
+        groups = {"trainable": self.engine.trainable_state(), "optimizer": optim_tensors}
+        if self.critic is not None:  # PPO: the critic's adapter (or weights) + value head, and its AdamW
+            critic_optim, mine["critic_optimizer"] = self.critic.optimizer_state()
+            groups.update(critic=self.critic.trainable_state(), critic_optimizer=critic_optim)
+        path = ckpt.save_checkpoint(Path(run_dir), step, tensors=groups,
                                     state={**state, "trainer": mine}, recipe_yaml=recipe_yaml, keep=keep,
                                     log_fn=notes.append)
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
@@ -203,6 +247,12 @@ class TrainerRole:
                                 f"trainer.engine={self.recipe.trainer.engine}")
         self.engine.load_trainable_state(loaded.tensors["trainable"])  # type: ignore[attr-defined]
         self.engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])  # type: ignore[attr-defined]
+        if self.critic is not None:
+            if "critic" not in loaded.tensors or "critic_optimizer" not in mine:
+                raise RlbridgeError(f"checkpoint {path} holds no critic (critic.safetensors), which "
+                                    "algorithm.name=ppo needs")
+            self.critic.load_trainable_state(loaded.tensors["critic"])
+            self.critic.load_optimizer_state(loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"])
         ckpt.set_rng_state(mine["rng"])
         self.updates = int(mine.get("updates", 0))
         self._gate_done = bool(mine.get("gate_done", self._gate_done))

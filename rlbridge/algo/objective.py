@@ -15,7 +15,7 @@ from torch import Tensor
 
 from rlbridge.algo import advantages as A
 from rlbridge.algo import losses as L
-from rlbridge.recipe.schema import AlgorithmCfg, RolloutCfg
+from rlbridge.recipe.schema import AlgorithmCfg, CriticCfg, PpoCfg, RolloutCfg
 
 
 @dataclass
@@ -23,8 +23,14 @@ class StepAdvantages:
     adv_bt: Tensor
     """[b, R] advantages per response token (0 on padding)."""
     token_rewards_bt: Tensor | None
-    """Token rewards after the KL penalty (only with kl.where == reward)."""
+    """Token rewards after the KL penalty (with kl.where == reward), or PPO's token rewards."""
     metrics: dict[str, float]
+    old_values_bt: Tensor | None = None
+    """PPO: the critic's values before the update, [b, R] (the value clip's centre)."""
+    returns_bt: Tensor | None = None
+    """PPO: GAE returns (advantages + old values, before whitening), the critic's targets, [b, R]."""
+    kl_seq_mean: float | None = None
+    """Mean over sequences of the summed KL estimate (with kl.where == reward): the adaptive KL controller's input."""
 
 
 def compute_advantages(
@@ -35,17 +41,35 @@ def compute_advantages(
     *,
     logp_bt: Tensor | None = None,
     ref_logp_bt: Tensor | None = None,
+    values_bt: Tensor | None = None,
+    kl_coef: float | None = None,
 ) -> StepAdvantages:
-    """Advantages for the GRPO family (PPO's critic path lives with the critic)."""
+    """Advantages for every algorithm. PPO needs the critic's values of the response tokens (`values_bt`,
+    see ppo_advantages). `kl_coef` replaces algorithm.kl.coef in the reward (the adaptive KL controller's
+    current value)."""
     n = rollout.n
     metrics: dict[str, float] = {}
-    rewards_b = rewards_b.to(torch.float32)
+    rewards_b = rewards_b.to(torch.float32 if values_bt is None else values_bt.dtype)  # PPO: the critic's dtype
+    token_rewards_bt: Tensor | None = None
+    kl_seq: float | None = None
     if algo.kl.where == "reward" and algo.kl.coef > 0:
         if logp_bt is None or ref_logp_bt is None:
             raise ValueError("kl.where == reward needs policy and reference log-probs")
-        token_rewards_bt, kl_mean = L.kl_in_reward(rewards_b, logp_bt, ref_logp_bt, mask_bt, algo.kl.coef, algo.kl.estimator)
+        coef = algo.kl.coef if kl_coef is None else kl_coef
+        token_rewards_bt, kl_mean = L.kl_in_reward(rewards_b, logp_bt, ref_logp_bt, mask_bt, coef, algo.kl.estimator)
+        kl_seq = float(A.masked_sum(L.kl_estimate(logp_bt, ref_logp_bt, algo.kl.estimator), mask_bt, dim=1).mean())
         metrics["kl_reward"] = float(kl_mean)
+        metrics["kl_coef"] = float(coef)
         rewards_b = (token_rewards_bt * mask_bt).sum(dim=1)  # outcome methods need one number per sequence
+    if algo.name == "ppo":
+        if values_bt is None:
+            raise ValueError("ppo needs the critic's values (values_bt)")
+        if token_rewards_bt is None:
+            token_rewards_bt = A.outcome_to_token_rewards(rewards_b, mask_bt)
+        out = ppo_advantages(algo, token_rewards_bt, values_bt, mask_bt)  # type: ignore[arg-type]
+        out.metrics = {**metrics, **out.metrics}
+        out.kl_seq_mean = kl_seq
+        return out
     if algo.name in ("grpo", "dapo", "gspo"):
         adv_b = A.grpo_advantages(rewards_b, n, norm_std=getattr(algo, "norm_std", True))
     elif algo.name == "dr_grpo":
@@ -54,10 +78,66 @@ def compute_advantages(
         adv_b = A.rloo_advantages(rewards_b, n)
     elif algo.name == "reinforce_pp":
         adv_bt = A.reinforce_pp_advantages(rewards_b, mask_bt, group_size=n, baseline=getattr(algo, "baseline", False))
-        return StepAdvantages(adv_bt, None, metrics)
+        return StepAdvantages(adv_bt, None, metrics, kl_seq_mean=kl_seq)
     else:
-        raise NotImplementedError(f"algorithm {algo.name!r} needs a critic (not in this loop yet)")
-    return StepAdvantages(A.expand_to_tokens(adv_b, mask_bt), None, metrics)
+        raise NotImplementedError(f"algorithm {algo.name!r} has no advantage estimator here")
+    return StepAdvantages(A.expand_to_tokens(adv_b, mask_bt), None, metrics, kl_seq_mean=kl_seq)
+
+
+def ppo_advantages(algo: PpoCfg, token_rewards_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -> StepAdvantages:
+    """GAE (advantages.gae, gamma / lam from the recipe) over token rewards, then whitened.
+
+    Convention (the same as advantages.gae): `values_bt[:, t]` is V(s_t), the value of the state *before*
+    response token t (the critic reads it from the hidden state at the position that predicts token t), and
+    `token_rewards_bt[:, t]` the reward after token t (the outcome reward on the last token, minus the KL
+    penalty per token with kl.where == reward). After the last token V = 0 (the episode ends).
+
+    The critic's targets are the returns A + V before whitening. The advantages for the policy loss are
+    whitened over every valid token of the batch (masked mean and unbiased variance, mean shifted), as
+    verl's GAE and OpenRLHF do. Metrics: value_ev, the explained variance 1 - Var[R - V] / Var[R] of the
+    returns by these (pre-update) values, in float64 over the valid tokens; value_mean, return_mean.
+    """
+    mask = mask_bt > 0
+    values = torch.where(mask, values_bt.to(token_rewards_bt.dtype), 0.0)
+    adv_bt, returns_bt = A.gae(token_rewards_bt, values, mask, gamma=algo.gamma, lam=algo.lam)
+    metrics = {
+        "value_ev": explained_variance(returns_bt, values, mask),
+        "value_mean": float(A.masked_mean(values.double(), mask)),
+        "return_mean": float(A.masked_mean(returns_bt.double(), mask)),
+    }
+    return StepAdvantages(A.masked_whiten(adv_bt, mask), token_rewards_bt, metrics, old_values_bt=values,
+                          returns_bt=returns_bt)
+
+
+def explained_variance(returns_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over the valid tokens, in float64 (unbiased variances); 0.0 when Var[R] == 0.
+    1 is a perfect critic, 0 one no better than the mean return, below 0 worse than that."""
+    r, v = returns_bt.double(), values_bt.double()
+    var_r = float(A.masked_var(r, mask_bt))
+    if var_r <= 0.0:
+        return 0.0
+    return 1.0 - float(A.masked_var(r - v, mask_bt)) / var_r
+
+
+def make_value_loss_fn(critic: CriticCfg, old_values_bt: Tensor, returns_bt: Tensor, mask_bt: Tensor, *,
+                       micro_scale: float = 1.0):  # type: ignore[no-untyped-def]
+    """Critic loss closure over the rows of one mini-batch: `loss_coef * 0.5 * token-mean (V - R)^2`, with the
+    PPO value clip around the old values when critic.value_clip is set (losses.value_loss). As make_loss_fn,
+    each micro-batch returns its share of the mini-batch's token-mean (times `micro_scale`), so gradient
+    accumulation equals one pass over the mini-batch. The critic has its own AdamW, so loss_coef only scales
+    its gradient (it matters through gradient clipping and AdamW's eps, as in implementations that sum the
+    two losses it would weigh the critic's share)."""
+    total = mask_bt.sum().clamp(min=1)
+
+    def loss_fn(values_bt: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
+        dev = values_bt.device
+        mask = mask_bt[rows].to(dev)
+        loss, m = L.value_loss(values_bt, old_values_bt[rows].to(dev), returns_bt[rows].to(dev), mask,
+                               clip=critic.value_clip, agg="token-mean")
+        share = mask.sum().to(values_bt.dtype) / total.to(values_bt.dtype)
+        return critic.loss_coef * loss * share * micro_scale, {"vf_loss": float(loss.detach()), "vf_clip_frac": m["vf_clip_frac"]}
+
+    return loss_fn
 
 
 def _norm_count(mask_bt: Tensor, agg: str) -> Tensor:

@@ -67,6 +67,8 @@ def plan_full(p: Plan) -> None:
         for col in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
             t.add_column(col, justify="right")
         t.add_row("train", _gib(m.weights), _gib(m.gradients), _gib(m.optimizer), _gib(m.activations), "-", _gib(m.trainer_total))
+        if m.critic:
+            t.add_row("  incl. PPO critic", "", "", "", "", "-", _gib(m.critic))
         t.add_row("rollout", _gib(m.rollout_weights), "-", "-", "-", _gib(m.rollout_kv_cache), _gib(m.rollout_total))
         if m.trainable_params < m.total_params:
             t.add_row("train, full FT", "", "", "", "", "-", _gib(m.full_ft_trainer_total))

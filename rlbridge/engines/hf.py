@@ -389,36 +389,53 @@ class HFTrainEngine:
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """AdamW state as named tensors (`<param>:step|exp_avg|exp_avg_sq`) and a JSON-able dict (schedule
         position, hyper-parameters, the names with state). No pickle anywhere."""
-        tensors: dict[str, Tensor] = {}
-        names: list[str] = []
-        for n, p in self._trainable:
-            state = self.optimizer.state.get(p)
-            if not state:
-                continue
-            names.append(n)
-            for key in _OPTIM_STATE_KEYS:
-                tensors[f"{n}:{key}"] = state[key].detach().clone()
-        group = self.optimizer.param_groups[0]
-        meta = {
-            "format": "adamw-v1",
-            "names": names,
-            "scheduler": {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
-            "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
-        }
-        return tensors, json.loads(json.dumps(meta))
+        return adamw_state(self.optimizer, self._trainable, {"step": self.num_optimizer_steps, "total_steps": self.total_steps})
 
     def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        if meta.get("format") != "adamw-v1":
-            raise RlbridgeError(f"unknown optimizer state format {meta.get('format')!r}")
-        params = dict(self._trainable)
-        unknown = [n for n in meta["names"] if n not in params]
-        if unknown:
-            raise RlbridgeError(f"optimizer state for tensors the model does not train: {unknown[:3]}")
-        self.optimizer.state.clear()
-        for n in meta["names"]:
-            p = params[n]
-            state = {k: tensors[f"{n}:{k}"].clone() for k in _OPTIM_STATE_KEYS}
-            state["exp_avg"] = state["exp_avg"].to(p.device, p.dtype)
-            state["exp_avg_sq"] = state["exp_avg_sq"].to(p.device, p.dtype)
-            self.optimizer.state[p] = state
+        load_adamw_state(self.optimizer, self._trainable, tensors, meta)
         self.num_optimizer_steps = int(meta["scheduler"]["step"])  # total_steps stays the recipe's
+
+
+# ------------------------------------------------------------------------- named AdamW state (checkpoints)
+def adamw_state(
+    optimizer: torch.optim.Optimizer, trainable: list[tuple[str, nn.Parameter]], scheduler: dict[str, int]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The state of `optimizer` over the named parameters `trainable` as tensors `<name>:step|exp_avg|exp_avg_sq`
+    and JSON metadata ("adamw-v1": names with state, `scheduler`, hyper-parameters of the first group)."""
+    tensors: dict[str, Tensor] = {}
+    names: list[str] = []
+    for n, p in trainable:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        names.append(n)
+        for key in _OPTIM_STATE_KEYS:
+            tensors[f"{n}:{key}"] = state[key].detach().clone()
+    group = optimizer.param_groups[0]
+    meta = {
+        "format": "adamw-v1",
+        "names": names,
+        "scheduler": scheduler,
+        "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
+    }
+    return tensors, json.loads(json.dumps(meta))
+
+
+def load_adamw_state(
+    optimizer: torch.optim.Optimizer, trainable: list[tuple[str, nn.Parameter]], tensors: dict[str, Tensor],
+    meta: dict[str, Any],
+) -> None:
+    """Inverse of adamw_state (the hyper-parameters stay the recipe's)."""
+    if meta.get("format") != "adamw-v1":
+        raise RlbridgeError(f"unknown optimizer state format {meta.get('format')!r}")
+    params = dict(trainable)
+    unknown = [n for n in meta["names"] if n not in params]
+    if unknown:
+        raise RlbridgeError(f"optimizer state for tensors the model does not train: {unknown[:3]}")
+    optimizer.state.clear()
+    for n in meta["names"]:
+        p = params[n]
+        state = {k: tensors[f"{n}:{k}"].clone() for k in _OPTIM_STATE_KEYS}
+        state["exp_avg"] = state["exp_avg"].to(p.device, p.dtype)
+        state["exp_avg_sq"] = state["exp_avg_sq"].to(p.device, p.dtype)
+        optimizer.state[p] = state

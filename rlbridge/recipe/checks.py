@@ -208,6 +208,21 @@ def check_lora(r: Recipe, out: Issues) -> None:
                                fix="set lora.type: canonical_lora, or use linear_qkv / linear_fc1"))
 
 
+# ---------------------------------------------------------------------------------------- algorithm
+def check_algorithm(r: Recipe, out: Issues) -> None:
+    algo = r.algorithm
+    if algo.name != "ppo":
+        return
+    if r.trainer.engine == "megatron":
+        out.append(RecipeIssue("trainer.engine", "PPO's critic is implemented on the hf engine only for now",
+                               value="megatron", fix="set trainer.engine: hf, or a critic-free algorithm.name (grpo, rloo, reinforce_pp, ...)"))
+    if algo.adaptive_kl_target is not None and (algo.kl.where != "reward" or algo.kl.coef == 0):
+        out.append(RecipeIssue("algorithm.adaptive_kl_target",
+                               f"the adaptive KL controller moves the KL penalty in the reward, starting from kl.coef "
+                               f"(kl.where is {algo.kl.where}, kl.coef is {algo.kl.coef})", value=str(algo.adaptive_kl_target),
+                               fix="set algorithm.kl.where: reward and algorithm.kl.coef > 0 (e.g. 0.05), or remove adaptive_kl_target"))
+
+
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
     for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
@@ -245,8 +260,8 @@ def check_loggers(r: Recipe, out: Issues) -> None:
 
 # ---------------------------------------------------------------------------------------- entry
 RecipeRule = Callable[[Recipe, Issues], None]
-RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_files, check_reward,
-                                 check_loggers)
+RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_algorithm, check_files,
+                                 check_reward, check_loggers)
 
 
 def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelInfo | None]:

@@ -237,7 +237,12 @@ class PpoCfg(_AlgoBase):
     """GAE lambda."""
     critic: CriticCfg = CriticCfg()
     adaptive_kl_target: Annotated[float, Field(gt=0)] | None = None
-    """Target KL for an adaptive KL controller; null keeps kl.coef fixed."""
+    """Target KL per sequence (nats, summed over the response tokens) of the adaptive KL controller (Ziegler et
+    al. 2019): after each step kl.coef is multiplied by 1 + clip(kl / target - 1, -0.2, 0.2) * rollouts /
+    adaptive_kl_horizon, starting from kl.coef. Needs kl.where: reward and kl.coef > 0; null keeps kl.coef fixed."""
+    adaptive_kl_horizon: PositiveInt = 10000
+    """Horizon of the adaptive KL controller in rollouts (Ziegler et al. 2019 and TRL use 10000): the larger, the
+    slower kl.coef moves (at most x1.2 per horizon rollouts)."""
 
 
 AlgorithmCfg = Annotated[

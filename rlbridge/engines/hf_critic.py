@@ -1,0 +1,158 @@
+"""PPO's critic on the hf engine: the policy's architecture from the same HF checkpoint, plus a value head.
+
+Design: a *second model* in the trainer process, not a second adapter on the policy's model. The critic is
+the checkpoint's backbone (transformers' AutoModel: the decoder without the output layer) with its own LoRA
+adapter when lora.rank > 0 (the recipe's lora section: rank, alpha, targets, type) or fully trained when
+lora.rank == 0, and a float32 `nn.Linear(hidden, 1)` value head. It has its own AdamW
+(algorithm.critic.lr; betas, eps, weight decay and gradient clipping from trainer.optim; constant lr).
+
+Why not a second adapter on the same base: peft routes every forward through the *active* adapter, so the
+policy's log-probs, the reference log-probs (adapters disabled) and the merged export would all depend on
+which adapter is active at the moment, and under full fine-tuning there is no shared frozen base at all.
+Two models keep the parameters, gradients and optimizer states disjoint by construction, at the price of a
+second copy of the (frozen, under LoRA) base weights, which rlbridge/plan.py counts.
+
+Token values follow advantages.gae's convention: `values[:, t]` is V(s_t), the value of the state before
+response token t, read from the last hidden state at the position that predicts token t (P + t - 1, the
+same positions whose logits give the log-prob of token t; engines/hf.response_logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from rlbridge.batch import SeqBatch
+from rlbridge.engines.hf import adamw_state, load_adamw_state
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.targets import hf_targets
+
+ValueLossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
+"""value_loss_fn(values_bt, rows) -> (loss, metrics); rows index the batch given to HFCritic.train_step."""
+
+
+class HFCritic:
+    """Values of response tokens and critic updates (see the module docstring)."""
+
+    def __init__(self, recipe: Recipe, model_dir: Path, *, device: str = "cpu") -> None:
+        self.recipe = recipe
+        self.device = torch.device(device)
+        self.num_optimizer_steps = 0
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # "lm_head.weight not used": the backbone is all the critic needs
+        try:
+            backbone: PreTrainedModel = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, recipe.model.dtype))
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        nn.Module.to(backbone, self.device)
+        hidden = int(backbone.config.hidden_size)
+        with torch.random.fork_rng(devices=[]):  # adapter and head init from run.seed, global RNG untouched
+            torch.manual_seed(recipe.run.seed)
+            model: nn.Module = self._apply_lora(backbone) if recipe.lora.enabled else backbone
+            head = nn.Linear(hidden, 1, dtype=torch.float32, device=self.device)
+            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))  # as TRL / OpenRLHF value heads
+            nn.init.zeros_(head.bias)
+        self._apply_recompute(backbone)
+        self.module = nn.ModuleDict({"backbone": model, "value_head": head})
+        self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        optim = recipe.trainer.optim
+        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]
+                                           betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+    def _apply_lora(self, backbone: PreTrainedModel) -> nn.Module:
+        cfg = self.recipe.lora
+        config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+                            target_modules=hf_targets(cfg.targets), use_dora=cfg.type == "dora")
+        return get_peft_model(backbone, config)  # type: ignore[arg-type]
+
+    def _apply_recompute(self, backbone: PreTrainedModel) -> None:
+        """Whole-layer gradient checkpointing as the policy has it (engines/hf.py), warnings left to the policy."""
+        if self.recipe.trainer.recompute.granularity == "none":
+            return
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.recipe.lora.enabled:
+            backbone.enable_input_require_grads()
+
+    # ------------------------------------------------------------------------------ values
+    def _values(self, sub: SeqBatch) -> Tensor:
+        """[b, R] float32 values V(s_t) of the response tokens from hidden states P - 1 .. P + R - 2."""
+        out = self.module["backbone"](input_ids=sub.input_ids, attention_mask=sub.attention_mask,
+                                      position_ids=sub.position_ids, use_cache=False)
+        p, r = sub.prompt_width, sub.response_width
+        hidden = out.last_hidden_state[:, p - 1 : p + r - 1]
+        return self.module["value_head"](hidden.float()).squeeze(-1)
+
+    @torch.no_grad()
+    def values(self, batch: SeqBatch) -> Tensor:
+        """[b, R] float32 values of the response tokens (0 on padding), `trainer.logprob_chunk_size` rows
+        per forward pass, on the batch's device."""
+        chunk = self.recipe.trainer.logprob_chunk_size
+        self.module.eval()
+        parts: list[Tensor] = []
+        for start in range(0, batch.size, chunk):
+            sub = batch.select(slice(start, start + chunk)).to(self.device)
+            parts.append(torch.where(sub.response_mask > 0, self._values(sub), 0.0))
+        return torch.cat(parts).to(batch.input_ids.device)
+
+    # ------------------------------------------------------------------------------ training
+    def train_step(self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int) -> dict[str, Any]:
+        """One critic optimizer step over `batch` in the same micro-batches as the policy's train_step
+        (backpropagating loss_fn(...) / num_micro_batches each). A non-finite loss or gradient skips the step.
+        Metrics (prefixed): the loss closure's, critic_grad_norm (before clipping), critic_skipped."""
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        bad = False
+        for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
+            sub = batch.select(rows).to(self.device)
+            loss, metrics = loss_fn(torch.where(sub.response_mask > 0, self._values(sub), 0.0), rows)
+            if not bool(torch.isfinite(loss.detach())):
+                bad = True
+                break
+            (loss / num_micro_batches).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) / num_micro_batches
+        params = [p for _, p in self._trainable]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        out = {**sums, "critic_grad_norm": float(norm), "critic_skipped": 0.0}
+        if bad or not bool(torch.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**out, "critic_skipped": 1.0}
+        clip = self.recipe.trainer.optim.clip_grad
+        if clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_optimizer_steps += 1
+        return out
+
+    # ---------------------------------------------------------------------- state for checkpoints
+    def trainable_state(self) -> dict[str, Tensor]:
+        """Copies of the critic's trainable tensors: its adapter (or whole backbone) and the value head."""
+        return {n: p.detach().clone() for n, p in self._trainable}
+
+    def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
+        names = {n for n, _ in self._trainable}
+        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
+        if missing or extra:
+            raise RlbridgeError(f"critic state does not match the critic: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for n, p in self._trainable:
+                p.copy_(tensors[n])
+
+    def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return adamw_state(self.optimizer, self._trainable, {"step": self.num_optimizer_steps})
+
+    def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        load_adamw_state(self.optimizer, self._trainable, tensors, meta)
+        self.num_optimizer_steps = int(meta["scheduler"]["step"])
+
