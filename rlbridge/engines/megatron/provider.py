@@ -190,15 +190,24 @@ def apply_table(built: Built, recipe: Recipe) -> None:
 
 
 def local_layer_spec(config: Any) -> Any:
-    """megatron-core's local (non-TE) layer spec, following the provider's architecture flags."""
+    """megatron-core's local (non-TE) layer spec, following the provider's architecture flags, with the core
+    attention on torch SDPA (`attention.SDPAttention`) where it applies; `RLBRIDGE_MEGATRON_ATTENTION=unfused`
+    keeps megatron's DotProductAttention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    from rlbridge.engines.megatron.attention import core_attention_class
+
+    spec = get_gpt_layer_local_spec(
         num_experts=getattr(config, "num_moe_experts", None),
         moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
         qk_layernorm=getattr(config, "qk_layernorm", False),
         normalization=getattr(config, "normalization", None),
     )
+    attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    sub = getattr(attention, "submodules", None)
+    if sub is not None and hasattr(sub, "core_attention"):
+        sub.core_attention = core_attention_class(config)
+    return spec
 
 
 def apply_backend(provider: Any) -> None:
