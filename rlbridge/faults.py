@@ -7,8 +7,11 @@ Off unless the environment asks for it (Ray forwards RLBRIDGE_* variables to the
     RLBRIDGE_FAULT_MARKER=/tmp/x           a line "<point> <count> <pid>" is appended there on each pause
 
 Points: `update` (TrainerRole.update, before any work), `checkpoint-files` (checkpoint.save_checkpoint:
-tensor files written, manifest not yet). The tests use them to send SIGTERM during an update and to kill -9
-a process in the middle of a save; nothing else reads these variables.
+tensor files written, manifest not yet), `generate` (VllmRollout.generate, before the engine is called),
+`reward` (a reward worker process, before it scores a sample; counted per worker process). The tests use
+them to send SIGTERM during an update, to kill -9 a process in the middle of a save, and to SIGKILL one
+worker (the rollout actor, the trainer actor, a reward worker) mid-step (tests/reliability/
+test_worker_death.py); nothing else reads these variables.
 """
 
 from __future__ import annotations

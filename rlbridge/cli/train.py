@@ -46,7 +46,8 @@ def train(
         model_dir = ensure_model(valid.recipe.model.path)
         out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
         render.out.print(f"run directory: {out}")
-        summary = run_training(valid.recipe, plan, out, model_dir)
+        with resume_hint(out):
+            summary = run_training(valid.recipe, plan, out, model_dir)
     render.print_summary(summary)
 
 
@@ -85,8 +86,30 @@ def resume(
         from rlbridge.model_cache import ensure_model
 
         model_dir = ensure_model(valid.recipe.model.path)
-        summary = run_training(valid.recipe, plan, run_dir, model_dir, resume=point)
+        with resume_hint(run_dir):
+            summary = run_training(valid.recipe, plan, run_dir, model_dir, resume=point)
     render.print_summary(summary)
+
+
+@contextmanager
+def resume_hint(run_dir: Path) -> Iterator[None]:
+    """A run that fails (a worker died, a health gate, ...) after a checkpoint: its error says where and how it
+    resumes. The checkpoint is the newest one complete on disk (manifest and sizes; resume checks the hashes)."""
+    from rlbridge.errors import RecipeError, RlbridgeError
+
+    try:
+        yield
+    except RlbridgeError as e:
+        if isinstance(e, RecipeError) or "rlbridge resume" in str(e):  # e.g. a failed save says it already
+            raise
+        from rlbridge import checkpoint as ckpt
+        from rlbridge.resume import resume_command
+
+        last = next((i for i in reversed(ckpt.list_checkpoints(run_dir, hashes=False)) if i.complete), None)
+        if last is None:
+            raise
+        raise RlbridgeError(f"{e}\nthe run stops; resume from {last.path} (step {last.step}) with: "
+                            f"{resume_command(run_dir)}") from None
 
 
 @contextmanager

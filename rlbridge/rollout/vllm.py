@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlbridge import faults
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
@@ -184,6 +185,7 @@ class VllmRollout:
                 f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
             )
         check_request(prompt_ids, sampling, self.cfg)
+        faults.pause("generate")  # tests kill this worker here (rlbridge/faults.py); a no-op otherwise
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
