@@ -11,17 +11,37 @@ plus a small entropy term (both engines compute log-probs and entropies as in GR
 What differs by design, and shows in the numbers: the megatron engine keeps fp32 main weights, gradients
 and Adam moments (megatron-core's mixed-precision optimizer); the hf engine runs torch AdamW on the bf16
 weights. The hf engine's output layer runs on the response positions only (`logits_to_keep`); megatron's
-on every position. Megatron runs the local (no Transformer Engine) layer spec with unfused attention; hf
-runs PyTorch SDPA.
+on every position. Megatron runs the local (no Transformer Engine) layer spec; its core attention is
+`--attention sdpa` (rlbridge's SDPAttention on torch SDPA, the default) and/or `unfused` (megatron-core's
+DotProductAttention: baddbmm, softmax, bmm), one row each, so one run shows before and after. hf runs
+PyTorch SDPA.
 
 Each configuration runs in its own process (clean peak-memory counters, one megatron parallel state), up
 to one process per visible GPU at a time. Timing: `--warmup` steps, then `--steps` timed steps
 (torch.cuda.synchronize around each); tokens/s counts all prompt + response tokens of a step. Memory:
 peak allocated during the timed steps (weights, gradients, optimizer state and activations), and
-allocated after the engine was built.
+allocated after the engine was built. With `--profile`, one more step runs under torch.profiler and the
+row lists its top CUDA kernels by device time.
 
-    python bench/trainer_gpu.py [--models smollm2-135m,qwen2.5-0.5b] [--batch 8] [--prompt 512]
-        [--response 512] [--micro 4] [--steps 5] [--out DIR]
+MFU. The chip's bf16 dense peak is measured in the same run, before the jobs, on GPU 0: the median
+TFLOP/s of `--peak-reps` torch.matmul calls of two 8192x8192 bf16 matrices (2*8192^3 FLOPs each). Model
+FLOPs of one step, the same for both engines (so MFU ratios equal throughput ratios), with T = batch *
+(prompt + response) tokens, T_out = batch * response (the positions whose logits the loss needs), L layers,
+hidden H, heads h, query groups g, head dim d = H / h, MLP width I (SwiGLU: 3 matrices), vocab V,
+S = prompt + response:
+
+    N      = L * (H*(h + 2g)*d + h*d*H + 3*H*I)           matmul weights of the layers (biases, norms left out)
+    attn   = 2 * batch * L * h * d * S^2                   forward QK^T and PV, causal (half of S x S)
+    full:  6*N*T + 6*V*H*T_out + 3*attn                    forward 2, backward 4 (input and weight grads)
+    LoRA:  4*N*T + 4*V*H*T_out + 3*attn + 6*P_lora*T       frozen base: forward 2, backward 2 (input grads
+                                                           only); P_lora = trainable adapter parameters
+
+MFU = model FLOPs / step time / measured peak. Not counted: megatron's output layer on the prompt positions
+(work the loss does not need), elementwise work (norms, RoPE, SwiGLU, softmax, log-softmax, optimizer).
+
+    python bench/trainer_gpu.py [--models smollm2-135m,qwen2.5-0.5b] [--engines megatron,hf]
+        [--attention sdpa,unfused] [--modes lora,full] [--batch 8] [--prompt 512] [--response 512]
+        [--micro 4] [--warmup 2] [--steps 5] [--profile] [--out DIR]
 """
 
 from __future__ import annotations
@@ -66,6 +86,65 @@ def save_model(name: str, out: Path) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
+
+
+def model_flops(model: str, mode: str, batch: int, prompt: int, response: int, lora_params: int) -> dict[str, float]:
+    """Model FLOPs of one train_step (the formula in the module docstring)."""
+    c = SHAPES[model]
+    L, H, h, g, inter, V = (c[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                             "num_key_value_heads", "intermediate_size", "vocab_size"))  # fmt: skip
+    d, S = H // h, prompt + response
+    tokens, out_tokens = batch * S, batch * response
+    n = L * (H * (h + 2 * g) * d + h * d * H + 3 * H * inter)
+    attn = 2.0 * batch * L * h * d * S * S
+    if mode == "full":
+        total = 6.0 * n * tokens + 6.0 * V * H * out_tokens + 3 * attn
+    else:
+        total = 4.0 * n * tokens + 4.0 * V * H * out_tokens + 3 * attn + 6.0 * lora_params * tokens
+    return {"model_flops": total, "layer_matmul_params": float(n), "attention_fwd_flops": attn}
+
+
+def measure_peak(reps: int) -> dict[str, Any]:
+    """The chip's bf16 dense matmul TFLOP/s: median of `reps` 8192^3 matmuls (CPU: a small float32 one)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
+    dev = "cuda" if cuda else "cpu"
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(10):
+        a @ b
+    sync()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - t)
+    median = sorted(times)[len(times) // 2]
+    return {"peak_tflops": 2 * n**3 / median / 1e12, "shape": f"{n}x{n}x{n}", "dtype": str(dtype).split(".")[-1],
+            "reps": reps, "best_tflops": 2 * n**3 / min(times) / 1e12}  # fmt: skip
+
+
+def profile_step(step: Any, top: int = 12) -> list[dict[str, Any]]:
+    """One step under torch.profiler: the `top` CUDA kernels by device time (share of all kernel time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    events = kernels or events  # kernels only: an aten op's self device time repeats its kernels' time
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"name": e.key[:90], "ms": e.self_device_time_total / 1000, "share": e.self_device_time_total / total,
+             "calls": e.count} for e in events[:top]]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- job
@@ -131,10 +210,24 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - t)
     trainable = sum(v.numel() for v in engine.trainable_state().values())
     step_s = sorted(times)[len(times) // 2]
+    attention = "sdpa (transformers)"
+    if spec["engine"] == "megatron":
+        names = {type(mod).__name__ for chunk in engine.model for mod in chunk.modules()}
+        attention = ",".join(sorted(names & {"SDPAttention", "DotProductAttention"}))
+    peak_bytes = torch.cuda.max_memory_allocated() if cuda else 0
+    top = []
+    if spec.get("profile") and cuda:
+        try:
+            top = profile_step(lambda: engine.train_step(batch, loss_fn, num_micro_batches=num_micro))
+        except Exception as exc:  # noqa: BLE001  (a profiler problem must not lose the timings)
+            top = [{"error": repr(exc)[:300]}]
+    flops = model_flops(spec["model"], spec["mode"], b, p, r, trainable if lora else 0)
     return {
-        "model": spec["model"], "engine": spec["engine"], "mode": spec["mode"],
+        "model": spec["model"], "engine": spec["engine"], "attention": spec["attention"], "mode": spec["mode"],
+        "core_attention": attention, **flops, "achieved_tflops": flops["model_flops"] / step_s / 1e12,
+        "profile_top": top,
         "tokens_per_s": b * (p + r) / step_s, "step_ms": 1000 * step_s,
-        "peak_gib": (torch.cuda.max_memory_allocated() if cuda else 0) / GIB, "after_build_gib": built / GIB,
+        "peak_gib": peak_bytes / GIB, "after_build_gib": built / GIB,
         "trainable_params": trainable, "grad_norm": float(m["grad_norm"]), "skipped": float(m.get("skipped", 0.0)),
         "build_s": build_s,
     }  # fmt: skip
@@ -145,6 +238,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
     ap.add_argument("--engines", default="megatron,hf")
+    ap.add_argument("--attention", default="sdpa,unfused", help="megatron core attention(s): sdpa, unfused")
     ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
@@ -152,27 +246,39 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--peak-reps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true", help="one extra step under torch.profiler per job")
     ap.add_argument("--out", default=None, help="Also write the JSON and the table here (default: bench/results/).")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
-        print("RESULT " + json.dumps(run_job(json.loads(args.job))), flush=True)
+        spec = json.loads(args.job)
+        if spec["engine"] == "megatron":
+            os.environ["RLBRIDGE_MEGATRON_ATTENTION"] = spec["attention"]
+        print("RESULT " + json.dumps(run_job(spec)), flush=True)
         return 0
     import torch
 
     gpus = max(torch.cuda.device_count(), 1)
+    peak = measure_peak(args.peak_reps)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"measured peak: {peak['peak_tflops']:.0f} TFLOP/s ({peak['shape']} {peak['dtype']})", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="trainer_gpu_"))
+    variants = [(e, a) for e in args.engines.split(",") for a in (args.attention.split(",") if e == "megatron" else ["sdpa"])]
     specs = []
     for model in args.models.split(","):
         save_model(model, work / model)
         for mode in args.modes.split(","):
-            for engine in args.engines.split(","):
-                specs.append({"model": model, "model_dir": str(work / model), "engine": engine, "mode": mode,
-                              "batch": args.batch, "prompt": args.prompt, "response": args.response, "micro": args.micro,
-                              "warmup": args.warmup, "steps": args.steps})
+            for engine, attention in variants:
+                specs.append({"model": model, "model_dir": str(work / model), "engine": engine, "attention": attention,
+                              "mode": mode, "batch": args.batch, "prompt": args.prompt, "response": args.response,
+                              "micro": args.micro, "warmup": args.warmup, "steps": args.steps, "profile": args.profile})
+    order = {(s["model"], s["mode"], s["engine"], s["attention"]): i for i, s in enumerate(specs)}
     rows, failures = [], []
     running: list[tuple[subprocess.Popen[str], dict[str, Any], int]] = []
     free = list(range(gpus))
+    started = time.perf_counter()
     while specs or running:
         while specs and free:
             spec, gpu = specs.pop(0), free.pop(0)
@@ -189,27 +295,32 @@ def main() -> int:
             free.append(gpu)
             out = proc.stdout.read() if proc.stdout else ""
             result = [line[7:] for line in out.splitlines() if line.startswith("RESULT ")]
+            label = f"{spec['model']} {spec['engine']}/{spec['attention']} {spec['mode']}"
             if proc.returncode == 0 and result:
                 rows.append(json.loads(result[-1]))
-                print(f"done: {spec['model']} {spec['engine']} {spec['mode']}", file=sys.stderr, flush=True)
+                if args.out:  # rows so far, in case the whole run is cut short
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    with open(Path(args.out) / "trainer_gpu.partial.jsonl", "a") as f:
+                        f.write(json.dumps({"peak": peak, **rows[-1]}) + "\n")
+                print(f"done ({time.perf_counter() - started:.0f} s): {label}", file=sys.stderr, flush=True)
             else:
-                failures.append({k: spec[k] for k in ("model", "engine", "mode")} | {"log": out[-3000:]})
-                print(f"FAILED: {spec['model']} {spec['engine']} {spec['mode']}\n{out[-3000:]}", file=sys.stderr, flush=True)
-    order: dict[tuple[str, str, str], int] = {}
-    for m in args.models.split(","):
-        for md in args.modes.split(","):
-            for e in args.engines.split(","):
-                order[(m, e, md)] = len(order)
-    rows.sort(key=lambda r: order[(r["model"], r["engine"], r["mode"])])
+                failures.append({k: spec[k] for k in ("model", "engine", "attention", "mode")} | {"log": out[-3000:]})
+                print(f"FAILED: {label}\n{out[-3000:]}", file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: order[(r["model"], r["mode"], r["engine"], r["attention"])])
+    for r in rows:
+        r["mfu"] = r["achieved_tflops"] / peak["peak_tflops"]
     ratios = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
-            got = {r["engine"]: r for r in rows if r["model"] == model and r["mode"] == mode}
-            if {"megatron", "hf"} <= got.keys():
-                ratios.append({"model": model, "mode": mode,
-                               "throughput_megatron_over_hf": got["megatron"]["tokens_per_s"] / got["hf"]["tokens_per_s"],
-                               "peak_megatron_over_hf": got["megatron"]["peak_gib"] / max(got["hf"]["peak_gib"], 1e-9)})
-    from bench.common import markdown, report
+            got = {f"{r['engine']}_{r['attention']}" if r["engine"] == "megatron" else "hf": r
+                   for r in rows if r["model"] == model and r["mode"] == mode}
+            pairs = [("megatron_sdpa", "megatron_unfused"), ("megatron_sdpa", "hf"), ("megatron_unfused", "hf")]
+            for a, b in pairs:
+                if {a, b} <= got.keys():
+                    ratios.append({"model": model, "mode": mode, "compare": f"{a} / {b}",
+                                   "throughput": got[a]["tokens_per_s"] / got[b]["tokens_per_s"],
+                                   "peak_memory": got[a]["peak_gib"] / max(got[b]["peak_gib"], 1e-9)})
+    from bench.common import machine, markdown, report
 
     versions = {}
     for name in ("torch", "transformers", "peft", "megatron-core", "megatron-bridge"):
@@ -220,16 +331,22 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             versions[name] = None
     gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    cols = ["model", "engine", "mode", "tokens_per_s", "step_ms", "peak_gib", "after_build_gib", "trainable_params"]
+    cols = ["model", "engine", "attention", "mode", "tokens_per_s", "step_ms", "mfu", "achieved_tflops", "peak_gib",
+            "after_build_gib", "trainable_params"]
     table_rows = [{c: r[c] for c in cols} for r in rows]
-    result = {"gpu": gpu_name, "versions": versions, "settings": {k: getattr(args, k) for k in
-              ("batch", "prompt", "response", "micro", "warmup", "steps")}, "ratios": ratios, "failures": failures,
-              "details": rows}  # fmt: skip
+    formula = ("full: 6*N*T + 6*V*H*T_out + 3*attn; lora: 4*N*T + 4*V*H*T_out + 3*attn + 6*P_lora*T; "
+               "N = L*(H*(h+2g)*d + h*d*H + 3*H*I), attn = 2*batch*L*h*d*S^2 (causal), T = batch*S, "
+               "T_out = batch*response; MFU = model_flops / step time / peak")
+    result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
+              "settings": {k: getattr(args, k) for k in
+              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile")},
+              "ratios": ratios, "failures": failures, "details": rows}  # fmt: skip
     report("trainer_gpu", result, table_rows, save=args.out is None)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        doc = {"benchmark": "trainer_gpu", "command": " ".join(["python", *sys.argv]), **result, "rows": table_rows}
+        doc = {"benchmark": "trainer_gpu", "command": " ".join(["python", *sys.argv]), "machine": machine(), **result,
+               "rows": table_rows}
         (out / "trainer_gpu.json").write_text(json.dumps(doc, indent=2) + "\n")
         (out / "trainer_gpu.md").write_text(markdown(table_rows) + "\n\n" + markdown(ratios) + "\n")
     print("\n" + markdown(ratios))
