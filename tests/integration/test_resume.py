@@ -14,9 +14,13 @@ LoRA, merged weight sync) on a tiny random Llama, against one uninterrupted 4-st
 Exact: the data (steps, epochs), the sampled completions (rollout_sha), rewards, weight versions,
 evaluations: rollouts are re-seeded per step (resume.rollout_seed) in an in-process vLLM engine core, and
 everything a step depends on is restored. The trainer's floats (losses, grad norms, entropy) and the final
-weights were bit-identical in every resume run by hand (16 of 16) and in most test runs, but twice, under heavy
-CPU load, the first step after a resume differed in the 6th digit (and the trainer-vs-rollout log-prob gap
-grew to ~1e-3) with identical completions; the cause is open, so those get a tolerance (see TRAINER_FLOATS). Fault points
+weights are bit-identical in nearly every run (16 of 16 resumes by hand; on 2026-11-30 at load ~15, 6 resumes
+of one step-2 checkpoint and 4 repeats of the Ctrl-C scenario), and then the final tensors must be equal. Three times, always in a
+signal test (SIGTERM / Ctrl-C, once in CI), the first step after the resume differed in the 6th digit of
+grad_norm with identical completions, and the trainer-vs-rollout log-prob gap of that step grew from ~1e-5
+to ~5e-4; the cause is open. Such a run passes with trainer floats within TRAINER_FLOATS' tolerance and each
+final tensor within 1e-2 of its norm of the reference, prints what differed and how far each checkpoint of
+the run is from the reference's (to tell a deviation before the interrupt from one after the resume). Fault points
 (rlbridge/faults.py) hold the run at the exact moment to kill or signal it.
 """
 
@@ -147,10 +151,10 @@ def evals(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # What must repeat exactly: the data (steps, epochs, prompts), the sampled completions (rollout_sha), the
-# rewards and the weight versions. The trainer's float numbers are bit-identical in most runs, but one SIGTERM
-# run under heavy CPU load differed in the 6th digit of grad_norm (1.6526626 vs 1.6526880) with identical
-# completions: CPU kernels may reduce in a different order. Trainer floats therefore get rel 1e-4, weights and
-# optimizer state allclose(rtol 1e-4, atol 1e-6); everything else is compared exactly.
+# rewards and the weight versions. The trainer's float numbers are bit-identical in nearly every run, but the
+# first step after a signal-test resume has deviated (grad_norm 1.6526626 and 1.6526544 vs 1.6526880) with
+# identical completions (see the module docstring). Trainer floats therefore get rel 1e-4 (the log-prob gaps
+# atol 2e-3); everything else is compared exactly.
 TRAINER_FLOATS = ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "kl", "kl_loss", "logprob_diff_mean",
                   "logprob_diff_max", "ratio_min", "ratio_max", "ratio_mean", "clip_frac", "dual_clip_frac")
 
@@ -171,19 +175,48 @@ def _close(a: Any, b: Any, key: str = "") -> bool:
 def assert_same_run(got: Path, want: Path) -> None:
     g, w = train_metrics(got), train_metrics(want)
     assert [r["step"] for r in g] == list(range(1, STEPS + 1)), [r["step"] for r in g]  # no step twice or missing
+    identical = True
     for a, b in zip(g, w, strict=True):
         assert a.keys() == b.keys()
         diff = {k: (a[k], b[k]) for k in a if not (_close(a[k], b[k], k) if k in TRAINER_FLOATS else a[k] == b[k])}
         assert not diff, diff
         if a != b:  # within tolerance, not bit-identical: say so in the test output
+            identical = False
             print(f"step {a['step']}: not bit-identical: {({k: (a[k], b[k]) for k in a if a[k] != b[k]})}")
     assert evals(got) == evals(want)
+    if not identical:
+        print(f"checkpoints of both runs vs the reference: {checkpoint_gaps(got, want)}")
     for group in ("trainable", "optimizer"):
         name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
         tg, tw = load_file(str(got / name)), load_file(str(want / name))
         assert tg.keys() == tw.keys(), group
-        bad = [k for k in tg if not torch.allclose(tg[k], tw[k], rtol=1e-4, atol=1e-6)]
-        assert not bad, (group, bad[:5])
+        if identical:  # the usual case: the same floats all along, so the same final tensors
+            bad = [k for k in tg if not torch.equal(tg[k], tw[k])]
+        else:
+            # A step that differed in the 6th digit is amplified by AdamW where a gradient is near zero (its
+            # update is ~lr * m / sqrt(v) whatever the gradient's size), so compare each tensor's distance
+            # to the reference against the tensor's norm: 1e-2 (the deviating runs' gradients differed by
+            # ~2e-5 relative; steps 3 + 4 move each adapter by 13-45 % of its norm, so a lost or repeated
+            # step is far outside it).
+            bad = [k for k in tg if float((tg[k].double() - tw[k].double()).norm()) > 1e-2 * float(tw[k].double().norm()) + 1e-8]
+        assert not bad, (group, bad[:5], {k: _rel_gap(tg[k], tw[k]) for k in bad[:5]})
+
+
+def _rel_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
+
+
+def checkpoint_gaps(got: Path, want: Path) -> dict[str, float]:
+    """Largest per-tensor relative L2 gap, per step both runs saved (diagnostics for a deviating run: a gap
+    at a step before the resume means the interrupted run already differed)."""
+    out: dict[str, float] = {}
+    for info in ckpt.list_checkpoints(got):
+        theirs = want / "checkpoints" / info.path.name
+        if info.complete and theirs.is_dir():
+            for group in ("trainable", "optimizer"):
+                a, b = load_file(str(info.path / f"{group}.safetensors")), load_file(str(theirs / f"{group}.safetensors"))
+                out[f"{info.path.name}/{group}"] = max((_rel_gap(a[k], b[k]) for k in a if k in b), default=float("nan"))
+    return out
 
 
 @pytest.fixture(scope="module")
