@@ -60,6 +60,7 @@ def compute_advantages(
         kl_seq = float(A.masked_sum(L.kl_estimate(logp_bt, ref_logp_bt, algo.kl.estimator), mask_bt, dim=1).mean())
         metrics["kl_reward"] = float(kl_mean)
         metrics["kl_coef"] = float(coef)
+        metrics["kl_seq"] = kl_seq
         rewards_b = (token_rewards_bt * mask_bt).sum(dim=1)  # outcome methods need one number per sequence
     if algo.name == "ppo":
         if values_bt is None:
