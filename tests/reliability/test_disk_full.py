@@ -109,7 +109,7 @@ def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(small_dis
     monkeypatch.setattr("rlbridge.resume.resolved_yaml", lambda recipe: "a: 1\n")
     written: list[dict[str, Any]] = []
     session = SimpleNamespace(
-        trainer=Trainer([1, 6]), run_dir=small_disk, version=1,
+        trainer=Trainer([1, 6]), run_dir=small_disk, version=1, kl_control=None,
         recipe=SimpleNamespace(run=SimpleNamespace(save_every=1, keep=3)),
         sampler=SimpleNamespace(state=lambda: {"epoch": 0, "index": 0}),
         metrics=SimpleNamespace(write=written.append))
