@@ -54,7 +54,7 @@ from tests.integration.test_resume import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 2
 KILL_BOUND_S = 60.0
-"""The driver must exit within this many seconds of the kill (it took about N s: docs/reliability.md)."""
+"""The driver must exit within this many seconds of the kill (it took 4.6-14 s: docs/reliability.md)."""
 GONE_BOUND_S = 30.0
 """... and every process of the run must be gone within this many seconds of the driver's exit."""
 TAG = "RLBRIDGE_TEST_WORKER_DEATH_TAG"

@@ -94,3 +94,28 @@ def test_console_script_and_fast_import() -> None:
     assert out == "[]"
     res = subprocess.run([sys.executable, "-m", "rlbridge", "--version"], capture_output=True, text=True)
     assert res.returncode == 0 and "rlbridge" in res.stdout
+
+
+def test_a_failure_after_a_checkpoint_says_how_to_resume(tmp_path: Path) -> None:
+    """A run failing mid-way (a worker died, a health gate) gets the newest complete checkpoint and the resume
+    command added to its error; one that never saved, a recipe error, or a message with its own hint, not."""
+    import torch
+
+    from rlbridge import checkpoint as ck
+    from rlbridge.cli.train import resume_hint
+    from rlbridge.errors import RecipeError, RlbridgeError
+
+    def failure(exc: Exception) -> str:
+        with pytest.raises(type(exc)) as info, resume_hint(tmp_path):
+            raise exc
+        return str(info.value)
+
+    assert failure(RlbridgeError("rollout worker died: x")) == "rollout worker died: x"  # nothing saved yet
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, tensors={"trainable": {"w": torch.zeros(2)}}, state={}, recipe_yaml="a: 1\n", keep=3)
+    (tmp_path / "checkpoints" / "step_000002" / "manifest.json").unlink()  # step 2 incomplete
+    assert failure(RlbridgeError("rollout worker died: x")) == (
+        f"rollout worker died: x\nthe run stops; resume from {tmp_path / 'checkpoints' / 'step_000001'} (step 1) "
+        f"with: rlbridge resume {tmp_path}")
+    assert failure(RlbridgeError(f"disk full; resume with: rlbridge resume {tmp_path}")).count("rlbridge resume") == 1
+    assert "resume" not in failure(RecipeError([]))
