@@ -24,6 +24,7 @@ from rlbridge.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from rlbridge.engines.hf_critic import HFCritic
+    from rlbridge.engines.megatron.critic import MegatronCritic
 
 
 class HealthError(RlbridgeError):
@@ -42,13 +43,15 @@ def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
     raise RlbridgeError("the megatron engine runs one TrainerRole per rank (cluster/trainer_group.py)")
 
 
-def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | None:
-    """PPO's critic (engines/hf_critic.py) next to the policy engine; None for the critic-free algorithms."""
+def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | MegatronCritic | None:
+    """PPO's critic next to the policy engine (engines/hf_critic.py; engines/megatron/critic.py on each rank of
+    a megatron trainer, after its engine); None for the critic-free algorithms."""
     if recipe.algorithm.name != "ppo":
         return None
-    if recipe.trainer.engine != "hf":
-        raise RlbridgeError("algorithm.name=ppo: PPO's critic is implemented on the hf engine only for now "
-                            "(set trainer.engine: hf)")
+    if recipe.trainer.engine == "megatron":
+        from rlbridge.engines.megatron.critic import MegatronCritic
+
+        return MegatronCritic(recipe)
     from rlbridge.engines.hf_critic import HFCritic
 
     return HFCritic(recipe, model_dir, device=_device(recipe))
@@ -100,7 +103,12 @@ class TrainerRole:
         clip's old values."""
         if self.critic is None:
             raise RlbridgeError(f"algorithm.name={self.recipe.algorithm.name} has no critic")
-        return self.critic.values(batch)
+        if self.dp_size == 1:
+            return self.critic.values(batch)
+        rows = self._shard(torch.arange(batch.size))  # as logprobs: this replica's share, in dp order
+        if not len(rows):
+            return torch.zeros(0, batch.response_width)
+        return self.critic.values(batch.select(rows))
 
     def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
         """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
@@ -189,7 +197,10 @@ class TrainerRole:
         if self.critic is not None and critic is not None:  # the same rows, in the same micro-batches
             old_values, returns = critic
             value_fn = make_value_loss_fn(self.recipe.algorithm.critic, old_values[rows], returns[rows],  # type: ignore[union-attr]
-                                          batch.response_mask[rows], micro_scale=float(num_micro))
+                                          batch.response_mask[rows], micro_scale=float(num_micro * self.dp_size))
+            if self.dp_size > 1:  # as loss_fn: shard rows -> mini-batch rows
+                value_mini = value_fn
+                value_fn = lambda values, local: value_mini(values, in_mini[local.cpu()])  # noqa: E731
             m.update(self.critic.train_step(batch.select(mine), value_fn, num_micro_batches=num_micro))
         self.updates += 1
         return m

@@ -10,7 +10,8 @@ and builds the megatron engine, which initializes megatron's parallel state from
 Every call goes to every rank (the engine's methods are collective) and the answer comes from the ranks
 that hold it:
 
-  logprobs        each data-parallel replica computes its share of the rows; the shares, in dp order
+  logprobs,       each data-parallel replica computes its share of the rows; the shares, in dp order
+  values          (values: PPO's critic)
   update          each replica trains on its share of every mini-batch (TrainerRole._shard) with the
                   mini-batch's loss normalization, so DP=2 takes the same step as DP=1; metrics are the
                   replicas' mean (their max for *_max)
@@ -107,7 +108,7 @@ class TrainerGroup:
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         results = self._wait(self._submit_all(method, args, kwargs), method, timeout=timeout)
-        if method == "logprobs":
+        if method in ("logprobs", "values"):
             return torch.cat([results[i] for i in self._leaders])
         if method == "update":
             return _mean_metrics([results[i] for i in self._leaders])

@@ -213,9 +213,18 @@ def check_algorithm(r: Recipe, out: Issues) -> None:
     algo = r.algorithm
     if algo.name != "ppo":
         return
-    if r.trainer.engine == "megatron":
-        out.append(RecipeIssue("trainer.engine", "PPO's critic is implemented on the hf engine only for now",
-                               value="megatron", fix="set trainer.engine: hf, or a critic-free algorithm.name (grpo, rloo, reinforce_pp, ...)"))
+    if r.trainer.engine == "megatron":  # the critic's value head reads the full, TP-replicated hidden states
+        par = r.trainer.parallel
+        for key, value, what in (("pipeline", par.pipeline, "a pipeline"), ("context", par.context, "a context-parallel layout")):
+            if value > 1:
+                out.append(RecipeIssue(f"trainer.parallel.{key}", f"PPO's critic on the megatron engine does not support {what} yet",
+                                       value=str(value), fix=f"set trainer.parallel.{key}: 1 (tensor and data parallelism work), or trainer.engine: hf"))
+        if par.sequence_parallel:
+            out.append(RecipeIssue("trainer.parallel.sequence_parallel", "PPO's critic on the megatron engine needs the full hidden "
+                                   "states on every tensor-parallel rank", value="true", fix="set trainer.parallel.sequence_parallel: false"))
+        if r.trainer.bridge != "megatron-bridge":
+            out.append(RecipeIssue("trainer.bridge", "PPO's critic on the megatron engine is built through Megatron-Bridge",
+                                   value=r.trainer.bridge, fix="set trainer.bridge: megatron-bridge"))
     if algo.adaptive_kl_target is not None and (algo.kl.where != "reward" or algo.kl.coef == 0):
         out.append(RecipeIssue("algorithm.adaptive_kl_target",
                                f"the adaptive KL controller moves the KL penalty in the reward, starting from kl.coef "

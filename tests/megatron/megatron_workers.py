@@ -501,3 +501,44 @@ def role_update_suite(qwen: str) -> dict[str, Any]:
     res["after"] = role.engine.trainable_state()
     role.engine.close()  # type: ignore[attr-defined]
     return res
+
+
+def critic_suite(qwen: str, tp: int = 1, rank: int = 4) -> dict[str, Any]:
+    """PPO's megatron critic next to the policy engine (as in a TrainerRole): values with a given head,
+    one critic step (the head's gradient captured before the optimizer applies it), and the policy's
+    log-probs before and after (the critic must not touch the policy)."""
+    from rlbridge.algo.objective import make_value_loss_fn
+    from rlbridge.engines.megatron import params
+    from rlbridge.engines.megatron.critic import HEAD, MegatronCritic
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    recipe = make_recipe(qwen, lora=lora(rank) if rank else {"rank": 0}, trainer=trainer(tp=tp),
+                         algorithm={"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}})
+    engine = MegatronTrainEngine(recipe)
+    batch = ragged_batch()
+    policy_before = engine.logprobs(batch)
+    critic = MegatronCritic(recipe)
+    g = torch.Generator().manual_seed(5)
+    hidden = int(critic.built.provider.hidden_size)
+    weight, bias = torch.randn(1, hidden, generator=g) * 0.2, torch.tensor([0.3])
+    critic.set_head(weight, bias)
+    values = critic.values(batch)
+    returns = torch.randn(values.shape, generator=g) * batch.response_mask
+    value_fn = make_value_loss_fn(recipe.algorithm.critic, values, returns, batch.response_mask,  # type: ignore[arg-type]
+                                  micro_scale=2.0)
+    grads: dict[str, torch.Tensor] = {}
+    apply = critic.optimizer.step_with_ready_grads
+
+    def capture() -> Any:
+        for name, p in critic._trainable:
+            if name.startswith(HEAD):
+                grads[name] = params.main_grad(p).detach().clone()  # type: ignore[union-attr]
+        return apply()
+
+    critic.optimizer.step_with_ready_grads = capture  # type: ignore[method-assign]
+    metrics = critic.train_step(batch, value_fn, num_micro_batches=2)
+    return {
+        "batch": batch_dict(batch), "weight": weight, "bias": bias, "values": values, "head_grads": grads,
+        "metrics": metrics, "values_after": critic.values(batch), "policy_before": policy_before,
+        "policy_after": engine.logprobs(batch), "trainable": sorted(critic.trainable_state()),
+    }

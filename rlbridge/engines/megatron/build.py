@@ -28,6 +28,7 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.model_info import resolve_model_path
 from rlbridge.recipe.schema import Recipe
 
+Hook = Callable[[list[torch.nn.Module]], list[torch.nn.Module]]
 Exporter = Callable[[list[torch.nn.Module]], Iterable[tuple[str, torch.Tensor]]]
 PARALLEL_ATTRS = (
     "tensor_model_parallel_size",
@@ -102,9 +103,10 @@ def init_parallel(provider: Any, seed: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------ megatron-bridge
-def ensure_recompute_input_fix(chunks: list[torch.nn.Module]) -> bool:
+def ensure_recompute_input_fix(chunks: list[torch.nn.Module], *, outside: tuple[str, ...] = ()) -> bool:
     """Under full recompute with a frozen base, the decoder input must require grad or the adapters inside
-    checkpointed layers get no gradient (PP=1). Returns True when the fix is in force (or not needed)."""
+    checkpointed layers get no gradient (PP=1). Returns True when the fix is in force (or not needed).
+    `outside`: name prefixes of trainable tensors after the decoder (the critic's value head)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.utils import unwrap_model
 
@@ -112,7 +114,9 @@ def ensure_recompute_input_fix(chunks: list[torch.nn.Module]) -> bool:
     for chunk in unwrap_model(chunks):
         if getattr(chunk.config, "recompute_method", None) is None:
             continue
-        names_trainable = [n for n, p in chunk.named_parameters() if p.requires_grad]
+        names_trainable = [
+            n for n, p in chunk.named_parameters() if p.requires_grad and not n.startswith(outside)
+        ]
         if not names_trainable or not all(".adapter." in n for n in names_trainable):
             continue
         needed.append(chunk)
@@ -149,11 +153,15 @@ def _patch_block_input(block: torch.nn.Module) -> None:
     block.forward = forward  # type: ignore[method-assign]
 
 
-def build_megatron_bridge(built: Built) -> Model:
+def build_megatron_bridge(built: Built, *, after_peft: Hook | None = None) -> Model:
+    """`after_peft`: a pre-wrap hook run after PEFT (and after the weights are loaded), before the DDP wrap
+    (the critic replaces the output layer by its value head there)."""
     provider = built.provider
     at_wrap: set[str] = set()
     if built.peft is not None:
         provider.register_pre_wrap_hook(lambda chunks: built.peft(chunks, training=True))
+    if after_peft is not None:
+        provider.register_pre_wrap_hook(after_peft)
 
     def record(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         at_wrap.update(n for n, p in named_parameters(chunks) if p.requires_grad)

@@ -1,0 +1,59 @@
+"""PPO on the megatron engine, in one process (gloo world of 1): the loop's train_step driving a TrainerRole
+whose policy and critic are megatron models, with test_algorithms_learn.py's hf rollout and easy task.
+Run as a subprocess by test_ppo_megatron_learn.py (the pytest process never imports megatron):
+
+    python tests/integration/megatron_ppo_run.py MODEL_DIR RUN_DIR OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rlbridge.engines.megatron import compat
+
+    torch.set_num_threads(2)
+    compat.activate()
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.loop import train_step
+    from rlbridge.rollout.hf import HFRollout
+    from rlbridge.rollout.memory import RolloutMemory
+    from rlbridge.trainer import TrainerRole
+    from tests.integration.test_algorithms_learn import Local, LocalSession, make_recipe
+    from tests.integration.test_ppo_learn import with_updates
+
+    model_dir, run_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    recipe = with_updates(make_recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}}),
+                          {"trainer.engine": "megatron"})
+
+    class MegatronSession(LocalSession):
+        def _start_workers(self) -> None:
+            r = self.recipe
+            self.trainer = Local(TrainerRole(r, str(self.model_dir),  # type: ignore[assignment]
+                                             engine_factory=lambda: MegatronTrainEngine(r)))
+            self.rollout = Local(HFRollout(str(self.model_dir), r.rollout, r.model, seed=r.run.seed))  # type: ignore[assignment]
+            self.memory = RolloutMemory(self.rollout.call, enabled=False)
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with MegatronSession(recipe, None, run_dir, model_dir) as s:  # type: ignore[arg-type]
+        role = s.trainer.obj  # type: ignore[union-attr]
+        kinds = {"engine": type(role.engine).__name__, "critic": type(role.critic).__name__}
+        records = [train_step(s, step) for step in range(1, recipe.run.steps + 1)]
+    out.write_text(json.dumps({**kinds, "records": records}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
