@@ -542,3 +542,29 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4) -> dict[str, Any]:
         "metrics": metrics, "values_after": critic.values(batch), "policy_before": policy_before,
         "policy_after": engine.logprobs(batch), "trainable": sorted(critic.trainable_state()),
     }
+
+
+def role_ppo_update_suite(qwen: str) -> dict[str, Any]:
+    """role_update_suite with PPO: the critic's value shares (data parallel = world size) and one update of
+    policy and critic (two mini-batches); the critic's trainable tensors after."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.trainer import TrainerRole
+
+    recipe = make_recipe(
+        qwen, lora=lora(), trainer=trainer(micro_batch_size=1), rollout={"n": 2},
+        data={"train": {"path": "unused.jsonl"}, "batch_size": 4, "mini_batch_size": 2},
+        algorithm={"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}},
+    )  # fmt: skip
+    role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
+    batch = ragged_batch(seed=4, rows=8)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(8, 1, generator=g).expand(8, batch.response_width) * batch.response_mask
+    returns = torch.randn(8, batch.response_width, generator=g) * batch.response_mask
+    rollout = role.engine.logprobs(batch) + 0.01 * batch.response_mask
+    share = role.values(batch)
+    old_values = role.critic.values(batch)  # type: ignore[union-attr]  # the full batch, as the driver would have it
+    res = {"values_share": share, "values": old_values, "dp": role.dp_size}
+    res["metrics"] = role.update(batch, adv, rollout, None, old_values, returns)
+    res["critic_after"] = role.critic.trainable_state()  # type: ignore[union-attr]
+    role.engine.close()  # type: ignore[attr-defined]
+    return res

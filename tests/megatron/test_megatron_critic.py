@@ -4,7 +4,9 @@
   at positions P-1 .. P+R-2, times the same head weights) to 1e-5 relative (float32; LoRA B starts at 0);
 * TP2: values equal TP1's, and the value head's gradient is identical on both TP ranks (the hidden states
   are replicated across TP ranks without sequence parallelism) and equal to TP1's;
-* one critic step trains the adapters + head only (the policy's log-probs do not move), values change.
+* one critic step trains the adapters + head only (the policy's log-probs do not move), values change;
+  under full fine-tuning (lora.rank 0) the whole backbone trains;
+* TrainerRole at data parallel 2 takes the same critic step as at 1.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def test_values_match_hf_hidden_states_times_the_head(critic_tp1: dict[str, Any]
     assert err < TOL
 
 
+def test_full_fine_tuning_critic(tiny_dirs: dict[str, str], run_workers: Any) -> None:
+    """lora.rank 0: the whole backbone and the head train; values still equal the HF computation first."""
+    res = run_workers("critic_suite", 1, qwen=tiny_dirs["qwen2"], rank=0)[0]
+    mask = seq_batch(res["batch"]).response_mask > 0
+    assert rel(res["values"][mask], hf_values(tiny_dirs["qwen2"], res)[mask]) < TOL
+    assert not any(".adapter." in n for n in res["trainable"]) and len(res["trainable"]) > 20
+    assert res["metrics"]["critic_grad_norm"] > 0 and res["metrics"]["critic_skipped"] == 0
+    torch.testing.assert_close(res["policy_after"], res["policy_before"], rtol=0, atol=0)
+
+
 def test_critic_step_trains_adapters_and_head_only(critic_tp1: dict[str, Any]) -> None:
     m = critic_tp1["metrics"]
     assert m["critic_skipped"] == 0 and m["critic_grad_norm"] > 0 and m["vf_loss"] > 0, m
@@ -78,3 +90,19 @@ def test_tp2_equals_tp1_and_head_gradients_agree(critic_tp1: dict[str, Any], tin
     for name in critic_tp1["head_grads"]:  # replicated hidden states: the very same head gradient on each TP rank
         assert torch.equal(ranks[0]["head_grads"][name], ranks[1]["head_grads"][name]), name
     torch.testing.assert_close(ranks[0]["values_after"], ranks[1]["values_after"], rtol=0, atol=0)
+
+
+def test_ppo_role_update_data_parallel_2_equals_1(tiny_dirs: dict[str, str], run_workers: Any) -> None:
+    """TrainerRole's data-parallel contract for the critic: value shares in dp order make up the full batch's
+    values, and two replicas take the same critic steps as one (the value loss closure maps shard rows to
+    mini-batch rows and undoes DDP's average, as the policy's does)."""
+    one = run_workers("role_ppo_update_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+    two = run_workers("role_ppo_update_suite", 2, timeout=150, qwen=tiny_dirs["qwen2"])
+    assert one["dp"] == 1 and [r["dp"] for r in two] == [2, 2]
+    torch.testing.assert_close(torch.cat([r["values_share"] for r in two]), one["values"])
+    m1, m2 = one["metrics"], two[0]["metrics"]
+    assert m1["critic_grad_norm"] > 0 and m1["critic_skipped"] == 0
+    assert abs(m1["critic_grad_norm"] - m2["critic_grad_norm"]) < 1e-5 * m1["critic_grad_norm"], (m1, m2)
+    for name, tensor in one["critic_after"].items():  # two Adam steps of lr 1e-2: float32 summation order only
+        for r in two:
+            torch.testing.assert_close(r["critic_after"][name], tensor, rtol=1e-4, atol=1e-5)
