@@ -148,15 +148,15 @@ def profile_step(step: Any, top: int = 12) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- job
-def run_job(spec: dict[str, Any]) -> dict[str, Any]:
+def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
+    """The job's engine on GPU 0 (or the CPU): (engine, recipe, seconds to build it). The megatron engine
+    gets a one-rank process group first (NCCL, gloo on the CPU). Also used by bench/weight_sync_gpu.py."""
     import torch
 
-    from rlbridge.batch import SeqBatch
     from rlbridge.recipe.schema import Recipe
 
     lora = spec["mode"] == "lora"
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     recipe = Recipe.model_validate({
         "name": "bench", "model": {"path": spec["model_dir"], "dtype": "bfloat16"},
         "lora": {"rank": 16 if lora else 0, "alpha": 32, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
@@ -182,9 +182,16 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         from rlbridge.engines.hf import HFTrainEngine
 
         engine = HFTrainEngine(recipe, Path(spec["model_dir"]), device="cuda" if cuda else "cpu")
-    build_s = time.perf_counter() - start
-    sync()
-    built = torch.cuda.memory_allocated() if cuda else 0
+    return engine, recipe, time.perf_counter() - start
+
+
+def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
+    """(batch, loss_fn, num_micro_batches) of the job's train_step: random tokens, no padding, the
+    response tokens' mean negative log-prob plus a small entropy term."""
+    import torch
+
+    from rlbridge.batch import SeqBatch
+
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[spec["model"]]["vocab_size"]
     b, p, r = spec["batch"], spec["prompt"], spec["response"]
@@ -196,7 +203,20 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         n = mask.sum().clamp(min=1)
         return -(logp * mask).sum() / n - 1e-3 * (entropy * mask).sum() / n, {}
 
-    num_micro = b // spec["micro"]
+    return batch, loss_fn, b // spec["micro"]
+
+
+def run_job(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    lora = spec["mode"] == "lora"
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine, _, build_s = build_engine(spec)
+    sync()
+    built = torch.cuda.memory_allocated() if cuda else 0
+    b, p, r = spec["batch"], spec["prompt"], spec["response"]
+    batch, loss_fn, num_micro = train_inputs(spec)
     for _ in range(spec["warmup"]):
         engine.train_step(batch, loss_fn, num_micro_batches=num_micro)
     sync()
