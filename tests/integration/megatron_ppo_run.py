@@ -2,7 +2,10 @@
 whose policy and critic are megatron models, with test_algorithms_learn.py's hf rollout and easy task.
 Run as a subprocess by test_ppo_megatron_learn.py (the pytest process never imports megatron):
 
-    python tests/integration/megatron_ppo_run.py MODEL_DIR RUN_DIR OUT_JSON
+    python tests/integration/megatron_ppo_run.py MODEL_DIR RUN_DIR OUT_JSON [SPEC_JSON]
+
+SPEC_JSON (optional): {"algorithm": {...}, "steps": N, "updates": {dotted key: value}} for make_recipe and
+test_ppo_learn.with_updates; default PPO with critic lr 1e-2, 8 steps.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def main() -> None:
     from tests.integration.test_ppo_learn import with_updates
 
     model_dir, run_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    recipe = with_updates(make_recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}}),
-                          {"trainer.engine": "megatron"})
+    spec = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    algorithm = spec.get("algorithm", {"name": "ppo", "critic": {"lr": 1e-2}})
+    base = make_recipe(model_dir, algorithm, **({"steps": spec["steps"]} if "steps" in spec else {}))
+    recipe = with_updates(base, {**spec.get("updates", {}), "trainer.engine": "megatron"})
 
     class MegatronSession(LocalSession):
         def _start_workers(self) -> None:
