@@ -503,7 +503,7 @@ def role_update_suite(qwen: str) -> dict[str, Any]:
     return res
 
 
-def critic_suite(qwen: str, tp: int = 1, rank: int = 4) -> dict[str, Any]:
+def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") -> dict[str, Any]:
     """PPO's megatron critic next to the policy engine (as in a TrainerRole): values with a given head,
     one critic step (the head's gradient captured before the optimizer applies it), and the policy's
     log-probs before and after (the critic must not touch the policy)."""
@@ -512,7 +512,7 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4) -> dict[str, Any]:
     from rlbridge.engines.megatron.critic import HEAD, MegatronCritic
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    recipe = make_recipe(qwen, lora=lora(rank) if rank else {"rank": 0}, trainer=trainer(tp=tp),
+    recipe = make_recipe(qwen, model={"dtype": dtype}, lora=lora(rank) if rank else {"rank": 0}, trainer=trainer(tp=tp),
                          algorithm={"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}})
     engine = MegatronTrainEngine(recipe)
     batch = ragged_batch()
@@ -541,6 +541,7 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4) -> dict[str, Any]:
         "batch": batch_dict(batch), "weight": weight, "bias": bias, "values": values, "head_grads": grads,
         "metrics": metrics, "values_after": critic.values(batch), "policy_before": policy_before,
         "policy_after": engine.logprobs(batch), "trainable": sorted(critic.trainable_state()),
+        "dtypes": {n: str(p.dtype) for n, p in critic._trainable},
     }
 
 

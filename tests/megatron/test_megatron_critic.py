@@ -6,7 +6,8 @@
   are replicated across TP ranks without sequence parallelism) and equal to TP1's;
 * one critic step trains the adapters + head only (the policy's log-probs do not move), values change;
   under full fine-tuning (lora.rank 0) the whole backbone trains;
-* TrainerRole at data parallel 2 takes the same critic step as at 1.
+* TrainerRole at data parallel 2 takes the same critic step as at 1;
+* a bfloat16 model keeps a float32 value head.
 """
 
 from __future__ import annotations
@@ -106,3 +107,18 @@ def test_ppo_role_update_data_parallel_2_equals_1(tiny_dirs: dict[str, str], run
     for name, tensor in one["critic_after"].items():  # two Adam steps of lr 1e-2: float32 summation order only
         for r in two:
             torch.testing.assert_close(r["critic_after"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_model_keeps_a_float32_head(critic_tp1: dict[str, Any], tiny_dirs: dict[str, str],
+                                             run_workers: Any) -> None:
+    """model.dtype bfloat16: megatron's Float16Module casts the whole model, the value head stays float32 (and
+    megatron's mixed-precision optimizer steps it as an fp32 parameter); values within bf16 noise of float32's."""
+    res = run_workers("critic_suite", 1, qwen=tiny_dirs["qwen2"], dtype="bfloat16")[0]
+    assert res["dtypes"]["output_layer.weight"] == res["dtypes"]["output_layer.bias"] == "torch.float32"
+    assert all(d == "torch.bfloat16" for n, d in res["dtypes"].items() if ".adapter." in n)
+    assert res["values"].dtype == torch.float32
+    mask = seq_batch(res["batch"]).response_mask > 0
+    err = rel(res["values"][mask], critic_tp1["values"][mask])
+    print(f"bfloat16 vs float32 critic values: rel error {err:.2e}")
+    assert err < 5e-2
+    assert res["metrics"]["critic_skipped"] == 0 and res["metrics"]["critic_grad_norm"] > 0
