@@ -6,13 +6,14 @@ Log-prob tensors are [b, R], aligned with SeqBatch.response_mask (see rlbridge/b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from rlbridge.batch import SeqBatch
+from rlbridge.errors import RlbridgeError
 
 # loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
 # inside the batch passed to train_step, so the closure can slice advantages / old log-probs itself.
@@ -58,3 +59,16 @@ class TrainEngine(Protocol):
     def frozen_fingerprint(self) -> dict[str, float]:
         """A cheap fingerprint (e.g. sum of |w|) of every frozen tensor, to prove the base stays frozen."""
         ...
+
+
+def load_named(params: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Copy `tensors` into the named parameters in place (checkpoint restore of an engine's or a critic's
+    trainable state); the names must match exactly, else an error naming `what` and the first mismatches."""
+    params = list(params)
+    names = {n for n, _ in params}
+    missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
+    if missing or extra:
+        raise RlbridgeError(f"{what} state does not match: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for n, p in params:
+            p.copy_(tensors[n])

@@ -45,7 +45,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import LossFn, WeightExport
+from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import OptimCfg, Recipe
@@ -368,15 +368,7 @@ class HFTrainEngine:
         return {n: p.detach().clone() for n, p in self._trainable}
 
     def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
-        names = {n for n, _ in self._trainable}
-        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
-        if missing or extra:
-            raise RlbridgeError(
-                f"trainable state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
-        with torch.no_grad():
-            for n, p in self._trainable:
-                p.copy_(tensors[n])
+        load_named(self._trainable, tensors, "the model's trainable")
 
     def frozen_fingerprint(self) -> dict[str, float]:
         """sum |w| (float64) of every frozen tensor of the live model."""

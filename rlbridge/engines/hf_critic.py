@@ -30,8 +30,8 @@ from transformers import AutoModel, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from rlbridge.batch import SeqBatch
+from rlbridge.engines.base import load_named
 from rlbridge.engines.hf import adamw_state, load_adamw_state
-from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
 
@@ -141,13 +141,7 @@ class HFCritic:
         return {n: p.detach().clone() for n, p in self._trainable}
 
     def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
-        names = {n for n, _ in self._trainable}
-        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
-        if missing or extra:
-            raise RlbridgeError(f"critic state does not match the critic: missing {missing[:3]}, unexpected {extra[:3]}")
-        with torch.no_grad():
-            for n, p in self._trainable:
-                p.copy_(tensors[n])
+        load_named(self._trainable, tensors, "the critic's trainable")
 
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         return adamw_state(self.optimizer, self._trainable, {"step": self.num_optimizer_steps})

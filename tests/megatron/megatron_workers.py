@@ -101,7 +101,7 @@ def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
     def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict]:
         return output.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output).detach()}
 
-    with torch.no_grad(), compat.device_scope(), engine._mode(False):
+    with torch.no_grad(), compat.device_scope(), forward.train_mode(engine.model, False):
         mbs = engine._split(batch, 1)
         results = forward.run_schedule(engine.model, mbs, stage, forward_only=True)
         out = results[0]["logits"][: batch.size] if results else None

@@ -29,14 +29,14 @@ Design, one rank of the trainer's torch.distributed group (the policy's Megatron
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch
+from rlbridge.engines.base import load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, forward, params
 from rlbridge.engines.megatron import provider as P
@@ -113,17 +113,6 @@ class MegatronCritic:
         self.device = next(self.model[0].parameters()).device
 
     # --------------------------------------------------------------------------------- helpers
-    @contextlib.contextmanager
-    def _mode(self, training: bool) -> Iterator[None]:
-        was = [chunk.training for chunk in self.model]
-        for chunk in self.model:
-            chunk.train(training)
-        try:
-            yield
-        finally:
-            for chunk, mode in zip(self.model, was, strict=True):
-                chunk.train(mode)
-
     def _split(self, batch: SeqBatch, num: int) -> list[forward.MicroBatch]:
         return forward.split_micro_batches(batch.to(self.device), num)
 
@@ -143,7 +132,7 @@ class MegatronCritic:
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             return output.new_zeros(()), {"values": self._values(output, mb)}
 
-        with compat.device_scope(), self._mode(False):
+        with compat.device_scope(), forward.train_mode(self.model, False):
             results = forward.run_schedule(self.model, self._split(batch, num), stage, forward_only=True)
             out = forward.broadcast_from_last_stage(torch.cat([r["values"] for r in results]) if results else None)
         mask = batch.response_mask.to(out.device) > 0
@@ -164,7 +153,7 @@ class MegatronCritic:
             reduced["critic_loss"] = float(loss.detach())
             return loss.clone(), reduced  # the schedule divides the returned loss in place
 
-        with compat.device_scope(), self._mode(True):
+        with compat.device_scope(), forward.train_mode(self.model, True):
             self._zero_grads()
             mbs = self._split(batch, num_micro_batches)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
@@ -203,13 +192,7 @@ class MegatronCritic:
         return {n: p.detach().clone() for n, p in self._trainable}
 
     def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
-        names = {n for n, _ in self._trainable}
-        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
-        if missing or extra:
-            raise RlbridgeError(f"critic state does not match the critic: missing {missing[:3]}, unexpected {extra[:3]}")
-        with torch.no_grad():
-            for n, p in self._trainable:
-                p.copy_(tensors[n])
+        load_named(self._trainable, tensors, "the critic's trainable")
         self.optimizer.reload_model_params()
 
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import LossFn, WeightExport
+from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params
 from rlbridge.engines.megatron import provider as P
@@ -109,17 +109,6 @@ class MegatronTrainEngine:
         return lr
 
     @contextlib.contextmanager
-    def _mode(self, training: bool) -> Iterator[None]:
-        was = [chunk.training for chunk in self.model]
-        for chunk in self.model:
-            chunk.train(training)
-        try:
-            yield
-        finally:
-            for chunk, mode in zip(self.model, was, strict=True):
-                chunk.train(mode)
-
-    @contextlib.contextmanager
     def _reference(self) -> Iterator[None]:
         """The reference policy on the same model: adapters off (LoRA) or the initial weights swapped in."""
         if self.lora:
@@ -157,7 +146,7 @@ class MegatronTrainEngine:
             return output.new_zeros(()), {"logprobs": logp}
 
         scope = self._reference() if reference else contextlib.nullcontext()
-        with compat.device_scope(), self._mode(False), scope:
+        with compat.device_scope(), forward.train_mode(self.model, False), scope:
             mbs = self._split(batch, num)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
             out = torch.cat([r["logprobs"] for r in results]) if results else None
@@ -209,7 +198,7 @@ class MegatronTrainEngine:
             reduced["loss"] = float(loss.detach())
             return loss.clone(), reduced  # the schedule divides the returned loss in place
 
-        with compat.device_scope(), self._mode(True):
+        with compat.device_scope(), forward.train_mode(self.model, True):
             self._zero_grads()
             mbs = self._split(batch, num_micro_batches, training=True)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
@@ -300,15 +289,7 @@ class MegatronTrainEngine:
         return {n: p.detach().clone() for n, p in self._trainable}
 
     def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        names = {n for n, _ in self._trainable}
-        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
-        if missing or extra:
-            raise RlbridgeError(
-                f"trainable state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
-        with torch.no_grad():
-            for n, p in self._trainable:
-                p.copy_(tensors[n])
+        load_named(self._trainable, tensors, "the model's trainable")
         self.optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
 
     def frozen_fingerprint(self) -> dict[str, float]:

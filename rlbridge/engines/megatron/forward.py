@@ -16,6 +16,7 @@ layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,3 +176,16 @@ def broadcast_from_last_stage(value: Any) -> Any:
         box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
     )
     return box[0]
+
+
+@contextlib.contextmanager
+def train_mode(model: list[torch.nn.Module], training: bool) -> Iterator[None]:
+    """Every model chunk in train (dropout on) or eval mode for the block, then back as it was."""
+    was = [chunk.training for chunk in model]
+    for chunk in model:
+        chunk.train(training)
+    try:
+        yield
+    finally:
+        for chunk, mode in zip(model, was, strict=True):
+            chunk.train(mode)
