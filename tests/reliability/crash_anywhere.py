@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -39,12 +38,19 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from rlbridge import checkpoint as ckpt  # noqa: E402
+from tests.integration.test_resume import (  # noqa: E402
+    TRAINER_FLOATS,
+    _close,
+    evals,
+    kill_everything,
+    train_metrics,
+)
+from tests.integration.test_resume import recipe as resume_recipe  # noqa: E402
 
 STEPS = 4
 TIMEOUT = 600
@@ -52,20 +58,8 @@ TIMEOUT = 600
 
 def recipe(model_dir: Path) -> dict[str, Any]:
     """tests/integration/test_resume.py's recipe with a checkpoint after every step."""
-    return {
-        "name": "crash-anywhere",
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-        "trainer": {"engine": "hf", "micro_batch_size": 4, "optim": {"lr": 1e-2}},
-        "rollout": {"engine": "vllm", "n": 4, "max_prompt_tokens": 64, "max_response_tokens": 24,
-                    "weight_sync": "merged", "kv_cache_gib": 0.25},
-        "algorithm": {"name": "grpo"},
-        "data": {"train": {"path": "builtin:arithmetic"}, "val": {"path": "builtin:arithmetic"}, "batch_size": 2,
-                 "arithmetic": {"num_train": 4, "num_val": 2}},
-        "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
-        "run": {"steps": STEPS, "save_every": 1, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
-        "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
-    }
+    r = resume_recipe(model_dir)
+    return {**r, "name": "crash-anywhere", "run": {**r["run"], "steps": STEPS, "save_every": 1}}
 
 
 def write_recipe(work: Path) -> Path:
@@ -89,26 +83,6 @@ def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def kill_everything(proc: subprocess.Popen[bytes]) -> None:
-    """kill -9 of the process group and of every process under the driver (Ray actors have their own
-    process groups)."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(60)
-    psutil.wait_procs(tree, timeout=30)
-
-
 def run_to_end(args: list[str], log: Path) -> int:
     proc = start(args, log)
     try:
@@ -130,20 +104,6 @@ def run_and_kill(args: list[str], log: Path, delay: float) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------- checking
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
-            for r in records(run_dir) if r["kind"] == "train"]
-
-
-def evals(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "time_eval"} for r in records(run_dir) if r["kind"] == "eval"]
-
-
-from tests.integration.test_resume import TRAINER_FLOATS, _close  # noqa: E402
 
 
 def differences(got: Path, want: Path) -> list[str]:
