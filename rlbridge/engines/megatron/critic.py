@@ -143,8 +143,6 @@ class MegatronCritic:
         """One critic optimizer step over `batch` in `num_micro_batches` row groups (megatron's schedule
         backpropagates loss_fn(...) / num_micro_batches each, DDP averages over data-parallel replicas).
         Metrics: the loss closure's (micro-batch mean), critic_grad_norm (before clipping), critic_skipped."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             values = self._values(output, mb)
             mask = batch.response_mask[mb.rows].to(values.device) > 0
@@ -162,28 +160,22 @@ class MegatronCritic:
                 for k, v in item.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / len(results)
             metrics = dict(forward.broadcast_from_last_stage(sums))
-            bad_loss = not _finite(metrics.pop("critic_loss", 0.0))
+            bad_loss = not forward.finite(metrics.pop("critic_loss", 0.0))
             found_inf = bool(self.optimizer.prepare_grads())
             norm = float(self.optimizer.get_grad_norm())
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
             out = {**metrics, "critic_grad_norm": norm, "critic_skipped": 0.0}
-            if bad_loss or found_inf or not _finite(norm):
+            if bad_loss or found_inf or not forward.finite(norm):
                 self._zero_grads()
                 return {**out, "critic_skipped": 1.0}
-            for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                sub_params = sub.get_parameters()
-                if sub.config.clip_grad > 0.0 and sub_params:
-                    clip_grad_by_total_norm_fp32(sub_params, max_norm=sub.config.clip_grad, total_norm=norm)
-            self.optimizer.step_with_ready_grads()
+            forward.clip_and_step(self.optimizer, norm)
             self._zero_grads()
         self.num_optimizer_steps += 1
         return out
 
     def _zero_grads(self) -> None:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()  # type: ignore[operator]
-        self.optimizer.zero_grad()
+        forward.zero_grads(self.model, self.optimizer)
 
     # ------------------------------------------------------------------------------------ state
     def trainable_state(self) -> dict[str, Tensor]:
@@ -211,7 +203,3 @@ class MegatronCritic:
 
     def close(self) -> None:
         """Nothing to release: the parallel state belongs to the policy's engine."""
-
-
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))

@@ -161,7 +161,7 @@ class MegatronTrainEngine:
         `nonfinite` (a list of names)."""
         metrics = self._accumulate(batch, loss_fn, num_micro_batches)
         with compat.device_scope():
-            metrics.update(self._apply_update(bad_loss=not _finite(metrics.get("loss", 0.0))))
+            metrics.update(self._apply_update(bad_loss=not forward.finite(metrics.get("loss", 0.0))))
         return metrics
 
     def gradients(
@@ -178,9 +178,7 @@ class MegatronTrainEngine:
         return grads
 
     def _zero_grads(self) -> None:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()  # type: ignore[operator]
-        self.optimizer.zero_grad()
+        forward.zero_grads(self.model, self.optimizer)
 
     def _accumulate(self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int) -> dict[str, Any]:
         vocab = self.bundle.vocab_size
@@ -207,21 +205,15 @@ class MegatronTrainEngine:
 
     def _apply_update(self, *, bad_loss: bool) -> dict[str, Any]:
         """megatron-core's step split open: check for non-finite values first, then clip and step."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         found_inf = bool(self.optimizer.prepare_grads())
         norm = float(self.optimizer.get_grad_norm())
         lr = self._set_lr()
-        if bad_loss or found_inf or not _finite(norm):
+        if bad_loss or found_inf or not forward.finite(norm):
             names = self._nonfinite_names()
             self._zero_grads()
             nonfinite = (["loss"] if bad_loss else []) + (names or ([] if bad_loss else ["grad_norm"]))
             return {"grad_norm": norm, "lr": lr, "skipped": 1.0, "nonfinite": nonfinite}
-        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            sub_params = sub.get_parameters()
-            if sub.config.clip_grad > 0.0 and sub_params:
-                clip_grad_by_total_norm_fp32(sub_params, max_norm=sub.config.clip_grad, total_norm=norm)
-        self.optimizer.step_with_ready_grads()
+        forward.clip_and_step(self.optimizer, norm)
         self._zero_grads()
         self.num_optimizer_steps += 1
         return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
@@ -307,10 +299,6 @@ class MegatronTrainEngine:
 
             ps.destroy_model_parallel()
             self._owns_parallel_state = False
-
-
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))
 
 
 def _mean(items: list[dict[str, Any]]) -> dict[str, float]:

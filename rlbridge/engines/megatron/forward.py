@@ -189,3 +189,26 @@ def train_mode(model: list[torch.nn.Module], training: bool) -> Iterator[None]:
     finally:
         for chunk, mode in zip(model, was, strict=True):
             chunk.train(mode)
+
+
+def finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def zero_grads(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Clear megatron DDP's gradient buffers of every chunk and the optimizer's gradients."""
+    for chunk in model:
+        chunk.zero_grad_buffer()  # type: ignore[operator]
+    optimizer.zero_grad()
+
+
+def clip_and_step(optimizer: Any, norm: float) -> None:
+    """megatron-core's optimizer step after its own prepare_grads / get_grad_norm: clip every (chained)
+    sub-optimizer's gradients to its clip_grad with the total norm already computed, then step."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        sub_params = sub.get_parameters()
+        if sub.config.clip_grad > 0.0 and sub_params:
+            clip_grad_by_total_norm_fp32(sub_params, max_norm=sub.config.clip_grad, total_norm=norm)
+    optimizer.step_with_ready_grads()
