@@ -129,6 +129,8 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true", help="one condition after another (default: the cold "
                     "ones run side by side, which is faster but shares the CPU cores)")
     ap.add_argument("--timeout", type=float, default=540)
+    ap.add_argument("--caches", type=Path, default=None, help="cache folders live here (one per condition, "
+                    "'-warm' shares its cold twin's); default: a fresh temporary folder")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
@@ -143,7 +145,8 @@ def main() -> int:
     model_dir = str(ensure_model("smollm2-135m-instruct"))
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm_startup_"))
     out.mkdir(parents=True, exist_ok=True)
-    caches = Path(tempfile.mkdtemp(prefix="vllm_startup_caches_"))
+    caches = args.caches or Path(tempfile.mkdtemp(prefix="vllm_startup_caches_"))
+    caches.mkdir(parents=True, exist_ok=True)
     conditions = args.conditions.split(",")
 
     def launch(cond: str) -> tuple[subprocess.Popen[bytes], Any]:

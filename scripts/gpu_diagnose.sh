@@ -18,10 +18,10 @@ python -c "from rlbridge.model_cache import ensure_model; print(ensure_model('sm
     --set model.dtype=bfloat16 --set rollout.weight_sync=adapter --set run.steps=4 --set run.eval_samples=16 \
     --set rollout.gpu_memory_utilization=0.2 --run-dir "$OUT/run_cli" > "$OUT/cli.log" 2>&1; echo "cli exit $?" >> "$OUT/cli.log" ) &
 timeout ${A_S:-300} python -m bench.vllm_startup --conditions plain,plain-merged,ray --gpu-memory-utilization 0.12 \
-    --out "$OUT/startup" --timeout 290 > "$OUT/startup.out" 2>&1
+    --out "$OUT/startup" --caches /tmp/vs_caches --timeout 290 > "$OUT/startup.out" 2>&1
 echo "startup bench exit $?"; grep '^\[vllm_startup\]' "$OUT/startup.out"
 ( timeout 240 python -m bench.vllm_startup --conditions ray-warm --gpu-memory-utilization 0.12 \
-    --out "$OUT/startup" --timeout 230 > "$OUT/startup_warm.out" 2>&1 ) &
+    --out "$OUT/startup" --caches /tmp/vs_caches --timeout 230 > "$OUT/startup_warm.out" 2>&1 ) &
 timeout 270 python bench/logprob_floor.py --gpu-memory 0.2 --out "$OUT/logprob_floor.json" --no-save > "$OUT/logprob_floor.out" 2>&1
 echo "logprob_floor exit $?"
 wait
