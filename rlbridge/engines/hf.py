@@ -16,6 +16,10 @@ What it takes care of, so the loop does not have to:
   and names the offending tensors.
 - Merged export folds adapters into a copy of the weights in float32 (the live model is never merged);
   adapter export is exactly what peft's save_pretrained writes.
+- bfloat16 / float16 models: the forward and backward run in the model's dtype, logits are cast to float32
+  before log-softmax, and every trainable parameter that is not float32 gets a float32 master copy that
+  AdamW steps (moments float32 too) and checkpoints store (rlbridge/engines/master.py). peft keeps LoRA
+  adapters float32 on a 16-bit base, so under LoRA they are their own masters. docs/engines/hf.md.
 
 Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes and backpropagates
 `loss_fn(...) / num_micro_batches` for each, so the update follows the gradient of the *mean* of the
@@ -46,6 +50,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, WeightExport, load_named
+from rlbridge.engines.master import MasterWeights
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import OptimCfg, Recipe
@@ -143,7 +148,10 @@ class HFTrainEngine:
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
         self._apply_recompute()
-        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
+        """Float32 masters of low-precision trainable parameters (rlbridge/engines/master.py)."""
+        self._trainable = self.master.named
+        """(name, parameter the optimizer steps): float32 masters under the model's parameter names."""
         optim = recipe.trainer.optim
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self._trainable],
@@ -166,7 +174,9 @@ class HFTrainEngine:
         )
         with torch.random.fork_rng(devices=[]):  # adapter init from run.seed, global RNG untouched
             torch.manual_seed(self.recipe.run.seed)
-            return get_peft_model(base, config, adapter_name=ADAPTER)
+            # float32 adapters on a bfloat16 / float16 base (peft's default, stated): they are their own
+            # master weights, and their share of each layer's output is computed in float32
+            return get_peft_model(base, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
 
     def _apply_recompute(self) -> None:
         recompute = self.recipe.trainer.recompute
@@ -294,6 +304,7 @@ class HFTrainEngine:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.master.to_model()
         self.num_optimizer_steps += 1
         return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0}
 
@@ -364,11 +375,13 @@ class HFTrainEngine:
 
     # ---------------------------------------------------------------------- state for checkpoints
     def trainable_state(self) -> dict[str, Tensor]:
-        """Copies of the trainable tensors (adapters under LoRA), under the live model's parameter names."""
+        """Copies of the trainable tensors (adapters under LoRA), under the live model's parameter names; the
+        float32 masters of a bfloat16 / float16 model, not their rounding."""
         return {n: p.detach().clone() for n, p in self._trainable}
 
     def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
         load_named(self._trainable, tensors, "the model's trainable")
+        self.master.to_model()
 
     def frozen_fingerprint(self) -> dict[str, float]:
         """sum |w| (float64) of every frozen tensor of the live model."""

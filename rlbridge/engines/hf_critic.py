@@ -32,6 +32,7 @@ from transformers.utils import logging as hf_logging
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import load_named
 from rlbridge.engines.hf import adamw_state, load_adamw_state
+from rlbridge.engines.master import MasterWeights
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
 
@@ -62,7 +63,9 @@ class HFCritic:
             nn.init.zeros_(head.bias)
         self._apply_recompute(backbone)
         self.module = nn.ModuleDict({"backbone": model, "value_head": head})
-        self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # a bfloat16 / float16 backbone under full fine-tuning gets float32 masters, as the policy's
+        self.master = MasterWeights([(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
+        self._trainable = self.master.named
         optim = recipe.trainer.optim
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]
                                            betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
@@ -71,7 +74,8 @@ class HFCritic:
         cfg = self.recipe.lora
         config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                             target_modules=hf_targets(cfg.targets), use_dora=cfg.type == "dora")
-        return get_peft_model(backbone, config)  # type: ignore[arg-type]
+        # float32 adapters on a bfloat16 / float16 backbone (peft's default, stated), as the policy's
+        return get_peft_model(backbone, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
 
     def _apply_recompute(self, backbone: PreTrainedModel) -> None:
         """Whole-layer gradient checkpointing as the policy has it (engines/hf.py), warnings left to the policy."""
@@ -132,6 +136,7 @@ class HFCritic:
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.master.to_model()
         self.num_optimizer_steps += 1
         return out
 
@@ -142,6 +147,7 @@ class HFCritic:
 
     def load_trainable_state(self, tensors: dict[str, Tensor]) -> None:
         load_named(self._trainable, tensors, "the critic's trainable")
+        self.master.to_model()
 
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         return adamw_state(self.optimizer, self._trainable, {"step": self.num_optimizer_steps})
