@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from rlbridge.engines.megatron import support
+
 _TE_NAMES = ("transformer_engine", "transformer_engine_torch")
 _state: dict[str, Any] = {"active": False, "te": None}
 
@@ -88,16 +90,6 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def _as_tuple(version: str | None) -> tuple[int, ...]:
-    if not version:
-        return (0,)
-    parts: list[int] = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 @dataclass(frozen=True)
 class Features:
     """Behaviours of the installed versions that the engine depends on."""
@@ -107,17 +99,16 @@ class Features:
     bridge_base_layer_names: bool
     """Unmerged export names base weights `...q_proj.base_layer.weight` (Megatron-Bridge 0.3.x)."""
     mbridge_compatible: bool
-    """mbridge 0.15 needs `ModelType.encoder_and_decoder`, removed in megatron-core 0.19."""
+    """mbridge is installed and can build models with this megatron-core (support.mbridge_problem())."""
 
 
 def features() -> Features:
     v = versions()
-    bridge = _as_tuple(v["megatron-bridge"])
-    core = _as_tuple(v["megatron-core"])
+    bridge = support.version_tuple(v["megatron-bridge"])
     return Features(
         bridge_recompute_fix=bridge >= (0, 3, 0),
         bridge_base_layer_names=bridge >= (0, 3, 0),
-        mbridge_compatible=v["mbridge"] is not None and core < (0, 19, 0),
+        mbridge_compatible=v["mbridge"] is not None and support.mbridge_problem() is None,
     )
 
 
