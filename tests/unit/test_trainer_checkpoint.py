@@ -22,9 +22,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def recipe(model_dir: Path, rank: int = 4) -> Recipe:
+def recipe(model_dir: Path, rank: int = 4, dtype: str = "float32") -> Recipe:
     return Recipe.model_validate({
-        "name": "t", "model": {"path": str(model_dir), "dtype": "float32"},
+        "name": "t", "model": {"path": str(model_dir), "dtype": dtype},
         "lora": {"rank": rank, "targets": ["linear_qkv", "linear_fc2"]},
         "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 1}},
         "rollout": {"n": 2}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
@@ -43,8 +43,10 @@ def update(t: TrainerRole, scale: float) -> dict[str, float]:
     return t.update(b, adv, t.logprobs(b), None)
 
 
-def test_restored_trainer_continues_bit_identically(model_dir: Path, tmp_path: Path) -> None:
-    a = TrainerRole(recipe(model_dir), str(model_dir))
+@pytest.mark.parametrize(("rank", "dtype"), [(4, "float32"), (0, "bfloat16")])
+def test_restored_trainer_continues_bit_identically(model_dir: Path, tmp_path: Path, rank: int, dtype: str) -> None:
+    """Also bfloat16 full fine-tuning, whose checkpoint must hold the float32 masters (engines/master.py)."""
+    a = TrainerRole(recipe(model_dir, rank, dtype), str(model_dir))
     for scale in (1.0, -0.5):
         update(a, scale)
     torch.rand(3)  # the trainer process's RNG moved on: the checkpoint must carry it
@@ -52,7 +54,7 @@ def test_restored_trainer_continues_bit_identically(model_dir: Path, tmp_path: P
     expected = [update(a, s) for s in (2.0, 0.7)]
     draw_a = torch.rand(3)
 
-    b = TrainerRole(recipe(model_dir), str(model_dir))
+    b = TrainerRole(recipe(model_dir, rank, dtype), str(model_dir))
     state = b.load_checkpoint(info["path"])
     assert state["step"] == 2 and state["weight_version"] == 2
     got = [update(b, s) for s in (2.0, 0.7)]
