@@ -569,3 +569,41 @@ def role_ppo_update_suite(qwen: str) -> dict[str, Any]:
     res["critic_after"] = role.critic.trainable_state()  # type: ignore[union-attr]
     role.engine.close()  # type: ignore[attr-defined]
     return res
+
+
+def _main_params(engine: Any) -> dict[str, torch.Tensor]:
+    """The parameters megatron-core's optimizer steps, by trainable name: the float32 main copy of each 16-bit
+    model parameter (Float16OptimizerWithFloat16Params), the parameter itself where there is none."""
+    mains: dict[int, torch.Tensor] = {}
+    for sub in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for model_group, main_group in zip(getattr(sub, "float16_groups", []),
+                                           getattr(sub, "fp32_from_float16_groups", []), strict=True):
+            mains.update({id(p): m for p, m in zip(model_group, main_group, strict=True)})
+    return {n: mains.get(id(p), p) for n, p in engine._trainable}
+
+
+def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float = 1e-4) -> dict[str, Any]:
+    """The megatron engine's numerics for `model.dtype`: which optimizers megatron-core built, the dtypes of the
+    model's trainable weights, of the optimizer's main weights and Adam moments, log-probs of a ragged batch,
+    and the main weights before / after three steps of a tiny lr (full fine-tuning by default)."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(make_recipe(qwen, model={"dtype": dtype}, lora=lora(rank) if rank else {"rank": 0},
+                                             trainer=trainer(optim={"lr": lr, "clip_grad": None})))
+    ragged = ragged_batch()
+    subs = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    res: dict[str, Any] = {
+        "optimizers": [type(s).__name__ for s in subs],
+        "model_dtypes": sorted({str(p.dtype) for _, p in engine._trainable}),
+        "batch_ragged": batch_dict(ragged),
+        "logprobs": engine.logprobs(ragged),
+        "main_before": {n: m.detach().clone() for n, m in _main_params(engine).items()},
+    }
+    res["steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(3)]
+    mains = _main_params(engine)
+    res["main_after"] = {n: m.detach().clone() for n, m in mains.items()}
+    states = [s.optimizer.state[m] for s in subs for m in mains.values() if m in s.optimizer.state]
+    res["num_states"] = len(states)
+    res["moment_dtypes"] = sorted({str(st[k].dtype) for st in states for k in ("exp_avg", "exp_avg_sq")})
+    engine.close()
+    return res
