@@ -130,7 +130,7 @@ def engine_kwargs(
         logprobs_mode="raw_logprobs",
         enable_lora=adapter,
         worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=cpu,
+        enforce_eager=cpu if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
     )
     if adapter:
         kwargs.update(max_lora_rank=_vllm_lora_rank(rollout_cfg.max_lora_rank), max_loras=2)

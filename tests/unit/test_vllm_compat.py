@@ -30,3 +30,16 @@ def test_reseed_reduces_the_seed_to_numpys_range():
     calls = []
     reseed(lambda seed: calls.append(seed), 2**32 + 5)
     assert calls == [5]
+
+
+def test_enforce_eager_defaults_to_eager_on_cpu_and_compiled_on_gpus_and_follows_the_recipe():
+    from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+    from rlbridge.rollout.vllm import engine_kwargs
+
+    model = ModelCfg(path="m", dtype="bfloat16")
+
+    def eager(cpu: bool, **cfg: object) -> bool:
+        return engine_kwargs("m", RolloutCfg(**cfg), model, lora_rank=0, seed=0, cpu=cpu)["enforce_eager"]
+
+    assert eager(True) is True and eager(False) is False
+    assert eager(False, enforce_eager=True) is True and eager(True, enforce_eager=False) is False
