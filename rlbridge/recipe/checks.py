@@ -80,17 +80,6 @@ def check_layout(r: Recipe, out: Issues) -> None:
                                fix="set trainer.bridge: megatron-bridge (or lora.rank: 0 for full fine-tuning)"))
 
 
-def check_bridge_libraries(r: Recipe, out: Issues) -> None:
-    """mbridge against the installed megatron-core (package metadata only: nothing heavy is imported)."""
-    if r.trainer.engine != "megatron" or r.trainer.bridge != "mbridge":
-        return
-    from rlbridge.engines.megatron import support  # light: importlib.metadata only
-
-    problem = support.mbridge_problem()
-    if problem:
-        out.append(RecipeIssue("trainer.bridge", problem, value="mbridge", fix=support.MBRIDGE_FIX))
-
-
 def check_rollout_layout(r: Recipe, out: Issues) -> None:
     gpus = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
     if gpus % r.rollout.tensor_parallel:
@@ -280,8 +269,8 @@ def check_loggers(r: Recipe, out: Issues) -> None:
 
 # ---------------------------------------------------------------------------------------- entry
 RecipeRule = Callable[[Recipe, Issues], None]
-RULES: tuple[RecipeRule, ...] = (check_layout, check_bridge_libraries, check_rollout_layout, check_batches, check_lora,
-                                 check_algorithm, check_files, check_reward, check_loggers)
+RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_algorithm, check_files,
+                                 check_reward, check_loggers)
 
 
 def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelInfo | None]:

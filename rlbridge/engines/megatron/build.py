@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbridge.engines.megatron import compat, support
+from rlbridge.engines.megatron import compat
 from rlbridge.engines.megatron.params import named_parameters
 from rlbridge.engines.megatron.provider import TABLE, Built, local_layer_spec
 from rlbridge.errors import RlbridgeError
@@ -206,13 +206,12 @@ def _mbridge_settings(built: Built) -> dict[str, Any]:
 
 
 def build_mbridge(built: Built, recipe: Recipe) -> Model:
-    problem = support.mbridge_problem()
-    if problem:
-        raise RlbridgeError(f"trainer.bridge=mbridge: {problem}: {support.MBRIDGE_FIX}")
     if compat.versions()["mbridge"] is None:
         raise RlbridgeError("trainer.bridge=mbridge needs mbridge: pip install mbridge==0.15.1, "
                             "or set trainer.bridge: megatron-bridge")
     from mbridge import AutoBridge as MBridge
+
+    compat.mbridge_model_type()  # megatron-core >= 0.17 removed a name mbridge 0.15 reads (compat.py)
 
     path = str(resolve_model_path(recipe.model.path))
     bridge = MBridge.from_pretrained(path)

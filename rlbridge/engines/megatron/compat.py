@@ -29,6 +29,18 @@ without TE (CPU or GPU)
 With TE installed, nothing is changed. The layer-spec side of the story (local spec, fusions off) lives in
 provider.py, because it is a provider setting, not a library patch.
 
+mbridge on megatron-core >= 0.17 (with or without TE; `mbridge_model_type()`, called by build.py before mbridge
+builds a model)
+  * mbridge 0.15.1's `get_model` (mbridge/core/util.py) asks `model_type == ModelType.encoder_and_decoder` in
+    both its branches. megatron-core 0.16 kept that name as a deprecated *property* of the enum, so on the
+    class it was a property object that equals no model type: the encoder-decoder branch never ran. 0.17.0
+    removed the name (and encoder-decoder pipelines with it), so the lookup raises AttributeError. Where
+    megatron-core's ModelType lacks the name, mbridge's module-level `ModelType` is replaced by a stand-in
+    whose `encoder_or_decoder` is the real member and whose `encoder_and_decoder` equals nothing: exactly
+    0.16's behaviour. The models still carry the real enum member (mbridge's default argument). Nothing else
+    on mbridge's dense Qwen2 / Llama path needs a change (verified on CPU with megatron-core 0.19.2, see
+    docs/engines/megatron.md).
+
 Versions differ between machines (megatron-core 0.16.1 + Megatron-Bridge 0.3.1 here, 0.19.2 + 0.6.2 on the
 GPU machine): `versions()` reports them and `features()` derives the behaviours the engine branches on.
 """
@@ -44,6 +56,7 @@ import importlib.util
 import io
 import logging
 import pkgutil
+import re
 import sys
 import types
 import warnings
@@ -52,8 +65,6 @@ from functools import cache
 from typing import Any
 
 import torch
-
-from rlbridge.engines.megatron import support
 
 _TE_NAMES = ("transformer_engine", "transformer_engine_torch")
 _state: dict[str, Any] = {"active": False, "te": None}
@@ -90,6 +101,13 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def _as_tuple(version: str | None) -> tuple[int, ...]:
+    """`0.19.2` -> (0, 19, 2); the leading digits of each piece: `0.16.0rc1` -> (0, 16, 0); None -> (0,)."""
+    if not version:
+        return (0,)
+    return tuple(int(re.sub(r"\D.*", "", piece) or 0) for piece in version.split(".")[:3])
+
+
 @dataclass(frozen=True)
 class Features:
     """Behaviours of the installed versions that the engine depends on."""
@@ -99,16 +117,16 @@ class Features:
     bridge_base_layer_names: bool
     """Unmerged export names base weights `...q_proj.base_layer.weight` (Megatron-Bridge 0.3.x)."""
     mbridge_compatible: bool
-    """mbridge is installed and can build models with this megatron-core (support.mbridge_problem())."""
+    """mbridge is installed (megatron-core >= 0.17 needs `mbridge_model_type()`, which build.py applies)."""
 
 
 def features() -> Features:
     v = versions()
-    bridge = support.version_tuple(v["megatron-bridge"])
+    bridge = _as_tuple(v["megatron-bridge"])
     return Features(
         bridge_recompute_fix=bridge >= (0, 3, 0),
         bridge_base_layer_names=bridge >= (0, 3, 0),
-        mbridge_compatible=v["mbridge"] is not None and support.mbridge_problem() is None,
+        mbridge_compatible=v["mbridge"] is not None,
     )
 
 
@@ -268,6 +286,32 @@ def _import_bridge_with_te_placeholder() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.bridge") and getattr(module, "HAVE_TE", None) is True:
             module.HAVE_TE = False  # type: ignore[attr-defined]
+
+
+# -------------------------------------------------------------------------------------------- mbridge
+class _ModelTypeWithoutEncoderDecoder:
+    """What mbridge reads as `ModelType` where megatron-core has no encoder-decoder models (>= 0.17)."""
+
+    def __init__(self, model_type: Any) -> None:
+        self.encoder_or_decoder = model_type.encoder_or_decoder
+        self.encoder_and_decoder = object()  # equals no model type, as 0.16's deprecated property did
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"ModelType.{name} (megatron-core has only encoder_or_decoder)")
+
+
+def mbridge_model_type() -> bool:
+    """Let mbridge's get_model run on a megatron-core without `ModelType.encoder_and_decoder` (module docstring).
+    Idempotent; returns whether mbridge's ModelType is the stand-in (False: nothing needed or recognized)."""
+    import mbridge.core.util as mbridge_util
+
+    current = getattr(mbridge_util, "ModelType", None)
+    if isinstance(current, _ModelTypeWithoutEncoderDecoder):
+        return True
+    if current is None or hasattr(current, "encoder_and_decoder") or not hasattr(current, "encoder_or_decoder"):
+        return False
+    mbridge_util.ModelType = _ModelTypeWithoutEncoderDecoder(current)
+    return True
 
 
 # ------------------------------------------------------------------------------------------- activate
