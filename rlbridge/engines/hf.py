@@ -33,6 +33,7 @@ import contextlib
 import copy
 import json
 import math
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +51,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, WeightExport, load_named
-from rlbridge.engines.master import MasterWeights
+from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import OptimCfg, Recipe
@@ -109,6 +110,24 @@ def token_entropy(logits_brv: Tensor) -> Tensor:
     return torch.logsumexp(logits_brv, dim=-1) - expected
 
 
+def float32_logits(model: PreTrainedModel) -> None:
+    """Make a 16-bit model's output layer return float32 logits: its model-dtype input and weight are upcast
+    and the product is accumulated and returned in float32, never rounded to bfloat16. Logits of real LMs are
+    large (SmolLM2's sampled tokens: 16-39, where a bf16 unit in the last place is 0.125), so rounding them
+    alone moves log p by 0.02 on average; vLLM's `head_dtype=float32` computes the same product. Parameter
+    names, tying and gradients are unchanged (the casts are differentiable)."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise RlbridgeError(f"float32 logits need a plain nn.Linear output layer, got {type(head).__name__}")
+    # bound to the module, so that a deepcopy (the full fine-tuning reference) computes with its own weight
+    head.forward = types.MethodType(_float32_linear, head)  # type: ignore[method-assign]
+
+
+def _float32_linear(self: nn.Linear, hidden: Tensor) -> Tensor:
+    bias = None if self.bias is None else self.bias.float()
+    return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
 def _weight(module: nn.Module) -> Tensor:
     weight = module.weight
     assert isinstance(weight, Tensor)
@@ -139,6 +158,8 @@ class HFTrainEngine:
             self.model_dir, dtype=getattr(torch, recipe.model.dtype)
         )
         nn.Module.to(base, self.device)
+        if base.dtype in LOW_PRECISION:
+            float32_logits(base)
         self._reference: nn.Module | None = None
         if not self.lora and recipe.algorithm.kl.coef > 0:
             self._reference = copy.deepcopy(base).requires_grad_(False).eval()

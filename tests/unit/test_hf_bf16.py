@@ -117,6 +117,7 @@ def test_bf16_logprobs_against_float64(model_dirs: dict[str, Path], kind: str) -
             logp = torch.log_softmax(ref(ids[None]).logits[0], dim=-1)
         want[i, :n] = logp[len(ids) - n - 1 : len(ids) - 1].gather(-1, ids[len(ids) - n :, None]).squeeze(-1)
     diff = (got - want).abs()[batch.response_mask > 0]
+    print(f"{kind}: bf16 log-probs vs float64: mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
     assert float(diff.mean()) < 0.08 and float(diff.max()) < 0.4, (float(diff.mean()), float(diff.max()))
 
 
@@ -176,3 +177,21 @@ def test_bf16_critic_has_float32_masters_and_resumes_exactly(model_dirs: dict[st
     assert again.train_step(batch, value_loss, num_micro_batches=2) == expected
     a, b = critic.trainable_state(), again.trainable_state()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_output_layer_returns_unrounded_float32_logits(model_dirs: dict[str, Path]) -> None:
+    """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf.float32_logits),
+    and a full fine-tuning reference copy computes with its own (frozen) weight."""
+    path, batch = model_dirs["llama-tied"], ragged_batch()
+    recipe = make_recipe(path, model={"dtype": "bfloat16"}, lora=FULL, algorithm={"name": "grpo", "kl": {"coef": 0.1}})
+    e = HFTrainEngine(recipe, path)
+    head = e.hf_model.get_output_embeddings()
+    hidden = torch.randn(2, 3, head.in_features).bfloat16()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.double() @ head.weight.double().T, rtol=1e-6, atol=1e-5, check_dtype=False)
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bfloat16
+    before = e.logprobs(batch)
+    e.train_step(batch, token_sum_loss(batch), num_micro_batches=1)
+    assert float((e.logprobs(batch) - before).abs().max()) > 1e-3
+    torch.testing.assert_close(e.logprobs(batch, reference=True), before, rtol=0, atol=0)
