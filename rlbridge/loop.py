@@ -76,7 +76,7 @@ def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume:
 def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dict[str, Any] | None:
     """One step; None when a stop was requested before the update (the step is then abandoned, having
     changed nothing but the data position, which the caller's snapshot restores)."""
-    r, timer = s.recipe, Timer()
+    r, timer = s.recipe, Timer(s.stall)  # s.stall: a line when a phase runs far longer than in earlier steps
     stopping = lambda: stop is not None and stop.requested is not None  # noqa: E731
     collected = collect(s, step, timer, stopping)
     if collected is None:

@@ -39,6 +39,15 @@ def create(run_dir: Path, recipe: Recipe, plan: Plan) -> Path:
     return run_dir
 
 
+def log_file(run_dir: Path, role: str) -> Path:
+    """RUN_DIR/logs/<role>.log: the output of one process role, so that the console keeps rlbridge's own
+    lines (rlbridge/cluster/logs.py routes it). Roles: `rollout` (the rollout actor: vLLM at INFO, its engine
+    core and tensor-parallel workers), `trainer` (the hf trainer actor), `trainer-rank<i>` (rank i of a
+    megatron trainer), `reward` (the reward worker processes: what user reward functions print), `driver`
+    (the driver's library logging and Python warnings). Appended to: a resumed run adds to them."""
+    return run_dir / "logs" / f"{role}.log"
+
+
 # ------------------------------------------------------------------------------------------ run status
 STATUS_FILE = "status.json"
 """{"state": running | finished | failed | interrupted, "pid", "host", "time", "error"}: written when a

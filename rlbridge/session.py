@@ -7,17 +7,20 @@ the way out, failure included. The loop (loop.py) only calls its verbs.
 from __future__ import annotations
 
 import os
+import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from rlbridge import run_dir as rundir
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
+from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.cluster.trainer_group import TrainerGroup, start_trainer_group
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.metrics import MetricsLog, console
+from rlbridge.metrics import MetricsLog, StallWatch, console
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
@@ -47,30 +50,49 @@ class Session:
         self.rollout: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by resume.py."""
+        self.stall = StallWatch(log, hint=f" (the workers' logs: {run_dir / 'logs'})")
+        """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps."""
+        self.driver_log = logs.DriverLog(rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {msg}"))
+        self.echo = logs.WarningEcho(lambda name, msg: log(f"{name}: [yellow]warning[/] {msg}"))
+        """The workers' own rlbridge warnings, from their log files to the console."""
+        self._stack = ExitStack()
+        self._start_time = 0.0
+        """When the workers were asked for (time.monotonic)."""
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
-        r = self.recipe
         rundir.write_status(self.run_dir, "running")
+        try:
+            self._start()
+        except BaseException as e:  # a failed start (a worker that died, a start-up timeout) is cleaned up too
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    def _start(self) -> None:
+        r, stack = self.recipe, self._stack
+        stack.enter_context(self.driver_log)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.train_data = self._encode(load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train")
         self.val_data = (self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
                          if r.data.val is not None else None)
         self.sampler = PromptSampler(self.train_data.prompts, seed=r.run.seed, shuffle=r.data.shuffle)
-        self.rewards = RewardPool(r.reward).__enter__()
+        self.rewards = stack.enter_context(RewardPool(r.reward, log_file=rundir.log_file(self.run_dir, "reward")))
         self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name,
                                   config=r.model_dump(mode="json"))
+        stack.callback(self.metrics.close)
+        stack.callback(self._stop_workers)
         self._start_workers()
-        return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+    def _stop_workers(self) -> None:
         for w in (self.rollout, self.trainer):
             if w is not None:
                 w.kill()
         rc.shutdown(self._pg)
-        self.rewards.__exit__(None, None, None)
-        self.metrics.close()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._stack.close()  # workers and Ray, metrics, reward workers, the driver's log: in reverse order of start
         rundir.write_status(self.run_dir, rundir.exit_state(exc_type), error=None if exc is None else str(exc)[:2000])
 
     def _encode(self, prompts: list[Any], key: str) -> Encoded:
@@ -84,26 +106,48 @@ class Session:
     def _start_workers(self) -> None:
         r, plan = self.recipe, self.plan
         rc.connect(r.cluster, plan, log)
+        self.driver_log.apply()  # Ray's loggers, as ray.init left them
         bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
         self._pg = rc.reserve(bundles, timeout_s=r.cluster.placement_timeout_s, log=log, fail_fast=r.cluster.address is None)
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1
-        log("starting the trainer and rollout workers")
+        log(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
+        self._start_time = time.monotonic()
+        starting: list[tuple[rc.Worker, Any]] = []
         if r.trainer.engine == "hf":
             self.trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
+                                           log_file=rundir.log_file(self.run_dir, "trainer"), echo=self.echo,
                                            args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
+            starting.append((self.trainer, self.trainer.submit("rlbridge_started")))
         rollout_cls = _rollout_class(r)
         rollout_bundle = 0 if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
         self.rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
+                                       log_file=rundir.log_file(self.run_dir, "rollout"), echo=self.echo,
                                        args=(str(self.model_dir), r.rollout, r.model),
                                        kwargs=_rollout_kwargs(r, threads))
+        starting.append((self.rollout, self.rollout.submit("rlbridge_started")))
         colocated_gpu = r.cluster.colocate and r.cluster.device == "cuda" and r.rollout.engine == "vllm"
         self.memory = RolloutMemory(self.rollout.call, enabled=colocated_gpu)
+        joins: list[Any] = []
         if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
-            self.trainer = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share, log=log)
-        assert self.trainer is not None
-        self.trainer.call("call", "trainable_state")  # surfaces a failed construction now, with its error
+            self.trainer, joins = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share,
+                                                      run_dir=self.run_dir, log=log, echo=self.echo)
+            starting += list(zip(self.trainer.ranks, joins, strict=True))
+        answers = rc.wait_started(starting, timeout_s=r.cluster.startup_timeout_s, log=log, on_ready=self._started)
+        if isinstance(self.trainer, TrainerGroup):
+            log(f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)")
+            self.trainer.formed(answers[-len(joins):], log)
+
+    def _started(self, worker: rc.Worker, answer: Any) -> None:
+        """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the
+        workers were asked for, of which the Ray worker process took those before its constructor ran."""
+        if worker is not self.trainer and worker is not self.rollout:
+            return  # a megatron rank: the group's line comes once all have formed
+        seconds = time.monotonic() - self._start_time
+        phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]})
+        what = "vLLM engine up" if worker is self.rollout and self.recipe.rollout.engine == "vllm" else "model loaded"
+        log(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
     def sampling(self, *, greedy: bool = False) -> SamplingCfg:

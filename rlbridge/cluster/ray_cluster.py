@@ -3,13 +3,20 @@
 Placement is computed by plan.py; here it is only realized. Waiting for resources prints what is
 missing every few seconds and fails after `cluster.placement_timeout_s` with the numbers; a worker that
 dies makes the next call raise with the worker's own error instead of hanging.
+
+Each worker writes its output to its own log file (cluster/logs.py; Ray forwards nothing to the driver's
+terminal). Waiting for the workers to start prints a heartbeat with the last line of each one's log and
+fails after `cluster.startup_timeout_s`; an error names the worker's log, and a dead worker's last lines
+are shown.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -17,31 +24,37 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlbridge.cluster import logs
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import ClusterCfg
 
 Log = Callable[[str], None]
+HEARTBEAT_S = 30.0
+"""While workers start: a line per worker still starting, this often."""
 
 
 def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
-    """ray.init: an existing cluster at cfg.address, else a local one sized for the plan. Dashboard off."""
+    """ray.init: an existing cluster at cfg.address, else a local one sized for the plan. Dashboard off.
+    Workers' output stays in their log files (log_to_driver=False)."""
     if ray.is_initialized():
         return
+    start = time.monotonic()
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))}
-    env_vars.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's INFO/WARNING lines would drown the step lines
-    env_vars.setdefault("TQDM_DISABLE", "1")  # no progress bar per weight reload
+    env_vars.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # into the rollout's log file: its load/compile/graph times
+    env_vars.setdefault("TQDM_DISABLE", "1")  # no progress bar per weight reload (libraries that honour it)
     env = {"env_vars": env_vars}
     if cfg.address:
         log(f"connecting to the Ray cluster at {cfg.address}")
-        ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=True)
-        return
-    needed_cpu = sum(b.get("CPU", 0) for node in plan.bundles_per_node for b in node) + sum(b.get("CPU", 0) for b in plan.rollout_bundles)
-    gpus = None
-    if cfg.device == "cpu":
-        gpus = 0
-    ray.init(num_cpus=max(int(needed_cpu), os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
-             runtime_env=env, log_to_driver=True, configure_logging=False)
+        ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=False)
+    else:
+        needed_cpu = sum(b.get("CPU", 0) for node in plan.bundles_per_node for b in node) + sum(b.get("CPU", 0) for b in plan.rollout_bundles)
+        gpus = None
+        if cfg.device == "cpu":
+            gpus = 0
+        ray.init(num_cpus=max(int(needed_cpu), os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
+                 runtime_env=env, log_to_driver=False, configure_logging=False)
+    log(f"ray {'connected' if cfg.address else 'started'} ({time.monotonic() - start:.1f} s)")
 
 
 def _missing(bundles: list[dict[str, float]]) -> str:
@@ -81,11 +94,17 @@ def reserve(bundles: list[dict[str, float]], *, timeout_s: float, log: Log, fail
 
 
 class Worker:
-    """One Ray actor with error translation: calls return results or raise RlbridgeError naming the worker."""
+    """One Ray actor with error translation: calls return results or raise RlbridgeError naming the worker
+    and its log file."""
 
-    def __init__(self, name: str, handle: Any) -> None:
+    def __init__(self, name: str, handle: Any, log_file: Path | None = None, echo: logs.WarningEcho | None = None) -> None:
         self.name = name
         self.handle = handle
+        self.log_file = log_file
+        self.echo = echo
+        """Prints the rlbridge warnings this worker wrote into its log file, after each answer."""
+        if echo is not None and log_file is not None:
+            echo.watch(log_file)
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.handle, method).remote(*args, **kwargs)
@@ -95,16 +114,30 @@ class Worker:
 
     def wait(self, ref: Any, timeout: float | None = None) -> Any:
         try:
-            return ray.get(ref, timeout=timeout)
+            answer = ray.get(ref, timeout=timeout)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else None
             if isinstance(cause, RlbridgeError):
                 raise type(cause)(f"{self.name}: {cause}") from None
-            raise RlbridgeError(f"{self.name} worker failed: {cause!r}\n{_tail(str(e))}") from None
+            raise RlbridgeError(f"{self.name} worker failed: {cause!r}{self._where()}\n{_tail(str(e))}") from None
         except RayActorError as e:
-            raise RlbridgeError(f"{self.name} worker died: {_tail(str(e), 6)}") from None
+            if e.actor_init_failed:  # its constructor raised: Ray's message holds the traceback
+                raise RlbridgeError(f"{self.name} worker failed while starting{self._where()}:\n{_tail(str(e))}") from None
+            raise RlbridgeError(f"{self.name} worker died: {_tail(str(e), 6)}{self._last_lines()}") from None
         except GetTimeoutError:
-            raise RlbridgeError(f"{self.name} worker did not answer within {timeout} s") from None
+            raise RlbridgeError(f"{self.name} worker did not answer within {timeout} s{self._where()}") from None
+        if self.echo is not None and self.log_file is not None:
+            self.echo.check(self.log_file, self.name)
+        return answer
+
+    def _where(self) -> str:
+        return f" (its log: {self.log_file})" if self.log_file else ""
+
+    def _last_lines(self, num_lines: int = 10) -> str:
+        lines = logs.tail(self.log_file, num_lines) if self.log_file else []
+        if not lines:
+            return self._where()
+        return f"\nthe last lines of its log ({self.log_file}):\n" + "\n".join(f"  {line}" for line in lines)
 
     def kill(self) -> None:
         try:
@@ -118,12 +151,77 @@ def _tail(text: str, lines: int = 15) -> str:
 
 
 def start_worker(cls: type, name: str, pg: PlacementGroup, bundle: int, *, num_cpus: float, num_gpus: float,
-                 args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Worker:
-    actor: Any = ray.remote(cls).options(
+                 log_file: Path, echo: logs.WarningEcho | None = None, args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None) -> Worker:
+    """An actor of `cls` whose output goes to `log_file` (its rlbridge warnings: echoed by `echo`);
+    `Worker.submit("rlbridge_started")` answers once its constructor has finished (see `_logged`)."""
+    actor: Any = ray.remote(_logged(cls)).options(
         name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=1,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
     )
-    return Worker(name, actor.remote(*args, **(kwargs or {})))
+    return Worker(name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo)
+
+
+@functools.cache
+def _logged(cls: Any) -> type:
+    """`cls` (same name, so the process is still `ray::<cls>`) whose constructor first sends the process's
+    output to the log file given as `rlbridge_log`, and which answers `rlbridge_started()`: the seconds its
+    constructor took and the start-up phases vLLM logged meanwhile (read in the worker: its log file may be
+    on another node)."""
+
+    def __init__(self: Any, *args: Any, rlbridge_log: str, **kwargs: Any) -> None:
+        start = time.monotonic()
+        self._rlbridge_log = (Path(rlbridge_log), logs.redirect_output(Path(rlbridge_log)))
+        logs.worker_logging()
+        cls.__init__(self, *args, **kwargs)
+        self._rlbridge_startup_s = time.monotonic() - start
+
+    def rlbridge_started(self: Any) -> dict[str, Any]:
+        return {"seconds": self._rlbridge_startup_s, "phases": logs.vllm_phases(logs.read_from(*self._rlbridge_log))}
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "rlbridge_started": rlbridge_started,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def wait_started(starting: list[tuple[Worker, Any]], *, timeout_s: float, log: Log,
+                 on_ready: Callable[[Worker, Any], None], heartbeat_s: float = HEARTBEAT_S) -> list[Any]:
+    """Wait for each worker's start-up call (`rlbridge_started`, or a call that needs the started worker),
+    calling on_ready(worker, answer) as each answers. Every heartbeat_s a line per worker still starting, with the
+    last line of its log; past timeout_s an error naming the worker, what its log shows and the key to raise.
+    A worker that fails or dies raises its error (Worker.wait: its log's last lines)."""
+    start = time.monotonic()
+    pending = {ref: i for i, (_, ref) in enumerate(starting)}
+    results: list[Any] = [None] * len(starting)
+    beat = start + heartbeat_s
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0, fetch_local=False)
+        for ref in ready:
+            i = pending.pop(ref)
+            results[i] = starting[i][0].wait(ref)
+            on_ready(starting[i][0], results[i])
+        waited = time.monotonic() - start
+        late = [starting[i][0] for i in sorted(pending.values())]
+        if late and waited > timeout_s:
+            raise RlbridgeError(startup_timeout_message(late, waited))
+        if late and time.monotonic() >= beat:
+            beat += heartbeat_s
+            for w in late:
+                line = logs.last_line(w.log_file) if w.log_file else None
+                log(f"{w.name}: still starting ({waited:.0f} s); " + (f"its log: {line}" if line else "nothing in its log yet"))
+    return results
+
+
+def startup_timeout_message(late: list[Worker], waited: float) -> str:
+    """Which workers did not start, what each one's log shows (its last line, and the phase that suggests)."""
+    parts = []
+    for w in late:
+        phase = logs.stage(logs.tail(w.log_file, 5)) if w.log_file else None
+        last = logs.last_line(w.log_file, 300) if w.log_file else None
+        parts.append(f"{w.name} (" + (f"{phase}; " if phase else "") +
+                     (f"its log {w.log_file} ends with: {last}" if last else f"nothing in its log {w.log_file}") + ")")
+    return (f"gave up after {waited:.0f} s waiting for the workers to start: " + "; ".join(parts) +
+            ". A cold start on GPUs (downloads, torch.compile, CUDA graphs) can take many minutes: if the log shows "
+            "progress, raise cluster.startup_timeout_s")
 
 
 def shutdown(pg: PlacementGroup | None = None) -> None:

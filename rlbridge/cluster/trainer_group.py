@@ -39,6 +39,8 @@ from typing import Any
 import ray
 import torch
 
+from rlbridge import run_dir as rundir
+from rlbridge.cluster.logs import WarningEcho
 from rlbridge.cluster.ray_cluster import Worker, start_worker
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
@@ -98,12 +100,14 @@ class TrainerGroup:
         self._leaders = [0]
         """The lowest global rank of each data-parallel replica, in dp order."""
 
-    def _set_coords(self, coords: list[dict[str, Any]]) -> None:
+    def formed(self, coords: list[dict[str, Any]], log: Log) -> None:
+        """The ranks' answers to `join`: their coordinates, which name them from now on."""
         self.coords = coords
         num_dp = max(c["dp"] for c in coords) + 1
         self._leaders = [min(i for i, c in enumerate(coords) if c["dp"] == d) for d in range(num_dp)]
         for worker, c in zip(self.ranks, coords, strict=True):
             worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
+            log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']}")
 
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -172,13 +176,17 @@ class TrainerGroup:
 
 
 def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: float, num_gpus: float,
-                        log: Log) -> TrainerGroup:
-    """One TrainerRank per device of the plan (rank i on bundle i), joined into one process group."""
+                        run_dir: Path, log: Log, echo: WarningEcho | None = None) -> tuple[TrainerGroup, list[Any]]:
+    """One TrainerRank per device of the plan (rank i on bundle i, its output in logs/trainer-rank<i>.log).
+    Returns the group and the ranks' `join` calls, which form the process group and build the engine: the
+    caller waits for them (ray_cluster.wait_started, beside the rollout's start) and hands the answers to
+    `TrainerGroup.formed`."""
     world = recipe.world_size
     threads = max(1, (os.cpu_count() or 1) // world) if recipe.cluster.device == "cpu" else None
     timeout = recipe.cluster.collective_timeout_s
     ranks = [
         start_worker(TrainerRank, f"trainer rank {i}", pg, i, num_cpus=num_cpus, num_gpus=num_gpus,
+                     log_file=rundir.log_file(run_dir, f"trainer-rank{i}"), echo=echo,
                      args=(recipe, str(model_dir)), kwargs={"rank": i, "world": world, "num_threads": threads})
         for i in range(world)
     ]
@@ -186,7 +194,4 @@ def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: f
     log(f"starting {world} megatron trainer ranks ({recipe.cluster.device}, "
         f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})")
     host, port = group._wait([ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S)[0]
-    group._set_coords(group._wait([w.submit("join", host, port, timeout) for w in ranks], "start-up"))
-    for c in group.coords:
-        log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']}")
-    return group
+    return group, [w.submit("join", host, port, timeout) for w in ranks]

@@ -6,7 +6,8 @@ its place while the others carry on (`concurrent.futures` cannot kill one worker
 Workers are fresh interpreters started with `subprocess` (the trainer holds torch and threads, so no fork)
 rather than multiprocessing's spawn, which would re-run the trainer's `__main__` module in every worker.
 Each worker runs in its own session (terminal Ctrl-C goes to the trainer, which closes the pool), with
-stdin/stdout/stderr on /dev/null, and dies with the trainer (Linux PR_SET_PDEATHSIG, tied to the thread
+stdin on /dev/null and stdout/stderr appended to `log_file` (a run's logs/reward.log; /dev/null without
+one), and dies with the trainer (Linux PR_SET_PDEATHSIG, tied to the thread
 that started it: create the pool in a thread that outlives it). Workers live across `score` calls (the loop
 scores every step) and import the user functions once, at start.
 
@@ -15,8 +16,8 @@ starts no worker at all.
 
 Every failure of a user function (an exception, NaN/inf or a non-number, a timeout, `sys.exit`,
 `os._exit`) makes that sample's score None and counts against `reward.error_budget`, kept over the
-whole run; past it `score` raises `RewardBudgetExceeded` with the last traceback. Output is discarded,
-not an error. Not thread-safe.
+whole run; past it `score` raises `RewardBudgetExceeded` with the last traceback. Output is not an error
+(it goes to the log file). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -91,7 +92,6 @@ def _die_with_parent() -> None:
 def worker_main(fd: int) -> None:
     """Worker process: take sys.path and the specs, import the functions once, then score until told to stop."""
     conn = Connection(fd)
-    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     _die_with_parent()
     try:
         sys.path[:], specs = conn.recv()
@@ -120,8 +120,11 @@ class _Worker:
 class RewardPool:
     """Scores batches with the recipe's reward terms; a context manager owning the worker processes."""
 
-    def __init__(self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0) -> None:
+    def __init__(self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0, log_file: Path | None = None) -> None:
         self.cfg = cfg
+        self.log_file = log_file
+        if log_file is not None:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
         self.terms = cfg.resolved_terms()
         for term in self.terms:
             resolve_reward_fn(term.fn)  # fail here, in the trainer, with the validation message
@@ -142,9 +145,10 @@ class RewardPool:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
-                                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        with open(self.log_file or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=out, start_new_session=True, env=env)
         theirs.close()  # so the worker's death reads as EOF here
         conn = Connection(ours.detach())
         conn.send(([p or os.getcwd() for p in sys.path], self._user_specs))

@@ -168,7 +168,10 @@ class VllmRollout:
         """num_threads (CPU): torch threads of the engine. Inside a Ray actor with num_cpus < 2, Ray sets
         OMP_NUM_THREADS=1 before torch loads, and vLLM's in-process CPU worker then generates on one core
         (on 2 cores, SmolLM2 quickstart: 9.6 s per step's generation instead of 6.2 s)."""
+        start = time.perf_counter()
         from vllm import LLM
+
+        log.info("vLLM imported in %.1f s", time.perf_counter() - start)  # a start-up phase (cluster/logs.py)
 
         if cpu and num_threads:
             import torch
