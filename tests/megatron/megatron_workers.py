@@ -592,7 +592,16 @@ def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float
                                              trainer=trainer(optim={"lr": lr, "clip_grad": None})))
     ragged = ragged_batch()
     subs = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
-    res: dict[str, Any] = {
+    from megatron.core.utils import unwrap_model
+
+    layer = unwrap_model(engine.model)[-1].output_layer
+    weight = layer.weight.detach()
+    hidden = (torch.randn(3, 2, weight.shape[1], generator=torch.Generator().manual_seed(0)) * 2).to(weight.dtype)
+    with torch.no_grad():
+        head_out = layer(hidden)[0]
+    res_head = {"head_dtype": str(head_out.dtype), "head_out": head_out.detach().float(),
+                "head_exact": hidden.double() @ weight.double().T}
+    res: dict[str, Any] = {**res_head,
         "optimizers": [type(s).__name__ for s in subs],
         "model_dtypes": sorted({str(p.dtype) for _, p in engine._trainable}),
         "batch_ragged": batch_dict(ragged),

@@ -1,6 +1,7 @@
 """bfloat16 numerics of the megatron engine (TP1, tiny Qwen2, CPU gloo): megatron-core's mixed-precision
-optimizer keeps float32 main weights and float32 Adam moments for a bfloat16 model, and log-softmax runs in
-float32 (forward.vocab_parallel_logprobs).
+optimizer keeps float32 main weights and float32 Adam moments for a bfloat16 model, the output layer returns
+unrounded float32 logits (forward.float32_output_layer) and log-softmax runs in float32
+(forward.vocab_parallel_logprobs).
 
 Tolerances: three full fine-tuning steps at lr 1e-4 move the bfloat16 engine's float32 main weights like the
 float32 engine's weights, relative error of the whole update < 0.3 (the hf engine's test measures 0.17 for
@@ -56,3 +57,11 @@ def test_bf16_logprobs_are_float32_and_near_float64(runs: dict[str, dict[str, An
     diff = (got.double() - response_logprobs_f64(load_hf(tiny_dirs["qwen2"]), batch)).abs()[batch.response_mask > 0]
     print(f"bf16 log-probs vs float64 HF: mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
     assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.3
+
+
+def test_bf16_output_layer_returns_unrounded_float32_logits(runs: dict[str, dict[str, Any]]) -> None:
+    """bf16 input x bf16 weight, multiplied in float32: equal to the float64 product up to float32 summation."""
+    res = runs["bfloat16"]
+    assert res["head_dtype"] == "torch.float32"
+    torch.testing.assert_close(res["head_out"].double(), res["head_exact"], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(res["head_out"], res["head_out"].bfloat16().float())  # not rounded to bfloat16

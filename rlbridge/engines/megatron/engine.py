@@ -64,6 +64,8 @@ class MegatronTrainEngine:
             self.model: list[torch.nn.Module] = self.bundle.chunks
             self.recompute_fix = B.ensure_recompute_input_fix(self.model)
             self.optimizer = B.build_optimizer(self.built, self.model)
+            if recipe.model.dtype != "float32":
+                forward.float32_output_layer(self.model)  # unrounded float32 logits, as the hf engine's
             self.param_sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, self.lora)
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()

@@ -132,6 +132,38 @@ def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor,
     return output[:n, p - 1 : p + r - 1], mb.input_ids[:n, p : p + r]
 
 
+def float32_output_layer(model: list[torch.nn.Module]) -> int:
+    """Make a 16-bit model's output layer (on the last pipeline stage) return float32 logits: its model-dtype
+    input and weight shard are upcast and multiplied in float32, never rounded to bfloat16, as the hf engine's
+    (engines/hf.float32_logits; why: docs/engines/hf.md, "bf16 numerics"). The casts are differentiable, so a
+    trained output layer (full fine-tuning) still gets its gradient, through autograd instead of megatron's
+    fused accumulation into main_grad (refused here when that fusion is on). Returns the layers changed."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.utils import unwrap_model
+
+    changed = 0
+    for chunk in unwrap_model(model):
+        layer = getattr(chunk, "output_layer", None)
+        if layer is None:
+            continue  # not the last pipeline stage
+        if not isinstance(layer, ColumnParallelLinear):
+            name = type(layer).__name__
+            raise TypeError(f"float32 logits need megatron's ColumnParallelLinear output layer, got {name}")
+        if layer.gradient_accumulation_fusion:
+            raise ValueError("float32 logits do not work with gradient_accumulation_fusion on the output layer")
+        impl = layer._forward_impl
+
+        def float32_impl(input: torch.Tensor, weight: torch.Tensor, *args: Any, _impl: Any = impl,
+                         **kwargs: Any) -> Any:
+            if kwargs.get("bias") is not None:
+                kwargs["bias"] = kwargs["bias"].float()
+            return _impl(input.float(), weight.float(), *args, **kwargs)
+
+        layer._forward_impl = float32_impl  # type: ignore[method-assign]
+        changed += 1
+    return changed
+
+
 # --------------------------------------------------------------------------------------- schedule
 # A per-micro-batch closure on the last pipeline stage: (logits, micro-batch) -> (loss, reduced dict).
 StageLoss = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
