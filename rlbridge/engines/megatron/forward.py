@@ -17,6 +17,7 @@ layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,7 +138,8 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
     input and weight shard are upcast and multiplied in float32, never rounded to bfloat16, as the hf engine's
     (engines/hf.float32_logits; why: docs/engines/hf.md, "bf16 numerics"). The casts are differentiable, so a
     trained output layer (full fine-tuning) still gets its gradient, through autograd instead of megatron's
-    fused accumulation into main_grad (refused here when that fusion is on). Returns the layers changed."""
+    fused accumulation into main_grad (with that fusion on, the layer is left as it is, with a warning).
+    Returns the layers changed."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.utils import unwrap_model
 
@@ -149,8 +151,10 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
         if not isinstance(layer, ColumnParallelLinear):
             name = type(layer).__name__
             raise TypeError(f"float32 logits need megatron's ColumnParallelLinear output layer, got {name}")
-        if layer.gradient_accumulation_fusion:
-            raise ValueError("float32 logits do not work with gradient_accumulation_fusion on the output layer")
+        if layer.gradient_accumulation_fusion:  # it writes the weight's gradient into main_grad itself
+            warnings.warn("gradient_accumulation_fusion is on: the output layer keeps model-dtype (rounded) logits",
+                          stacklevel=2)
+            continue
         impl = layer._forward_impl
 
         def float32_impl(input: torch.Tensor, weight: torch.Tensor, *args: Any, _impl: Any = impl,
