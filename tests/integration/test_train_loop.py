@@ -21,6 +21,26 @@ from tests.fixtures.tiny_llama import build_tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+CONSOLE_PREFIXES = (
+    # stderr: rlbridge.session.log / signals ("rlbridge ..."), the metrics console sink (train, eval and
+    # checkpoint lines, a logger's warning)
+    "rlbridge ", "step ", "eval step ", "saved step ", "warning ",
+    # stdout: rlbridge.cli.render (plan summary, run directory, closing summary and its table's title)
+    "layout ", "batch ", "memory ", "note ", "run directory: ", "done ", "held-out evaluation",
+)
+"""How every console line of a healthy `rlbridge train` starts. Besides these, only the rows of the closing
+table (they start with a box-drawing character) belong to rlbridge. Everything from vLLM, Ray, transformers,
+torch or tqdm goes to RUN_DIR/logs/ (rlbridge/cluster/logs.py) and would show up here as a foreign line:
+before that routing, a run printed Ray's token-authentication notice and "(VllmRollout pid=...)" lines
+(Triton, FutureWarnings, NUMA binding, "Loading safetensors checkpoint shards" at every weight sync)."""
+
+
+def foreign_lines(console: str) -> list[str]:
+    """Console lines that are not rlbridge's own (see CONSOLE_PREFIXES); run with COLUMNS wide enough that
+    rich wraps nothing."""
+    return [line for line in console.splitlines()
+            if line.strip() and not line.startswith(CONSOLE_PREFIXES) and not "\u2500" <= line[0] <= "\u257f"]
+
 
 def recipe(model_dir: Path, sync: str) -> dict:
     return {
@@ -46,10 +66,13 @@ def test_train_end_to_end(tmp_path: Path, sync: str) -> None:
     rfile = tmp_path / "recipe.yaml"
     rfile.write_text(yaml.safe_dump(recipe(model_dir, sync)))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "500"}  # rich: no wrapped lines
     res = subprocess.run([sys.executable, "-m", "rlbridge", "train", str(rfile), "--run-dir", str(run_dir)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert foreign_lines(res.stdout + res.stderr) == [], res.stdout + res.stderr  # library output went to logs/
+    assert "rlbridge rollout: vLLM engine up (" in res.stderr and "rlbridge trainer: model loaded (" in res.stderr
+    assert "Loading safetensors checkpoint shards" in (run_dir / "logs" / "rollout.log").read_text()  # vLLM at INFO
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
