@@ -12,6 +12,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from rlbridge import run_dir as rundir
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
@@ -33,6 +35,12 @@ def log(msg: str) -> None:
     console.print(f"[dim]rlbridge[/] {msg}")
 
 
+def log_plain(text: str) -> None:
+    """`log` for text that is not markup: it may quote paths and worker log lines, whose brackets rich would
+    read as tags ("[W1201 ... utils.cpp:68]")."""
+    log(escape(text))
+
+
 class Encoded:
     """Prompts with their token ids (after the length filter)."""
 
@@ -50,10 +58,10 @@ class Session:
         self.rollout: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by resume.py."""
-        self.stall = StallWatch(log, hint=f" (the workers' logs: {run_dir / 'logs'})")
+        self.stall = StallWatch(log_plain, hint=f" (the workers' logs: {run_dir / 'logs'})")
         """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps."""
-        self.driver_log = logs.DriverLog(rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {msg}"))
-        self.echo = logs.WarningEcho(lambda name, msg: log(f"{name}: [yellow]warning[/] {msg}"))
+        self.driver_log = logs.DriverLog(rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}"))
+        self.echo = logs.WarningEcho(lambda name, msg: log(f"{escape(name)}: [yellow]warning[/] {escape(msg)}"))
         """The workers' own rlbridge warnings, from their log files to the console."""
         self._stack = ExitStack()
         self._start_time = 0.0
@@ -105,14 +113,14 @@ class Session:
 
     def _start_workers(self) -> None:
         r, plan = self.recipe, self.plan
-        rc.connect(r.cluster, plan, log)
+        rc.connect(r.cluster, plan, log_plain)
         self.driver_log.apply()  # Ray's loggers, as ray.init left them
         bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
-        self._pg = rc.reserve(bundles, timeout_s=r.cluster.placement_timeout_s, log=log, fail_fast=r.cluster.address is None)
+        self._pg = rc.reserve(bundles, timeout_s=r.cluster.placement_timeout_s, log=log_plain, fail_fast=r.cluster.address is None)
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1
-        log(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
+        log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
         self._start_time = time.monotonic()
         starting: list[tuple[rc.Worker, Any]] = []
         if r.trainer.engine == "hf":
@@ -132,12 +140,13 @@ class Session:
         joins: list[Any] = []
         if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
             self.trainer, joins = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share,
-                                                      run_dir=self.run_dir, log=log, echo=self.echo)
+                                                      run_dir=self.run_dir, log=log_plain, echo=self.echo)
             starting += list(zip(self.trainer.ranks, joins, strict=True))
-        answers = rc.wait_started(starting, timeout_s=r.cluster.startup_timeout_s, log=log, on_ready=self._started)
+        answers = rc.wait_started(starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain,
+                                  on_ready=self._started)
         if isinstance(self.trainer, TrainerGroup):
             log(f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)")
-            self.trainer.formed(answers[-len(joins):], log)
+            self.trainer.formed(answers[-len(joins):], log_plain)
 
     def _started(self, worker: rc.Worker, answer: Any) -> None:
         """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the
@@ -147,7 +156,7 @@ class Session:
         seconds = time.monotonic() - self._start_time
         phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]})
         what = "vLLM engine up" if worker is self.rollout and self.recipe.rollout.engine == "vllm" else "model loaded"
-        log(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
+        log_plain(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
     def sampling(self, *, greedy: bool = False) -> SamplingCfg:

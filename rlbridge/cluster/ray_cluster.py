@@ -217,8 +217,9 @@ def startup_timeout_message(late: list[Worker], waited: float) -> str:
     for w in late:
         phase = logs.stage(logs.tail(w.log_file, 5)) if w.log_file else None
         last = logs.last_line(w.log_file, 300) if w.log_file else None
-        parts.append(f"{w.name} (" + (f"{phase}; " if phase else "") +
-                     (f"its log {w.log_file} ends with: {last}" if last else f"nothing in its log {w.log_file}") + ")")
+        shows = (f"its log {w.log_file} ends with: {last}" if last
+                 else f"its log {w.log_file} is empty: has its Ray worker process started?")
+        parts.append(f"{w.name} ({phase + '; ' if phase else ''}{shows})")
     return (f"gave up after {waited:.0f} s waiting for the workers to start: " + "; ".join(parts) +
             ". A cold start on GPUs (downloads, torch.compile, CUDA graphs) can take many minutes: if the log shows "
             "progress, raise cluster.startup_timeout_s")

@@ -231,6 +231,15 @@ def test_startup_heartbeat_then_timeout_names_the_worker_its_phase_and_log(
     assert "trainer" not in message  # it had started
 
 
+def test_startup_timeout_of_a_worker_whose_process_never_started(tmp_path: Path) -> None:
+    from rlbridge.cluster import ray_cluster as rc
+
+    message = rc.startup_timeout_message([rc.Worker("trainer", _Handle(), log_file(tmp_path, "trainer"))], 901.2)
+    assert message.startswith("gave up after 901 s waiting for the workers to start: trainer (its log ")
+    assert "trainer.log is empty: has its Ray worker process started?)" in message
+    assert message.endswith("raise cluster.startup_timeout_s")
+
+
 def test_startup_wait_returns_the_answers_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rlbridge.cluster import ray_cluster as rc
 
@@ -286,3 +295,13 @@ def test_stall_watch_warns_about_a_phase_far_slower_than_before() -> None:
     assert watch.limit("update") is not None and len(timer.seconds) == 2
     time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name.startswith("rlbridge-stall-")]  # each ends with its phase
+
+
+def test_worker_log_lines_print_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """A heartbeat or warning quotes a worker's log line: its brackets are not rich markup (a torch line
+    starts "[W1201 ... utils.cpp:68]", which rich would swallow as a style; "[/x]" would raise)."""
+    from rlbridge.session import log_plain
+
+    line = "rollout: its log: [W1201 15:02:26.689 utils.cpp:68] Warning [/x]"  # short: no wrap
+    log_plain(line)
+    assert capsys.readouterr().err == f"rlbridge {line}\n"
