@@ -167,8 +167,8 @@ def free() -> None:
 # ------------------------------------------------------------------------------------------ vLLM side
 @contextlib.contextmanager
 def extra_engine_kwargs(extra: dict[str, Any]) -> Iterator[None]:
-    """Build the LLM kwargs through rlbridge.rollout.vllm.engine_kwargs and add bench-only ones (enforce_eager
-    on CUDA): the recipe schema is left as it is."""
+    """Build the LLM kwargs through rlbridge.rollout.vllm.engine_kwargs and add bench-only ones (hf_overrides
+    for vLLM's head dtype): the recipe schema is left as it is."""
     import rlbridge.rollout.vllm as rv
 
     original = rv.engine_kwargs
@@ -227,7 +227,7 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     sets = ["model.dtype=bfloat16", f"rollout.weight_sync={kind}", f"rollout.n={a.n}",
             f"rollout.max_response_tokens={a.max_tokens}", f"rollout.gpu_memory_utilization={a.gpu_memory}",
             "rollout.max_lora_rank=16", f"cluster.device={a.device}", "data.val=null", f"trainer.optim.lr={a.lr}",
-            "trainer.optim.warmup_steps=0", *a.sets]
+            "trainer.optim.warmup_steps=0", *(["rollout.enforce_eager=true"] if a.eager else []), *a.sets]
     r = load_recipe(ROOT / "recipes" / "quickstart.yaml", sets)
     model_dir = ensure_model(r.model.path)
     tok = load_tokenizer(model_dir)
@@ -238,7 +238,7 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
                            top_k=r.rollout.top_k, max_tokens=r.rollout.max_response_tokens)
     times: dict[str, float] = {}
     t = time.perf_counter()
-    extra: dict[str, Any] = {"enforce_eager": True} if a.eager else {}
+    extra: dict[str, Any] = {}
     if a.child_head != "model":
         extra["hf_overrides"] = {"head_dtype": a.child_head}
     with extra_engine_kwargs(extra):
@@ -427,7 +427,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=16, help="rows per trainer forward")
     ap.add_argument("--gpu-memory", type=float, default=0.3, help="rollout.gpu_memory_utilization")
-    ap.add_argument("--eager", action="store_true", help="CUDA: vLLM enforce_eager (faster start, not production)")
+    ap.add_argument("--eager", action="store_true", help="rollout.enforce_eager=true (faster start on CUDA; the "
+                    "quickstart-gpu recipe compiles)")
     ap.add_argument("--set", action="append", default=[], dest="sets", help="recipe override")
     ap.add_argument("--out", help="also write the JSON document here")
     ap.add_argument("--no-save", action="store_true", help="do not write bench/results/")
