@@ -140,6 +140,11 @@ class RolloutCfg(Section):
     """Fraction of GPU memory vLLM may take (weights + KV cache). On CPU see kv_cache_gib."""
     kv_cache_gib: Annotated[float, Field(gt=0)] = 1.0
     """CPU build of vLLM only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    float32_head: bool = True
+    """A 16-bit model's output layer (lm_head) computes in float32 in vLLM (`hf_overrides` head_dtype), as it does
+    in both trainers: rounding SmolLM2's logits (16-39) to bf16 alone moves log p by ~2e-2, most of the
+    trainer-vs-rollout gap (bench/results/logprob_floor-*.md). Costs a float32 copy of the output layer's weight.
+    A vLLM build without head_dtype for generation models keeps its bf16 head and says so in the rollout log."""
     enforce_eager: bool | None = None
     """vLLM without torch.compile and CUDA graphs. null: eager on CPU, compiled on GPUs. true on a GPU starts
     the engine in ~15 s instead of 1-2 min (measured on an H200 for SmolLM2-135M: compile 22-44 s and graph

@@ -87,7 +87,17 @@ class WorkerExtension:
 # | what                                | 0.26.0 (CUDA)                     | 0.32.0 (CPU)                          |
 # |-------------------------------------|-----------------------------------|---------------------------------------|
 # | vllm.utils.torch_utils.set_random_seed | (seed)                         | (seed, data_parallel_index)           |
+# | float32 lm_head (hf_overrides head_dtype) | see bench/results/gpu_check-* | ModelConfig.head_dtype, honoured     |
 # ------------------------------------------------------------------------------------------------------
+
+
+def head_dtype(llm: Any, model_dtype: str) -> str:
+    """The output layer's dtype in force: vLLM 0.32 has ModelConfig.head_dtype, which honours
+    hf_overrides={"head_dtype": "float32"} for generation models; a build without it computes the head in the
+    model dtype."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    value = getattr(config, "head_dtype", None)
+    return str(value).removeprefix("torch.") if value is not None else model_dtype
 
 
 def reseed(set_random_seed: Any, seed: int, data_parallel_index: int = 0) -> None:
@@ -132,6 +142,8 @@ def engine_kwargs(
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=cpu if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
     )
+    if rollout_cfg.float32_head and model_cfg.dtype in ("bfloat16", "float16"):
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
     if adapter:
         kwargs.update(max_lora_rank=_vllm_lora_rank(rollout_cfg.max_lora_rank), max_loras=2)
     if cpu:
@@ -199,6 +211,9 @@ class VllmRollout:
         start = time.perf_counter()
         self._llm: Any = LLM(**self._kwargs)
         self.startup_s = time.perf_counter() - start
+        self.head_dtype = head_dtype(self._llm, self._dtype)
+        """The dtype vLLM's output layer computes in (float32 when rollout.float32_head took effect)."""
+        log.info("vLLM output layer (lm_head) in %s", self.head_dtype)
         self._lora: Any = None
         self._lora_ids = 0
         self._weights_dir: Path | None = None

@@ -43,3 +43,30 @@ def test_enforce_eager_defaults_to_eager_on_cpu_and_compiled_on_gpus_and_follows
 
     assert eager(True) is True and eager(False) is False
     assert eager(False, enforce_eager=True) is True and eager(True, enforce_eager=False) is False
+
+
+def test_a_16_bit_model_asks_vllm_for_a_float32_output_layer_unless_the_recipe_says_no():
+    from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+    from rlbridge.rollout.vllm import engine_kwargs
+
+    def overrides(dtype: str, **cfg: object) -> object:
+        kw = engine_kwargs("m", RolloutCfg(**cfg), ModelCfg(path="m", dtype=dtype), lora_rank=0, seed=0, cpu=True)
+        return kw.get("hf_overrides")
+
+    assert overrides("bfloat16") == {"head_dtype": "float32"}
+    assert overrides("float16") == {"head_dtype": "float32"}
+    assert overrides("float32") is None
+    assert overrides("bfloat16", float32_head=False) is None
+
+
+def test_head_dtype_reads_what_the_engine_holds_and_falls_back_to_the_model_dtype():
+    import types
+
+    import torch
+
+    from rlbridge.rollout.vllm import head_dtype
+
+    engine = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace(head_dtype=torch.float32)))
+    assert head_dtype(engine, "bfloat16") == "float32"
+    older = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace()))
+    assert head_dtype(older, "bfloat16") == "bfloat16"
