@@ -145,6 +145,12 @@ class RolloutCfg(Section):
     in both trainers: rounding SmolLM2's logits (16-39) to bf16 alone moves log p by ~2e-2, most of the
     trainer-vs-rollout gap (bench/results/logprob_floor-*.md). Costs a float32 copy of the output layer's weight.
     A vLLM build without head_dtype for generation models keeps its bf16 head and says so in the rollout log."""
+    flashinfer_sampler: bool = False
+    """vLLM's FlashInfer top-k/top-p sampling kernels (VLLM_USE_FLASHINFER_SAMPLER). They are compiled with nvcc
+    the first time an engine starts on a machine: on a fresh H200 that silent step took 101 s of a 222 s start
+    (2026-12-01, after CUDA-graph capture; 9 s once cached). Off: vLLM's PyTorch sampler, no compilation; with
+    top_p = 1 and top_k = -1 (no filter) vLLM samples natively either way. An environment variable
+    VLLM_USE_FLASHINFER_SAMPLER set by the user wins."""
     enforce_eager: bool | None = None
     """vLLM without torch.compile and CUDA graphs. null: eager on CPU, compiled on GPUs. true on a GPU starts
     the engine in ~15 s instead of 1-2 min (measured on an H200 for SmolLM2-135M: compile 22-44 s and graph

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ GIB = 1024**3
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py)."""
 WORKER_EXTENSION = "rlbridge.rollout.vllm.WorkerExtension"
+FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
+"""Set from rollout.flashinfer_sampler: FlashInfer's sampling kernels are JIT-compiled on a machine's first start."""
 INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """Set to 0 (engine core in this process) unless the environment sets it: see "Reproducible sampling"."""
 
@@ -87,7 +90,11 @@ class WorkerExtension:
 # | what                                | 0.26.0 (CUDA)                     | 0.32.0 (CPU)                          |
 # |-------------------------------------|-----------------------------------|---------------------------------------|
 # | vllm.utils.torch_utils.set_random_seed | (seed)                         | (seed, data_parallel_index)           |
-# | float32 lm_head (hf_overrides head_dtype) | see bench/results/gpu_check-* | ModelConfig.head_dtype, honoured     |
+# | float32 lm_head (hf_overrides head_dtype) | accepted; trainer-vs-rollout gap | ModelConfig.head_dtype, honoured     |
+# |                                     | 3.8e-2 -> 2.7e-2 on the GPU quickstart |                                   |
+# | merged reload into a LoRA engine    | fails (tied embedding wrapped as   | works                                 |
+# |                                     | embed_tokens.base_layer)           | (rlbridge never does it: weight_sync  |
+# |                                     |                                    |  picks a LoRA engine or a plain one)  |
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -153,6 +160,19 @@ def engine_kwargs(
     return kwargs
 
 
+def engine_env(rollout_cfg: RolloutCfg, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables the engine needs from the recipe (pure). A variable the user set is kept as is
+    (and noted when it differs from the recipe)."""
+    want = {FLASHINFER_SAMPLER_ENV: "1" if rollout_cfg.flashinfer_sampler else "0"}
+    out = {}
+    for key, value in want.items():
+        if key not in environ:
+            out[key] = value
+        elif environ[key] != value:
+            log.info("%s=%s from the environment wins over the recipe (%s)", key, environ[key], value)
+    return out
+
+
 def _vllm_lora_rank(rank: int) -> int:
     """rollout.max_lora_rank rounded up to a value vLLM accepts (it is a capacity, not the adapter's rank)."""
     allowed = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
@@ -205,6 +225,8 @@ class VllmRollout:
                 os.environ["VLLM_CPU_KVCACHE_SPACE"],
                 rollout_cfg.kv_cache_gib,
             )
+        for key, value in engine_env(rollout_cfg, os.environ).items():
+            os.environ[key] = value  # read by vLLM when the engine is built (the engine core runs in-process)
         if os.environ.setdefault(INPROC_ENV, "0") != "0":
             log.warning("%s=%s: vLLM's engine core runs in its own process and sampling is not reproducible "
                         "(a resumed run will not repeat the uninterrupted one)", INPROC_ENV, os.environ[INPROC_ENV])

@@ -70,3 +70,12 @@ def test_head_dtype_reads_what_the_engine_holds_and_falls_back_to_the_model_dtyp
     assert head_dtype(engine, "bfloat16") == "float32"
     older = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace()))
     assert head_dtype(older, "bfloat16") == "bfloat16"
+
+
+def test_flashinfer_sampler_follows_the_recipe_unless_the_user_set_the_variable():
+    from rlbridge.recipe.schema import RolloutCfg
+    from rlbridge.rollout.vllm import engine_env
+
+    assert engine_env(RolloutCfg(), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert engine_env(RolloutCfg(flashinfer_sampler=True), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert engine_env(RolloutCfg(), {"VLLM_USE_FLASHINFER_SAMPLER": "1"}) == {}
