@@ -13,7 +13,6 @@ processes; under `python -m pytest` that needs no extra environment variables (s
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ import pytest
 from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
-from rlbridge.rollout.hf import HFRollout
 from tests.fixtures.tiny_llama import (
     EOS_ID,
     build_tiny_llama,
@@ -170,23 +168,6 @@ class TestMergedEngine:
         engine.sleep()
         engine.wake_up()
         assert len(engine.generate(PROMPTS, GREEDY, expect_version=engine.weight_version)) == 3
-
-    def test_throughput_vs_hf(self, engine: Any, model_dir: Path) -> None:
-        """Not a gate: generated tokens/s of vLLM vs the hf rollout on the same batch (for benchmarks)."""
-        prompts = [PROMPTS[i % 3] for i in range(16)]
-        sampling = SamplingCfg(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64)
-        hf = HFRollout(
-            model_dir, rollout_cfg("merged"), ModelCfg(path=str(model_dir), dtype="float32"), seed=0
-        )
-        rates = {"vllm": 0.0, "hf": 0.0}
-        for name, rollout in [("vllm", engine), ("hf", hf)] * 2:  # best of two: the machine is shared
-            t0 = time.perf_counter()
-            out = rollout.generate(prompts, sampling, expect_version=rollout.weight_version)
-            num_tokens = sum(len(r) for r in out.response_ids)
-            rates[name] = max(rates[name], num_tokens / (time.perf_counter() - t0))
-        print(
-            f"tiny llama, 64 completions x <=64 tokens: vllm {rates['vllm']:.0f} tok/s, hf {rates['hf']:.0f} tok/s"
-        )
 
 
 class TestAdapterEngine:
