@@ -70,7 +70,8 @@ def complete(words: str, cword: int) -> list[str]:
 
 def test_shell_completion_of_commands_and_recipe_names() -> None:
     assert "recipes" in complete("rlbridge rec", 1) and "report" in complete("rlbridge rep", 1)
-    assert complete("rlbridge recipes show qu", 3) == ["quickstart"]
+    assert complete("rlbridge recipes show qu", 3) == ["quickstart", "quickstart-gpu"]
+    assert complete("rlbridge recipes show ppo-m", 3) == ["ppo-megatron-smoke-cpu"]
     res = runner.invoke(app, ["--show-completion", "bash"])
     assert res.exit_code == 0 and "_RLBRIDGE_COMPLETE" in res.output
 
