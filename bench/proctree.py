@@ -20,6 +20,17 @@ import psutil
 GIB = 1024**3
 
 
+def describe(procs: list[psutil.Process]) -> list[str]:
+    """'PID command line' per process (for messages about processes left running); '(gone)' for one that ended."""
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            out.append(f"{p.pid} (gone)")
+    return out
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

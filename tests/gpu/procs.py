@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.proctree import describe
 from tests.gpu.common import ROOT, subprocess_env
 
 TAG = "RLBRIDGE_GPU_TEST_TAG"
@@ -104,16 +105,6 @@ class Run:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
-
-
-def describe(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            out.append(f"{p.pid} (gone)")
-    return out
 
 
 def start(args: list[str], log: Path, **env: str) -> Run:

@@ -38,6 +38,7 @@ import psutil
 import pytest
 import yaml
 
+from bench.proctree import describe
 from rlbridge import checkpoint as ckpt
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.integration.test_resume import (
@@ -93,16 +94,6 @@ def environ_size(p: psutil.Process) -> int:
         return len(p.environ())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return 0
-
-
-def describe(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            out.append(f"{p.pid} (gone)")
-    return out
 
 
 def marker_pid(marker: Path, point: str) -> int:
