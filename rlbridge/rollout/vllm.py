@@ -348,6 +348,19 @@ class VllmRollout:
         self._drop_lora()
         self._lora = request
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine was built for adapter sync (vLLM with LoRA); such an engine takes adapters only."""
+        return bool(self._kwargs["enable_lora"])
+
+    @property
+    def adapter_loaded(self) -> bool:
+        return self._lora is not None
+
+    def drop_adapter(self) -> None:
+        """Sample from the base weights again (removes the loaded adapter, if any; the version is unchanged)."""
+        self._drop_lora()
+
     def _drop_lora(self) -> None:
         if self._lora is not None:
             self._llm.llm_engine.remove_lora(self._lora.lora_int_id)

@@ -177,9 +177,9 @@ def set_weights(rollout: Any, kind: str, trainer: Any = None) -> float:
     seconds = 0.0
     if kind == "adapter":
         seconds = load(rollout, trainer.export_weights("adapter"))
-    elif rollout._lora is not None:
-        rollout._drop_lora()  # what VllmRollout does after a merged reload, without the reload
-    assert (rollout._lora is not None) == (kind == "adapter"), kind
+    elif rollout.adapter_loaded:
+        rollout.drop_adapter()  # what VllmRollout does after a merged reload, without the reload
+    assert rollout.adapter_loaded == (kind == "adapter"), kind
     return seconds
 
 

@@ -162,7 +162,7 @@ def main() -> int:
     save(engine=engine_figures(engine), pool_bytes=engine.pool_bytes)
     try:
         rollout = engine.rollout
-        assert not rollout._kwargs["enable_lora"], "the merged-sync engine must not have LoRA"
+        assert not rollout.lora_enabled, "the merged-sync engine must not have LoRA"
         save(base=rollouts_to_json(sample(rollout, prompts, seed=1)))
         # the directories are handed over (the rollout owns and removes them), as a same-node trainer does
         sync_s = load(rollout, WeightExport("merged", {}, path=args.modified))
