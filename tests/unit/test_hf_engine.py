@@ -89,10 +89,14 @@ def full_logits(model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
 
 
 def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal up to float32 summation order: elementwise within 1e-5 relative + 4e-6 of the tensor's largest entry
+    (the same sums in another order differ by ~1e-6 of the tensor's norm; on the 2026-12-01 venv one element of
+    a 4-vs-1 micro-batch gradient was 1.1x the former 1e-6 bound, norm-relative gap 9.6e-7). A lost or doubled
+    micro-batch moves gradients by 25-100 %."""
     assert a.keys() == b.keys()
     for name in a:
         scale = float(b[name].abs().max())
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6 * scale + 1e-12, msg=name)
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=4e-6 * scale + 1e-12, msg=name)
 
 
 # ------------------------------------------------------------------------------------------ log-probs
