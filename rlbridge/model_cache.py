@@ -16,14 +16,17 @@ a complete directory is reused as is, and an interrupted run leaves nothing that
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +73,8 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
 
             build_random_model(SHORT_NAMES[short_name], tmp)
         else:
-            _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])
+            with _no_progress_bars():  # rlbridge's lines before and after say what happens
+                _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])
         _check_config(short_name, tmp / "config.json")
         for f in tmp.iterdir():  # mkdtemp and the safetensors writer create owner-only files
             f.chmod(0o644)
@@ -99,6 +103,20 @@ def _find_gguf() -> Path:
     if not files:
         raise RlbridgeError(f"no .gguf file in {Path(spec.origin).parent}; reinstall: {_INSTALL_HINT}")
     return files[0]
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (GGUF dequantization: a plain tqdm on sys.stderr; loading, writing shards)
+    off: on a first run they would be the only third-party lines on the console. Failures still raise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _convert_gguf(gguf: Path, out_dir: Path, expected: dict[str, Any]) -> None:

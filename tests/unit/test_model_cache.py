@@ -82,7 +82,7 @@ def test_local_paths_and_unknown_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_materializes_and_generates(cache: Path) -> None:
+def test_smollm2_materializes_and_generates(cache: Path, capfd: pytest.CaptureFixture[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,6 +90,8 @@ def test_smollm2_materializes_and_generates(cache: Path) -> None:
     messages: list[str] = []
     path = model_cache.materialize(NAME, progress=messages.append)
     assert len(messages) == 2 and (path / "model.safetensors").stat().st_size > 500e6  # float32
+    printed = capfd.readouterr()
+    assert "it/s" not in printed.err + printed.out, "transformers' progress bars reached the console"
     config = json.loads((path / "config.json").read_text())
     assert (
         config["dtype"] == "float32"
