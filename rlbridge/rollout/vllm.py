@@ -322,12 +322,12 @@ class VllmRollout:
         self._llm.reset_prefix_cache()
         remove_dir(self._weights_dir)
         self._weights_dir = new_dir
-        self._drop_lora()
+        self.drop_adapter()
 
     def _load_adapter(self, weights: WeightExport, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        if not self._kwargs["enable_lora"]:
+        if not self.lora_enabled:
             raise ValueError(
                 "this vLLM engine was created without LoRA support; set rollout.weight_sync=adapter "
                 "to sync adapters (or export kind='merged')"
@@ -345,7 +345,7 @@ class VllmRollout:
         except BaseException:
             remove_dir(new_dir)
             raise
-        self._drop_lora()
+        self.drop_adapter()
         self._lora = request
 
     @property
@@ -359,9 +359,6 @@ class VllmRollout:
 
     def drop_adapter(self) -> None:
         """Sample from the base weights again (removes the loaded adapter, if any; the version is unchanged)."""
-        self._drop_lora()
-
-    def _drop_lora(self) -> None:
         if self._lora is not None:
             self._llm.llm_engine.remove_lora(self._lora.lora_int_id)
             remove_dir(Path(self._lora.lora_path))

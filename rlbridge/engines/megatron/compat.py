@@ -116,8 +116,6 @@ class Features:
     """Megatron-Bridge >= 0.3.0 makes the decoder input require grad inside PEFT.__call__ (recompute + LoRA)."""
     bridge_base_layer_names: bool
     """Unmerged export names base weights `...q_proj.base_layer.weight` (Megatron-Bridge 0.3.x)."""
-    mbridge_compatible: bool
-    """mbridge is installed (megatron-core >= 0.17 needs `mbridge_model_type()`, which build.py applies)."""
 
 
 def features() -> Features:
@@ -126,7 +124,6 @@ def features() -> Features:
     return Features(
         bridge_recompute_fix=bridge >= (0, 3, 0),
         bridge_base_layer_names=bridge >= (0, 3, 0),
-        mbridge_compatible=v["mbridge"] is not None,
     )
 
 
