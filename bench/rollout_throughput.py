@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 def prompts(num: int, max_tokens: int, dtype: str) -> tuple[object, list[list[int]]]:
     from rlbridge.data.datasets import encode_prompts, load_dataset
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
+    from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe
-    from rlbridge.tokenizer import load_tokenizer
 
     r = load_recipe(ROOT / "recipes" / "quickstart.yaml", [f"rollout.max_response_tokens={max_tokens}", f"model.dtype={dtype}"])
     model_dir = ensure_model(r.model.path)

@@ -53,8 +53,8 @@ def recipe(steps: int, sets: list[str]) -> Any:
 def step_prompts(r: Any, steps: int) -> list[list[tuple[Any, list[int]]]]:
     """(prompt, token ids) of each step's prompts, exactly as rlbridge's loop draws them."""
     from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
-    from rlbridge.model_cache import ensure_model
-    from rlbridge.tokenizer import load_tokenizer
+    from rlbridge.model.cache import ensure_model
+    from rlbridge.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ensure_model(r.model.path))
     prompts = load_dataset(r.data.train, r.data, split="train", seed=r.run.seed)
@@ -78,9 +78,9 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
 
     from rlbridge.data.datasets import render_messages
     from rlbridge.data.rewards import BUILTINS
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
+    from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe.targets import hf_targets
-    from rlbridge.tokenizer import load_tokenizer
 
     r = recipe(total, sets)
     model_dir = ensure_model(r.model.path)

@@ -48,12 +48,12 @@ def run_kind(kind: str, warmup: int, repeats: int, sets: list[str]) -> dict[str,
     from rlbridge.batch import SeqBatch, pad_lists
     from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
     from rlbridge.data.rewards import resolve_reward_fn
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
+    from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe
     from rlbridge.rollout.base import SamplingCfg
     from rlbridge.rollout.vllm import VllmRollout
-    from rlbridge.tokenizer import load_tokenizer
-    from rlbridge.trainer import TrainerRole
+    from rlbridge.trainer.role import TrainerRole
 
     # the first-step health gate is off: the adapters are perturbed between steps (below)
     r = load_recipe(ROOT / "recipes" / "quickstart.yaml",

@@ -1,7 +1,7 @@
 """Weight sync on one GPU, trainer side: LoRA adapter only against merged full weights, megatron engine.
 
 The GPU machine has no vLLM, so this measures what the trainer does for a sync, through rlbridge's real
-path: `TrainerRole.export_weights(kind, as_files=True)` (rlbridge/trainer.py), which calls the megatron
+path: `TrainerRole.export_weights(kind, as_files=True)` (rlbridge/trainer/role.py), which calls the megatron
 engine's `export_weights(kind)` (Megatron-Bridge's exporters: gather, for 'merged' fold the adapters into
 the base weights on the GPU, copy to the host) and then writes the RAM-backed directory a same-node vLLM
 would load (rlbridge/rollout/weights_dir.py: merged = an HF directory cast to the model dtype, adapter = a
@@ -109,7 +109,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
     from rlbridge.rollout import weights_dir
     from rlbridge.rollout.weights_dir import remove_dir
-    from rlbridge.trainer import TrainerRole
+    from rlbridge.trainer.role import TrainerRole
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

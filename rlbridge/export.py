@@ -5,7 +5,7 @@ newest complete one, its step N, or a checkpoint directory), reads the recipe sa
 exporter of the checkpoint's engine (`EXPORTERS`) for the weights:
 
 - hf (now): the base model is loaded with transformers on CPU from the recipe's model.path (short names
-  through rlbridge.model_cache), the checkpoint's trainable tensors are loaded into the same peft model the
+  through rlbridge.model.cache), the checkpoint's trainable tensors are loaded into the same peft model the
   trainer used, and the hf engine exports them: LoRA folded in float32 with peft's arithmetic
   (engines/weights.merge_lora) and cast to model.dtype at the end, or peft's adapter tensors and
   adapter_config.json. No Ray, no vLLM.
@@ -43,11 +43,11 @@ from typing import Any
 import torch
 import yaml
 
-from rlbridge import checkpoint as ckpt
 from rlbridge.engines.base import WeightExport
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
-from rlbridge.resume import ResumePoint, find_checkpoint
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.run.resume import ResumePoint, find_checkpoint
 
 DEFAULT_SHARD_SIZE = "5GB"
 
@@ -126,7 +126,7 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
     from transformers.utils import logging as hf_logging
 
     from rlbridge.engines.hf import HFTrainEngine
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
 
     base_dir = ensure_model(recipe.model.path)
     loaded = ckpt.load_checkpoint(point.path)

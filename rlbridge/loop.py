@@ -23,12 +23,12 @@ from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
 from rlbridge.errors import RlbridgeError
-from rlbridge.metrics import Timer
+from rlbridge.metrics.log import Timer
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
-from rlbridge.resume import Checkpointer, ResumePoint, rollout_seed
+from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
+from rlbridge.run.signals import StopSignals
 from rlbridge.session import Session, log
-from rlbridge.signals import StopSignals
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from rlbridge.model_info import ModelInfo
+from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.schema import Recipe
 
 GIB = 1024**3

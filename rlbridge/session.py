@@ -14,21 +14,21 @@ from typing import Any
 
 from rich.markup import escape
 
-from rlbridge import run_dir as rundir
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
-from rlbridge.cluster.trainer_group import TrainerGroup, start_trainer_group
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.metrics import MetricsLog, StallWatch, console
+from rlbridge.metrics.log import MetricsLog, StallWatch, console
+from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
-from rlbridge.tokenizer import load_tokenizer
-from rlbridge.trainer import TrainerRole
+from rlbridge.run import directory as rundir
+from rlbridge.trainer.group import TrainerGroup, start_trainer_group
+from rlbridge.trainer.role import TrainerRole
 
 
 def log(msg: str) -> None:
@@ -57,7 +57,7 @@ class Session:
         """The hf engine's one worker, or the megatron ranks behind one TrainerGroup (same interface)."""
         self.rollout: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
-        """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by resume.py."""
+        """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.stall = StallWatch(log_plain, hint=f" (the workers' logs: {run_dir / 'logs'})")
         """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps."""
         self.driver_log = logs.DriverLog(rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}"))

@@ -29,19 +29,19 @@ def train(
     """Validate the recipe, then train. Exit 0 done, 1 failure, 2 invalid recipe."""
     with user_errors():
         if smoke:
-            from rlbridge.smoke import prepare
+            from rlbridge.model.smoke import prepare
 
             valid = prepare(recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"))
         else:
             valid = validate_recipe(recipe, set_)
-    from rlbridge import run_dir as rd
     from rlbridge.plan import make_plan
+    from rlbridge.run import directory as rd
 
     plan = make_plan(valid.recipe, valid.model)
     render.plan_summary(plan)
     with user_errors(), stop_on_signal():
         from rlbridge.loop import train as run_training
-        from rlbridge.model_cache import ensure_model
+        from rlbridge.model.cache import ensure_model
 
         model_dir = ensure_model(valid.recipe.model.path)
         out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
@@ -62,7 +62,7 @@ def resume(
     change is refused with exit 2. Exit 0 done, 1 failure, 2 invalid or unsafe recipe, 130/143 stopped by
     Ctrl-C/SIGTERM after saving."""
     with user_errors():
-        from rlbridge.resume import UnsafeResumeError, prepare_resume
+        from rlbridge.run.resume import UnsafeResumeError, prepare_resume
 
         try:
             prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
@@ -83,7 +83,7 @@ def resume(
     render.plan_summary(plan)
     with user_errors(), stop_on_signal():
         from rlbridge.loop import train as run_training
-        from rlbridge.model_cache import ensure_model
+        from rlbridge.model.cache import ensure_model
 
         model_dir = ensure_model(valid.recipe.model.path)
         with resume_hint(run_dir):
@@ -102,8 +102,8 @@ def resume_hint(run_dir: Path) -> Iterator[None]:
     except RlbridgeError as e:
         if isinstance(e, RecipeError) or "rlbridge resume" in str(e):  # e.g. a failed save says it already
             raise
-        from rlbridge import checkpoint as ckpt
-        from rlbridge.resume import resume_command
+        from rlbridge.run import checkpoint as ckpt
+        from rlbridge.run.resume import resume_command
 
         last = next((i for i in reversed(ckpt.list_checkpoints(run_dir, hashes=False)) if i.complete), None)
         if last is None:
@@ -116,7 +116,7 @@ def resume_hint(run_dir: Path) -> Iterator[None]:
 def stop_on_signal() -> Iterator[None]:
     """A run stopped by SIGTERM / Ctrl-C after saving: its message (with the resume command), and exit 143 /
     130. A second Ctrl-C (no save) reaches the command's KeyboardInterrupt handler: exit 130."""
-    from rlbridge.signals import Interrupted
+    from rlbridge.run.signals import Interrupted
 
     try:
         yield

@@ -1,4 +1,4 @@
-"""Library output goes to one log file per process role under RUN_DIR/logs/ (the names: rlbridge.run_dir.
+"""Library output goes to one log file per process role under RUN_DIR/logs/ (the names: rlbridge.run.directory.
 log_file), so the console keeps only rlbridge's own lines (and errors).
 
 A worker process points its stdout and stderr *file descriptors* at its file (`redirect_output`, os.dup2)
@@ -220,7 +220,7 @@ class WarningEcho:
 class DriverLog:
     """While a run lasts: the driver's Python logging (libraries: Ray, transformers, ...) and Python warnings
     go to logs/driver.log instead of the terminal; rlbridge's own warnings are handed to `show` (the console)
-    as well. rlbridge's other lines are printed by rich (rlbridge.metrics.console), not through logging, and
+    as well. rlbridge's other lines are printed by rich (rlbridge.metrics.log.console), not through logging, and
     still reach the terminal; so do errors, which travel as exceptions. Everything is put back on exit.
 
     `apply` moves the terminal handlers of loggers that libraries configured with their own (and

@@ -225,6 +225,22 @@ def startup_timeout_message(late: list[Worker], waited: float) -> str:
             "progress, raise cluster.startup_timeout_s")
 
 
+def node_ip() -> str:
+    """This process's node address as Ray sees it (a worker's, inside an actor)."""
+    return str(ray.util.get_node_ip_address())
+
+
+def share(value: Any) -> Any:
+    """`value` put into Ray's object store once, for several workers' calls (plain scalars pass as they are)."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else ray.put(value)
+
+
+def wait_ready(refs: list[Any], *, num_returns: int, timeout: float, fetch_local: bool = True) -> list[Any]:
+    """Those of `refs` that finished (at most `num_returns`, waiting up to `timeout` seconds)."""
+    ready, _ = ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
+    return list(ready)
+
+
 def shutdown(pg: PlacementGroup | None = None) -> None:
     if pg is not None:
         try:

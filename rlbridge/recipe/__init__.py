@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RecipeError, RecipeIssue
-from rlbridge.model_info import ModelInfo
+from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.checks import run_checks
 from rlbridge.recipe.load import Source, build_recipe, load_recipe, load_recipe_data
 from rlbridge.recipe.schema import Recipe

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
-from rlbridge.model_info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
+from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
 from rlbridge.recipe.targets import CANONICAL_ONLY, SUPPORTED_MODEL_TYPES, unknown_targets
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.run_dir import STATUS_FILE, read_status
+from rlbridge.run.directory import STATUS_FILE, read_status
 
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "Infinity": float("inf")}
 RECENT_S = 600.0

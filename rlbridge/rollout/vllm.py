@@ -48,13 +48,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlbridge import faults
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import check_request
 from rlbridge.rollout.weights_dir import ram_tempdir, remove_dir, write_adapter, write_merged
+from rlbridge.run import faults
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class VllmRollout:
                 f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
             )
         check_request(prompt_ids, sampling, self.cfg)
-        faults.pause("generate")  # tests kill this worker here (rlbridge/faults.py); a no-op otherwise
+        faults.pause("generate")  # tests kill this worker here (rlbridge/run/faults.py); a no-op otherwise
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]

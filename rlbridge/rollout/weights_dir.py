@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from rlbridge.checkpoint import pid_alive
 from rlbridge.engines.base import WeightExport
 from rlbridge.engines.weights import save_hf
+from rlbridge.run.checkpoint import pid_alive
 
 
 def ram_tempdir(prefix: str) -> Path:

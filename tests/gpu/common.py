@@ -93,7 +93,7 @@ TEXTS = [
 
 
 def model_dir() -> Path:
-    from rlbridge.model_cache import ensure_model
+    from rlbridge.model.cache import ensure_model
 
     return ensure_model(MODEL)
 

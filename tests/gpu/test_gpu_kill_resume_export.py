@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbridge import checkpoint as ckpt
+from rlbridge.run import checkpoint as ckpt
 from tests.gpu import procs
 from tests.gpu.common import DRY_RUN, ROOT, P, figure, gap, load_hf, python, subprocess_env, time_left
 from tests.gpu.test_gpu_cli_runs import cli_args, keep_logs, train_records

@@ -69,7 +69,7 @@ def is_lora_b(name: str) -> bool:
 
 def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
     from rlbridge.batch import SeqBatch
-    from rlbridge.tokenizer import load_tokenizer
+    from rlbridge.model.tokenizer import load_tokenizer
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -89,7 +89,7 @@ def engine_figures(engine: Engine) -> dict[str, Any]:
 
 
 def make_prompts(model_dir: Path) -> list[list[int]]:
-    from rlbridge.tokenizer import load_tokenizer
+    from rlbridge.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     return [chat_prompt_ids(tokenizer, question) for question, _ in TEXTS[: P.num_prompts]]

@@ -37,9 +37,9 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe.schema import ModelCfg, RolloutCfg
     from rlbridge.rollout.vllm import engine_kwargs
-    from rlbridge.tokenizer import load_tokenizer
 
     rows = fixed_sequences(load_tokenizer(Path(args.model)), len(TEXTS))
     cpu = args.device == "cpu"

@@ -31,7 +31,7 @@ def main() -> None:
     from rlbridge.loop import train_step
     from rlbridge.rollout.hf import HFRollout
     from rlbridge.rollout.memory import RolloutMemory
-    from rlbridge.trainer import TrainerRole
+    from rlbridge.trainer.role import TrainerRole
     from tests.integration.test_algorithms_learn import Local, LocalSession, make_recipe
     from tests.integration.test_ppo_learn import with_updates
 

@@ -16,7 +16,7 @@ from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.hf import HFRollout
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.session import Session
-from rlbridge.trainer import TrainerRole
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 pytestmark = [pytest.mark.integration]

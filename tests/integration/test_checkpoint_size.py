@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 
 from rlbridge.batch import SeqBatch
 from rlbridge.cli import app
-from rlbridge.model_cache import ensure_model
+from rlbridge.model.cache import ensure_model
 from rlbridge.recipe.schema import Recipe
-from rlbridge.run_dir import resolved_yaml
-from rlbridge.trainer import TrainerRole
+from rlbridge.run.directory import resolved_yaml
+from rlbridge.trainer.role import TrainerRole
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MB = 1e6

@@ -30,8 +30,8 @@ from typer.testing import CliRunner
 
 from rlbridge.cli import app
 from rlbridge.recipe.schema import Recipe
-from rlbridge.run_dir import resolved_yaml
-from rlbridge.trainer import TrainerRole
+from rlbridge.run.directory import resolved_yaml
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, _build_tokenizer, build_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

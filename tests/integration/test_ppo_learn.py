@@ -19,8 +19,8 @@ import pytest
 
 from rlbridge.loop import train_step
 from rlbridge.recipe.schema import Recipe
-from rlbridge.resume import Checkpointer, find_checkpoint
-from rlbridge.signals import StopSignals
+from rlbridge.run.resume import Checkpointer, find_checkpoint
+from rlbridge.run.signals import StopSignals
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.integration.test_algorithms_learn import MARGIN, WINDOW, LocalSession, make_recipe, run_steps
 

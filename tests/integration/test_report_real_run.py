@@ -70,14 +70,14 @@ def test_report_of_a_real_run(run_dir: Path, tmp_path: Path) -> None:
 def test_status_and_loggers_of_a_real_run(run_dir: Path) -> None:
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished"
-    from rlbridge.loggers.tensorboard import read_scalars
+    from rlbridge.metrics.tensorboard import read_scalars
 
     tb = read_scalars(run_dir / "logs" / "tensorboard")
     assert [s for s, _ in tb["train/reward_mean"]] == [1, 2] and [s for s, _ in tb["eval/eval_accuracy"]] == [0, 2]
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if r["kind"] == "train"}
     assert all(abs(v - by_step[s]["reward_mean"]) < 1e-6 for s, v in tb["train/reward_mean"])
-    from rlbridge.loggers.wandb import read_config, read_history
+    from rlbridge.metrics.wandb import read_config, read_history
 
     (wb_run,) = (run_dir / "logs" / "wandb").glob("offline-run-*")
     rows = [r for r in read_history(wb_run) if "train/reward_mean" in r]

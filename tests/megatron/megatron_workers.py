@@ -484,7 +484,7 @@ def role_update_suite(qwen: str) -> dict[str, Any]:
     """TrainerRole on the megatron engine (the per-rank role of TrainerGroup), data parallel = world size:
     one off-policy GRPO step of two mini-batches on a fixed batch; log-prob shares, metrics, adapters after."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
-    from rlbridge.trainer import TrainerRole
+    from rlbridge.trainer.role import TrainerRole
 
     recipe = make_recipe(
         qwen, lora=lora(), trainer=trainer(micro_batch_size=1), rollout={"n": 2},
@@ -549,7 +549,7 @@ def role_ppo_update_suite(qwen: str) -> dict[str, Any]:
     """role_update_suite with PPO: the critic's value shares (data parallel = world size) and one update of
     policy and critic (two mini-batches); the critic's trainable tensors after."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
-    from rlbridge.trainer import TrainerRole
+    from rlbridge.trainer.role import TrainerRole
 
     recipe = make_recipe(
         qwen, lora=lora(), trainer=trainer(micro_batch_size=1), rollout={"n": 2},

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from rlbridge import checkpoint as ckpt  # noqa: E402
+from rlbridge.run import checkpoint as ckpt  # noqa: E402
 from tests.integration.test_resume import (  # noqa: E402
     TRAINER_FLOATS,
     _close,

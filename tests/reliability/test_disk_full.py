@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 
-from rlbridge import checkpoint as ckpt
 from rlbridge.errors import RlbridgeError
-from rlbridge.resume import Checkpointer
-from rlbridge.signals import StopSignals
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.run.resume import Checkpointer
+from rlbridge.run.signals import StopSignals
 
 SIZE = "4m"
 
@@ -106,7 +106,7 @@ class Trainer:
 
 def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(small_disk: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("rlbridge.resume.resolved_yaml", lambda recipe: "a: 1\n")
+    monkeypatch.setattr("rlbridge.run.resume.resolved_yaml", lambda recipe: "a: 1\n")
     written: list[dict[str, Any]] = []
     session = SimpleNamespace(
         trainer=Trainer([1, 6]), run_dir=small_disk, version=1, kl_control=None,

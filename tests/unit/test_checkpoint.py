@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlbridge import checkpoint as ck
 from rlbridge.errors import RlbridgeError
+from rlbridge.run import checkpoint as ck
 
 RECIPE = "name: t\nlora: {rank: 16, alpha: 32}\nrun: {steps: 10, seed: 1, keep: 3}\n"
 

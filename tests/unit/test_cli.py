@@ -101,9 +101,9 @@ def test_a_failure_after_a_checkpoint_says_how_to_resume(tmp_path: Path) -> None
     command added to its error; one that never saved, a recipe error, or a message with its own hint, not."""
     import torch
 
-    from rlbridge import checkpoint as ck
     from rlbridge.cli.train import resume_hint
     from rlbridge.errors import RecipeError, RlbridgeError
+    from rlbridge.run import checkpoint as ck
 
     def failure(exc: Exception) -> str:
         with pytest.raises(type(exc)) as info, resume_hint(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from rlbridge.batch import Rollouts
 from rlbridge.loop import collect
-from rlbridge.metrics import Timer
+from rlbridge.metrics.log import Timer
 from rlbridge.recipe.schema import Recipe
 
 N, MAX_LEN = 2, 10

@@ -1,7 +1,7 @@
 """run.loggers: every sink gets the same records, and each one's files read back to the logged numbers.
 
 jsonl (always), tensorboard (event files read with tensorboard's EventAccumulator), wandb offline (the
-.wandb file read back with rlbridge.loggers.wandb.read_history: wandb's public API needs its server).
+.wandb file read back with rlbridge.metrics.wandb.read_history: wandb's public API needs its server).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlbridge.metrics import MetricsLog, scalars
+from rlbridge.metrics.log import MetricsLog
+from rlbridge.metrics.sinks import scalars
 
 RECORDS = [
     {"kind": "eval", "step": 0, "eval_accuracy": 0.25, "eval_format": 0.5, "time_eval": 1.5},
@@ -51,7 +52,7 @@ def test_every_logger_reads_back(logged: Path) -> None:
     assert [(r["kind"], r["step"]) for r in lines] == [(r["kind"], r["step"]) for r in RECORDS]
     assert lines[2]["grad_norm"] == "nan" and lines[2]["nonfinite"] == ["loss"]
 
-    from rlbridge.loggers.tensorboard import read_scalars
+    from rlbridge.metrics.tensorboard import read_scalars
 
     tb = read_scalars(logged / "logs" / "tensorboard")
     expected: dict[str, list[tuple[int, float]]] = {}
@@ -63,7 +64,7 @@ def test_every_logger_reads_back(logged: Path) -> None:
         assert [s for s, _ in tb[tag]] == [s for s, _ in series], tag
         assert all(close(a, b) for (_, a), (_, b) in zip(tb[tag], series, strict=True)), tag
 
-    from rlbridge.loggers.wandb import read_config, read_history
+    from rlbridge.metrics.wandb import read_config, read_history
 
     runs = list((logged / "logs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((logged / "logs" / "wandb").iterdir())
@@ -104,7 +105,7 @@ def test_failing_logger_is_dropped_and_jsonl_continues(tmp_path: Path, capsys: p
 
 
 def test_wandb_mode_follows_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlbridge.loggers import wandb as wb
+    from rlbridge.metrics import wandb as wb
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

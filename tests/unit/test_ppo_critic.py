@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from rlbridge.algo.objective import make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf_critic import HFCritic
-from rlbridge.model_info import ModelInfo
+from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import TrainerRole
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]

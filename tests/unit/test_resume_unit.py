@@ -13,13 +13,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from rlbridge import checkpoint as ckpt
 from rlbridge.cli import app
 from rlbridge.recipe.load import build_recipe, load_recipe_data
 from rlbridge.recipe.schema import Recipe
-from rlbridge.resume import find_checkpoint, prepare_resume, rollout_seed, truncate_metrics
-from rlbridge.run_dir import resolved_yaml
-from rlbridge.signals import StopSignals
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.run.directory import resolved_yaml
+from rlbridge.run.resume import find_checkpoint, prepare_resume, rollout_seed, truncate_metrics
+from rlbridge.run.signals import StopSignals
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

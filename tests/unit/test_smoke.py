@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import ModelInfo
+from rlbridge.model.info import ModelInfo
+from rlbridge.model.smoke import HEAD_DIM, plan_smoke, read_config
 from rlbridge.recipe import load_recipe, validate_recipe
 from rlbridge.recipe.checks import check_model_shape
-from rlbridge.smoke import HEAD_DIM, plan_smoke, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbridge import checkpoint as ckpt
 from rlbridge.batch import SeqBatch
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import TrainerRole
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 

@@ -9,7 +9,7 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import HealthError, TrainerRole
+from rlbridge.trainer.role import HealthError, TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 

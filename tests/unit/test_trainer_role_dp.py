@@ -11,7 +11,7 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import TrainerRole
+from rlbridge.trainer.role import TrainerRole
 
 VOCAB = 11
 

@@ -20,9 +20,9 @@ import pytest
 from rlbridge.cluster import logs
 from rlbridge.data.reward_pool import RewardPool
 from rlbridge.errors import RlbridgeError
-from rlbridge.metrics import StallWatch, Timer
+from rlbridge.metrics.log import StallWatch, Timer
 from rlbridge.recipe.schema import RewardCfg
-from rlbridge.run_dir import log_file
+from rlbridge.run.directory import log_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,7 +154,7 @@ def test_a_workers_own_warnings_reach_the_driver_once(tmp_path: Path) -> None:
         "logs.worker_logging()\n"
         "logging.getLogger('rlbridge.rollout.vllm').info('weights v1 loaded')\n"
         "logging.getLogger('rlbridge.rollout.vllm').warning('rollout.max_lora_rank=12 is not a vLLM LoRA size')\n"
-        "from rlbridge import faults\n"  # as if a module of ours called warnings.warn
+        "from rlbridge.run import faults\n"  # as if a module of ours called warnings.warn
         "warnings.warn_explicit('recompute.method is ignored', UserWarning, faults.__file__, 1)\n"
         "warnings.warn('a library deprecation', FutureWarning, stacklevel=1)\n"
     )

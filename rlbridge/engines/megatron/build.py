@@ -25,7 +25,7 @@ from rlbridge.engines.megatron import compat
 from rlbridge.engines.megatron.params import named_parameters
 from rlbridge.engines.megatron.provider import TABLE, Built, local_layer_spec
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import resolve_model_path
+from rlbridge.model.info import resolve_model_path
 from rlbridge.recipe.schema import Recipe
 
 Hook = Callable[[list[torch.nn.Module]], list[torch.nn.Module]]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import resolve_model_path
+from rlbridge.model.info import resolve_model_path
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import megatron_targets
 

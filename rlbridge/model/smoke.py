@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import SHORT_NAMES, cache_dir, resolve_model_path
+from rlbridge.model.info import SHORT_NAMES, cache_dir, resolve_model_path
 from rlbridge.recipe.schema import Recipe
 
 HEAD_DIM = 32
@@ -167,8 +167,8 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
 
 def build_smoke_model(config: dict[str, Any], *, seed: int, progress: Any = print) -> Path:
     """The shrunk model's directory in rlbridge's cache (built once per config)."""
-    from rlbridge.model_cache import MARKER
-    from rlbridge.random_model import build_random_model
+    from rlbridge.model.cache import MARKER
+    from rlbridge.model.random_weights import build_random_model
 
     key = hashlib.sha256(json.dumps({"config": config, "seed": seed}, sort_keys=True).encode()).hexdigest()[:16]
     target = cache_dir() / "smoke" / f"{config.get('model_type', 'model')}-{key}"

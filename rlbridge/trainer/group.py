@@ -36,15 +36,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
-from rlbridge import run_dir as rundir
+from rlbridge.cluster import ray_cluster as rc
 from rlbridge.cluster.logs import WarningEcho
 from rlbridge.cluster.ray_cluster import Worker, start_worker
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import TrainerRole, _mean_metrics
+from rlbridge.run import directory as rundir
+from rlbridge.trainer.role import TrainerRole, _mean_metrics
 
 Log = Callable[[str], None]
 ADDRESS_TIMEOUT_S = 120.0
@@ -63,7 +63,7 @@ class TrainerRank(TrainerRole):
 
     def address(self) -> tuple[str, int]:
         """(host, free port) for the process group's rendezvous; called on rank 0 only."""
-        host = ray.util.get_node_ip_address()
+        host = rc.node_ip()
         with socket.socket() as s:
             s.bind((host, 0))
             return host, int(s.getsockname()[1])
@@ -87,7 +87,7 @@ class TrainerRank(TrainerRole):
 
         super().__init__(recipe, model_dir, num_threads=threads, engine_factory=megatron_engine)
         self.is_holder = rank == 0
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": ray.util.get_node_ip_address()}  # type: ignore[attr-defined]
+        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip()}  # type: ignore[attr-defined]
 
 
 class TrainerGroup:
@@ -132,9 +132,8 @@ class TrainerGroup:
 
     # ---------------------------------------------------------------------------------------- internals
     def _submit_all(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        shared = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else ray.put(v)  # noqa: E731
-        args = tuple(shared(a) for a in args)
-        kwargs = {k: shared(v) for k, v in kwargs.items()}
+        args = tuple(rc.share(a) for a in args)
+        kwargs = {k: rc.share(v) for k, v in kwargs.items()}
         return [worker.submit(method, *args, **kwargs) for worker in self.ranks]
 
     def _wait(self, refs: list[Any], what: str, *, timeout: float | None = None,
@@ -150,7 +149,7 @@ class TrainerGroup:
                 self.kill()
                 raise RlbridgeError(f"{names} did not finish {what} within {limit:.0f} s (a stuck collective?); "
                                     "all trainer ranks were stopped (cluster.collective_timeout_s sets the limit)")
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0), fetch_local=False)
+            ready = rc.wait_ready(list(pending), num_returns=1, timeout=min(left, 1.0), fetch_local=False)
             for ref in ready:
                 i = pending.pop(ref)
                 if fetch(i):
@@ -163,7 +162,7 @@ class TrainerGroup:
     def _fail(self, what: str, errors: list[str], pending: dict[Any, int]) -> None:
         """Stop every rank and raise. The first error is often a peer's broken collective; the ranks that
         fail within a short grace period are collected too, and a rank that died is named first."""
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
+        ready = rc.wait_ready(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else []
         for ref in ready:
             try:
                 self.ranks[pending[ref]].wait(ref)

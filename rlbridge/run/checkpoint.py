@@ -46,8 +46,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from rlbridge import faults
 from rlbridge.errors import RlbridgeError
+from rlbridge.run import faults
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: Mapping[str, Mapping[s
     try:
         for group, named in tensors.items():
             save_file(_prepare(named), str(tmp / f"{group}{TENSOR_SUFFIX}"), metadata={"format": "pt"})
-        faults.pause("checkpoint-files")  # tests kill -9 here (rlbridge/faults.py); a no-op otherwise
+        faults.pause("checkpoint-files")  # tests kill -9 here (rlbridge/run/faults.py); a no-op otherwise
         _write_bytes(tmp / STATE, state_json.encode())
         _write_bytes(tmp / RECIPE, recipe_yaml.encode())
         _write_manifest(tmp, _manifest(tmp, step))

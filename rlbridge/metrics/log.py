@@ -5,9 +5,9 @@ step, flushed each step, so a crashed run keeps every finished step; `rlbridge r
 other sinks see the same dicts:
 
     console      one line per step on stderr (rich)
-    tensorboard  event files under RUN_DIR/logs/tensorboard   (rlbridge.loggers.tensorboard)
+    tensorboard  event files under RUN_DIR/logs/tensorboard   (rlbridge.metrics.tensorboard)
     wandb        Weights & Biases, offline without WANDB_API_KEY, files under RUN_DIR/logs/wandb
-                 (rlbridge.loggers.wandb)
+                 (rlbridge.metrics.wandb)
 
 A sink is anything with `write(record)` and `close()`. The heavy ones import their library inside their
 own module, only when selected. A failing optional sink is dropped with a warning: a logger never stops a
@@ -25,9 +25,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rich.console import Console
+
+from rlbridge.metrics.sinks import Sink
 
 console = Console(highlight=False, stderr=True)
 
@@ -88,24 +90,6 @@ class Timer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
-class Sink(Protocol):
-    def write(self, record: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a record, tagged `<kind>/<key>` (`train/reward_mean`, `eval/eval_accuracy`): what
-    the tensorboard and wandb sinks log. Strings, lists and None are left out; bools become 0/1."""
-    kind = record.get("kind", "train")
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        if key in ("step", "kind") or value is None or not isinstance(value, (int, float)):
-            continue
-        out[f"{kind}/{key}"] = float(value)
-    return out
-
-
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -139,11 +123,11 @@ class ConsoleSink:
 def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] | None) -> Sink:
     """The sink of one optional logger (imports its library)."""
     if logger == "tensorboard":
-        from rlbridge.loggers.tensorboard import TensorBoardSink
+        from rlbridge.metrics.tensorboard import TensorBoardSink
 
         return TensorBoardSink(run_dir / "logs" / "tensorboard")
     if logger == "wandb":
-        from rlbridge.loggers.wandb import WandbSink
+        from rlbridge.metrics.wandb import WandbSink
 
         return WandbSink(run_dir / "logs", name=name, config=config or {})
     raise ValueError(f"unknown logger {logger!r}")

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlbridge import faults
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import TrainEngine, WeightExport
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
+from rlbridge.run import faults
 
 if TYPE_CHECKING:
     from rlbridge.engines.hf_critic import HFCritic
@@ -40,7 +40,7 @@ def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
         from rlbridge.engines.hf import HFTrainEngine
 
         return HFTrainEngine(recipe, model_dir, device=_device(recipe))
-    raise RlbridgeError("the megatron engine runs one TrainerRole per rank (cluster/trainer_group.py)")
+    raise RlbridgeError("the megatron engine runs one TrainerRole per rank (trainer/group.py)")
 
 
 def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | MegatronCritic | None:
@@ -59,7 +59,7 @@ def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | MegatronCritic |
 
 class TrainerRole:
     """The role of one trainer process. With a multi-rank engine (megatron) every rank runs one, fed the
-    same arguments by cluster/trainer_group.TrainerGroup; each data-parallel rank then works on its share
+    same arguments by trainer/group.TrainerGroup; each data-parallel rank then works on its share
     of the rows (`_shard`), so the loss closure and the health gates below are the one code path."""
 
     def __init__(self, recipe: Recipe, model_dir: str, *, num_threads: int | None = None,
@@ -142,7 +142,7 @@ class TrainerRole:
     ) -> dict[str, float]:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
-        faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
+        faults.pause("update")  # tests signal the driver here (rlbridge/run/faults.py); a no-op otherwise
         critic = None
         if self.critic is not None:
             if old_values_bt is None or returns_bt is None:
@@ -222,8 +222,8 @@ class TrainerRole:
         """Write checkpoint `step` from this process (the tensors never travel): the trainable tensors
         (adapters only under LoRA), optimizer and scheduler state, this process's RNG states and the gate
         state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
-        rlbridge/checkpoint.py). Returns path, bytes, seconds, and what retention deleted."""
-        from rlbridge import checkpoint as ckpt
+        rlbridge/run/checkpoint.py). Returns path, bytes, seconds, and what retention deleted."""
+        from rlbridge.run import checkpoint as ckpt
 
         problem = self.checkpoint_support()
         if problem:
@@ -246,7 +246,7 @@ class TrainerRole:
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
         (verified first); returns its state.json content for the driver to restore the rest."""
-        from rlbridge import checkpoint as ckpt
+        from rlbridge.run import checkpoint as ckpt
 
         problem = self.checkpoint_support()
         if problem:

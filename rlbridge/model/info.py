@@ -15,7 +15,7 @@ from typing import Any
 
 from rlbridge.errors import RlbridgeError
 
-# Short names -> the config.json of the model rlbridge materializes for them (see model_cache.py).
+# Short names -> the config.json of the model rlbridge materializes for them (see cache.py).
 SHORT_NAMES: dict[str, dict[str, Any]] = {
     "smollm2-135m-instruct": {
         "architectures": ["LlamaForCausalLM"],
@@ -31,7 +31,7 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-05,
         "rope_theta": 100000.0,
     },
-    # A random tiny Qwen2 (q/k/v biases, untied) with a byte-level tokenizer (random_model.py), built in a few
+    # A random tiny Qwen2 (q/k/v biases, untied) with a byte-level tokenizer (random_weights.py), built in a few
     # seconds: the model of recipes/smoke-megatron-cpu.yaml. Heads and layers split at tensor 2 x pipeline
     # 2; head_dim 32 is the smallest vLLM's CPU attention takes.
     "tiny-qwen2-smoke": {
@@ -51,7 +51,7 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
     },
 }
 RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke"})
-"""Short names whose weights are random (built by rlbridge.random_model), not a real model's."""
+"""Short names whose weights are random (built by rlbridge.model.random_weights), not a real model's."""
 
 
 def cache_dir() -> Path:

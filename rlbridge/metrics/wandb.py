@@ -23,7 +23,7 @@ from typing import Any
 
 import wandb
 
-from rlbridge.metrics import scalars
+from rlbridge.metrics.sinks import scalars
 
 
 def mode() -> str:

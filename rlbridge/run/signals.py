@@ -21,7 +21,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from rlbridge.metrics import console
+from rlbridge.metrics.log import console
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model_info import RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
+from rlbridge.model.info import RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
 
 MARKER = ".rlbridge-complete"
 """Written last into a materialized directory; its presence means the directory is complete."""
@@ -69,7 +69,7 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{short_name}.tmp-", dir=target.parent))
     try:
         if gguf is None:
-            from rlbridge.random_model import build_random_model
+            from rlbridge.model.random_weights import build_random_model
 
             build_random_model(SHORT_NAMES[short_name], tmp)
         else:
@@ -162,7 +162,7 @@ def _check_config(short_name: str, config_file: Path) -> None:
     wrong = [f"{k}: saved {saved.get(k)!r}, expected {v!r}" for k, v in expected.items() if saved.get(k) != v]
     if wrong:
         raise RlbridgeError(
-            f"the {short_name} weights do not match rlbridge.model_info.SHORT_NAMES: " + "; ".join(wrong)
+            f"the {short_name} weights do not match rlbridge.model.info.SHORT_NAMES: " + "; ".join(wrong)
         )
 
 

@@ -15,7 +15,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from rlbridge.metrics import scalars
+from rlbridge.metrics.sinks import scalars
 
 
 class TensorBoardSink:

@@ -1,4 +1,4 @@
-"""Saving a run and continuing it: the driver's side of checkpoints (the format is rlbridge/checkpoint.py).
+"""Saving a run and continuing it: the driver's side of checkpoints (the format is rlbridge/run/checkpoint.py).
 
 A checkpoint of step k holds everything step k+1 depends on, so `rlbridge resume` computes what the
 uninterrupted run would have:
@@ -16,7 +16,7 @@ Saves happen after step k's metrics (and its evaluation, if due) are written, so
 metrics.jsonl past the checkpoint's step are exactly the ones to drop (`truncate_metrics`).
 
 The step loop (loop.py) drives a `Checkpointer`: `begin_step` snapshots the data position and RNG; a stop
-request (SIGTERM, Ctrl-C; rlbridge/signals.py) seen before the update of step k abandons that step and
+request (SIGTERM, Ctrl-C; rlbridge/run/signals.py) seen before the update of step k abandons that step and
 saves step k-1 from the snapshot, one seen during or after the update lets the step finish and saves step k.
 """
 
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from rlbridge import checkpoint as ckpt
 from rlbridge.errors import RecipeError, RecipeIssue, RlbridgeError
-from rlbridge.run_dir import resolved_yaml
-from rlbridge.signals import Interrupted, StopSignals
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.run.directory import resolved_yaml
+from rlbridge.run.signals import Interrupted, StopSignals
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
