@@ -8,7 +8,6 @@ them as the strings "nan" / "inf").
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ import yaml
 
 from rlbridge.errors import RlbridgeError
 from rlbridge.run.directory import STATUS_FILE, read_status
+from rlbridge.run.process import pid_alive
 
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "Infinity": float("inf")}
 RECENT_S = 600.0
@@ -93,23 +93,6 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if cmdline.exists():  # a recycled pid of an unrelated program does not count
-        try:
-            text = cmdline.read_bytes()
-        except OSError:
-            return True
-        return b"python" in text or b"rlbridge" in text
-    return True
-
-
 def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.1f} h ago"
 
@@ -129,7 +112,7 @@ def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[s
             return Status("crashed", f"{state} at {progress}: {why}")
         if state == "running":
             if host == socket.gethostname() and isinstance(pid, int):
-                if _pid_alive(pid):
+                if pid_alive(pid, python_only=True):
                     return Status("running", f"{progress}, process {pid}")
                 return Status("crashed", f"process {pid} ended at {progress} without writing a final status (killed?)")
             seen = f", metrics written {_ago(last_write)}" if last_write is not None else ""

@@ -23,7 +23,7 @@ import torch
 
 from rlbridge.engines.base import WeightExport
 from rlbridge.engines.weights import save_hf
-from rlbridge.run.checkpoint import pid_alive
+from rlbridge.run.process import pid_alive
 
 
 def ram_tempdir(prefix: str) -> Path:

@@ -19,19 +19,18 @@ engine produced the tensors:
   sha256 (`verify_checkpoint`); `latest_complete` skips newer broken ones and says why;
 - non-finite tensors are refused before anything is written, and retention never deletes the newest
   complete checkpoint (nor a broken one newer than it: it is left for the user to inspect);
-- `check_resume_compatible` names every recipe key that changed since the checkpoint and may not change.
+
+Which recipe changes a resume accepts is resume_policy.py's; the RNG states it stores come from process.py.
 """
 
 from __future__ import annotations
 
-import base64
 import errno
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import sys
@@ -41,13 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import numpy as np
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from rlbridge.errors import RlbridgeError
 from rlbridge.run import faults
+from rlbridge.run.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +58,6 @@ TENSOR_SUFFIX = ".safetensors"
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "vllm", "megatron-core", "megatron-bridge", "ray",
                       "safetensors", "numpy", "rlbridge")
 """Distributions whose versions go into the manifest (looked up, never imported)."""
-
-RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every", "run.eval_samples",
-                    "run.loggers", "run.health", "run.dir", "cluster.address", "cluster.placement_timeout_s",
-                    "cluster.collective_timeout_s",
-                    "reward.timeout_s", "reward.workers", "reward.error_budget")
-"""Recipe key prefixes that may change on resume: they do not change what the run computes."""
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 _LEFTOVER_DIR = re.compile(r"\.(tmp|old)-(step_\d{6,})-(\d+)")
@@ -274,17 +266,6 @@ def _sha256(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------- retention
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (ours or another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_leftovers(root: Path, log_fn: Callable[[str], None]) -> None:
     """Delete `.tmp-*` dirs of crashed saves; restore an `.old-*` dir whose replacement never landed."""
     for path in sorted(root.iterdir()):
@@ -412,105 +393,6 @@ def load_checkpoint(path: Path) -> Loaded:
     return Loaded(path=path, step=manifest["step"], tensors=tensors,
                   state=json.loads((path / STATE).read_text(encoding="utf-8")), manifest=manifest,
                   recipe_yaml=(path / RECIPE).read_text(encoding="utf-8"))
-
-
-# ------------------------------------------------------------------------------------------------ RNG
-def rng_state() -> dict[str, Any]:
-    """JSON-able RNG states of python `random`, numpy's global generator, torch CPU and, when this process
-    has initialised CUDA, every CUDA device (a process that never used CUDA has nothing to save, and asking
-    would create a CUDA context)."""
-    version, internal, gauss_next = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {"name": name, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore the states of `rng_state()`; the draws that follow repeat those that followed the save."""
-    try:
-        py, npy = state["python"], state["numpy"]
-        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-        np.random.set_state((npy["name"], np.array(npy["keys"], dtype=np.uint32), npy["pos"],
-                             npy["has_gauss"], npy["cached_gaussian"]))
-        torch.set_rng_state(_unb64(state["torch"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise RlbridgeError(f"invalid RNG state in the checkpoint ({type(e).__name__}: {e})") from e
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        num_devices = torch.cuda.device_count()
-        if len(cuda) != num_devices:
-            log.warning("the checkpoint has CUDA RNG states for %d devices, this process sees %d; restoring "
-                        "the first %d", len(cuda), num_devices, min(len(cuda), num_devices))
-        torch.cuda.set_rng_state_all([_unb64(s) for s in cuda[:num_devices]])
-    elif cuda:
-        log.warning("the checkpoint has CUDA RNG states but CUDA is not available; they are ignored")
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-# ----------------------------------------------------------------------------------------- recipe diff
-class _Missing:
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-MISSING: Any = _Missing()
-"""Stands for a key present on only one side of `recipe_diff`."""
-
-
-def recipe_diff(old_yaml: str, new_yaml: str) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every leaf that differs; `MISSING` where a key is absent.
-    Lists are compared whole."""
-    out: list[tuple[str, Any, Any]] = []
-    _diff(_load_mapping(old_yaml, "old"), _load_mapping(new_yaml, "new"), "", out)
-    return out
-
-
-def _load_mapping(text: str, which: str) -> dict[str, Any]:
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise RlbridgeError(f"the {which} recipe is not a mapping")
-    return data
-
-
-def _diff(old: Any, new: Any, prefix: str, out: list[tuple[str, Any, Any]]) -> None:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in [*old, *(k for k in new if k not in old)]:
-            _diff(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out)
-    elif old != new or type(old) is not type(new) and not _same_number(old, new):
-        out.append((prefix, old, new))
-
-
-def _same_number(a: Any, b: Any) -> bool:
-    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b)) and a == b
-
-
-def is_resume_safe(key: str) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in RESUME_SAFE_KEYS)
-
-
-def check_resume_compatible(old_yaml: str, new_yaml: str) -> list[str]:
-    """One message per changed key that may not change on resume (see RESUME_SAFE_KEYS)."""
-    return [f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not continue "
-            f"the same run. Set {key} back to {_show(old)}, or start a new run"
-            for key, old, new in recipe_diff(old_yaml, new_yaml) if not is_resume_safe(key)]
-
-
-def _show(value: Any) -> str:
-    return "(absent)" if value is MISSING else json.dumps(value)
 
 
 # ---------------------------------------------------------------------------------------------- paths

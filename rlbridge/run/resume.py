@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlbridge.errors import RecipeError, RecipeIssue, RlbridgeError
 from rlbridge.run import checkpoint as ckpt
+from rlbridge.run import resume_policy as policy
 from rlbridge.run.directory import resolved_yaml
+from rlbridge.run.rng import rng_state, set_rng_state
 from rlbridge.run.signals import Interrupted, StopSignals
 
 if TYPE_CHECKING:
@@ -86,7 +88,7 @@ class Checkpointer:
         if state.get("format") != STATE_FORMAT:
             raise RlbridgeError(f"{point.path}: unknown run state format {state.get('format')!r}")
         s.sampler.load_state(state["data"])
-        ckpt.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         self.nonfinite = int(state.get("nonfinite_streak", 0))
         self.eval_before = dict(state.get("eval_before") or {})
         if s.kl_control is not None:
@@ -107,7 +109,7 @@ class Checkpointer:
         """Stop before step `step` if asked to; else remember where its data and RNG start."""
         if self.stop.requested:
             self.interrupt(step - 1)
-        self._snapshot = (self.s.sampler.state(), ckpt.rng_state())
+        self._snapshot = (self.s.sampler.state(), rng_state())
 
     def abandon(self, step: int) -> NoReturn:
         """A stop was requested before step `step` updated anything: save step - 1 from the snapshot."""
@@ -127,7 +129,7 @@ class Checkpointer:
         assert s.trainer is not None
         state = {"format": STATE_FORMAT, "step": step, "weight_version": s.version,
                  "data": data if data is not None else s.sampler.state(),
-                 "rng": rng if rng is not None else ckpt.rng_state(),
+                 "rng": rng if rng is not None else rng_state(),
                  "nonfinite_streak": self.nonfinite, "eval_before": self.eval_before,
                  "rollout_seed": "sha256(run.seed, step)",
                  "kl_control": s.kl_control.state() if s.kl_control is not None else None}
@@ -229,11 +231,11 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
         log(f"ignoring {leftover.name}: a save that never finished (the next save removes it)")
     valid = validate_recipe(recipe_file, list(overrides))
     new_yaml = resolved_yaml(valid.recipe)
-    diff = ckpt.recipe_diff(point.recipe_yaml, new_yaml)
-    refused = ckpt.check_resume_compatible(point.recipe_yaml, new_yaml)
+    diff = policy.recipe_diff(point.recipe_yaml, new_yaml)
+    refused = policy.check_resume_compatible(point.recipe_yaml, new_yaml)
     if refused:
         set_keys = {o.split("=", 1)[0].strip() for o in overrides}
-        unsafe = [(k, o, n) for k, o, n in diff if not ckpt.is_resume_safe(k)]
+        unsafe = [(k, o, n) for k, o, n in diff if not policy.is_resume_safe(k)]
         raise UnsafeResumeError([RecipeIssue(key=k, message=m, where="--set" if k in set_keys else str(recipe_file))
                                  for (k, _, _), m in zip(unsafe, refused, strict=True)])
     for key, old, new in diff:

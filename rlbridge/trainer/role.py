@@ -224,13 +224,14 @@ class TrainerRole:
         state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
         rlbridge/run/checkpoint.py). Returns path, bytes, seconds, and what retention deleted."""
         from rlbridge.run import checkpoint as ckpt
+        from rlbridge.run import rng
 
         problem = self.checkpoint_support()
         if problem:
             raise RlbridgeError(problem)
         start = time.perf_counter()
         optim_tensors, optim_meta = self.engine.optimizer_state()  # type: ignore[attr-defined]
-        mine = {"engine": self.recipe.trainer.engine, "rng": ckpt.rng_state(), "optimizer": optim_meta,
+        mine = {"engine": self.recipe.trainer.engine, "rng": rng.rng_state(), "optimizer": optim_meta,
                 "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
         notes: list[str] = []
         groups = {"trainable": self.engine.trainable_state(), "optimizer": optim_tensors}
@@ -247,6 +248,7 @@ class TrainerRole:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
         (verified first); returns its state.json content for the driver to restore the rest."""
         from rlbridge.run import checkpoint as ckpt
+        from rlbridge.run import rng
 
         problem = self.checkpoint_support()
         if problem:
@@ -264,7 +266,7 @@ class TrainerRole:
                                     "algorithm.name=ppo needs")
             self.critic.load_trainable_state(loaded.tensors["critic"])
             self.critic.load_optimizer_state(loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"])
-        ckpt.set_rng_state(mine["rng"])
+        rng.set_rng_state(mine["rng"])
         self.updates = int(mine.get("updates", 0))
         self._gate_done = bool(mine.get("gate_done", self._gate_done))
         self._signal_updates = int(mine.get("signal_updates", 0))

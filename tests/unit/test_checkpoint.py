@@ -17,6 +17,8 @@ import torch
 
 from rlbridge.errors import RlbridgeError
 from rlbridge.run import checkpoint as ck
+from rlbridge.run import resume_policy as policy
+from rlbridge.run import rng
 
 RECIPE = "name: t\nlora: {rank: 16, alpha: 32}\nrun: {steps: 10, seed: 1, keep: 3}\n"
 
@@ -53,7 +55,7 @@ def step_dirs(run_dir: Path) -> list[str]:
 
 def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
     src = tensors()
-    state = {"data": {"epoch": 1, "index": 3}, "rng": ck.rng_state(), "weight_version": 5, "metrics": [0.5]}
+    state = {"data": {"epoch": 1, "index": 3}, "rng": rng.rng_state(), "weight_version": 5, "metrics": [0.5]}
     path = ck.save_checkpoint(tmp_path, 12, tensors=src, state=state, recipe_yaml=RECIPE, keep=2)
     assert path == tmp_path / "checkpoints" / "step_000012"
     loaded = ck.load_checkpoint(path)
@@ -193,7 +195,7 @@ def test_stale_tmp_dirs_are_removed(tmp_path: Path) -> None:
 def test_rng_round_trip_reproduces_draws() -> None:
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1)  # leaves a cached gaussian in the python state
-    state = json.loads(json.dumps(ck.rng_state()))
+    state = json.loads(json.dumps(rng.rng_state()))
 
     def draws() -> tuple[list[float], list[float], list[float]]:
         return ([random.random(), random.gauss(0, 1)], np.random.standard_normal(3).tolist(),
@@ -201,27 +203,27 @@ def test_rng_round_trip_reproduces_draws() -> None:
 
     first = draws()
     draws()
-    ck.set_rng_state(state)
+    rng.set_rng_state(state)
     assert draws() == first
     with pytest.raises(RlbridgeError, match="invalid RNG state"):
-        ck.set_rng_state({"python": state["python"]})
+        rng.set_rng_state({"python": state["python"]})
 
 
 NEW = "name: t\nlora: {rank: 32, alpha: 32}\nrun: {steps: 20, seed: 1, keep: 3, eval_every: 5}\ndata: {x: 1}\n"
 
 
 def test_recipe_diff_and_resume_compatibility() -> None:
-    assert ck.recipe_diff(RECIPE, RECIPE) == []
-    assert ck.recipe_diff(RECIPE, NEW) == [("lora.rank", 16, 32), ("run.steps", 10, 20),
-                                           ("run.eval_every", ck.MISSING, 5), ("data", ck.MISSING, {"x": 1})]
-    assert ck.recipe_diff("a: 1", "a: 1.0") == [] and ck.recipe_diff("a: 1", "a: true") == [("a", 1, True)]
-    problems = ck.check_resume_compatible(RECIPE, NEW)
+    assert policy.recipe_diff(RECIPE, RECIPE) == []
+    assert policy.recipe_diff(RECIPE, NEW) == [("lora.rank", 16, 32), ("run.steps", 10, 20),
+                                           ("run.eval_every", policy.MISSING, 5), ("data", policy.MISSING, {"x": 1})]
+    assert policy.recipe_diff("a: 1", "a: 1.0") == [] and policy.recipe_diff("a: 1", "a: true") == [("a", 1, True)]
+    problems = policy.check_resume_compatible(RECIPE, NEW)
     assert len(problems) == 2
     assert problems[0].startswith("lora.rank changed from 16 to 32") and "Set lora.rank back to 16" in problems[0]
     assert problems[1].startswith("data changed from (absent) to {\"x\": 1}")
-    assert ck.check_resume_compatible(RECIPE, RECIPE.replace("steps: 10", "steps: 50")) == []
-    assert ck.is_resume_safe("run.health.max_skips") and not ck.is_resume_safe("run.seed")
-    assert not ck.is_resume_safe("run.stepsize")
+    assert policy.check_resume_compatible(RECIPE, RECIPE.replace("steps: 10", "steps: 50")) == []
+    assert policy.is_resume_safe("run.health.max_skips") and not policy.is_resume_safe("run.seed")
+    assert not policy.is_resume_safe("run.stepsize")
 
 
 @pytest.mark.parametrize("rel", ["", "..", "../x", "a/../../x", "/etc/passwd", "a/../..", "C:/x", "\\\\srv\\x",

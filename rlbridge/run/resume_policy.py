@@ -1,0 +1,68 @@
+"""Which recipe changes a resume accepts: `check_resume_compatible` names every key that changed since the
+checkpoint and may not change (RESUME_SAFE_KEYS lists those that may: they do not change what the run
+computes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from rlbridge.errors import RlbridgeError
+
+RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every", "run.eval_samples",
+                    "run.loggers", "run.health", "run.dir", "cluster.address", "cluster.placement_timeout_s",
+                    "cluster.collective_timeout_s",
+                    "reward.timeout_s", "reward.workers", "reward.error_budget")
+"""Recipe key prefixes that may change on resume: they do not change what the run computes."""
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+MISSING: Any = _Missing()
+"""Stands for a key present on only one side of `recipe_diff`."""
+
+
+def recipe_diff(old_yaml: str, new_yaml: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs; `MISSING` where a key is absent.
+    Lists are compared whole."""
+    out: list[tuple[str, Any, Any]] = []
+    _diff(_load_mapping(old_yaml, "old"), _load_mapping(new_yaml, "new"), "", out)
+    return out
+
+
+def _load_mapping(text: str, which: str) -> dict[str, Any]:
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise RlbridgeError(f"the {which} recipe is not a mapping")
+    return data
+
+
+def _diff(old: Any, new: Any, prefix: str, out: list[tuple[str, Any, Any]]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in [*old, *(k for k in new if k not in old)]:
+            _diff(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out)
+    elif old != new or type(old) is not type(new) and not _same_number(old, new):
+        out.append((prefix, old, new))
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b)) and a == b
+
+
+def is_resume_safe(key: str) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in RESUME_SAFE_KEYS)
+
+
+def check_resume_compatible(old_yaml: str, new_yaml: str) -> list[str]:
+    """One message per changed key that may not change on resume (see RESUME_SAFE_KEYS)."""
+    return [f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not continue "
+            f"the same run. Set {key} back to {_show(old)}, or start a new run"
+            for key, old, new in recipe_diff(old_yaml, new_yaml) if not is_resume_safe(key)]
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is MISSING else json.dumps(value)
