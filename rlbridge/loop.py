@@ -25,7 +25,7 @@ from rlbridge.data.rewards import format_reward
 from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.log import Timer
 from rlbridge.plan import Plan
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import DapoCfg, Recipe
 from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
 from rlbridge.run.signals import StopSignals
 from rlbridge.session import Session, log
@@ -77,6 +77,7 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     """One step; None when a stop was requested before the update (the step is then abandoned, having
     changed nothing but the data position, which the caller's snapshot restores)."""
     r, timer = s.recipe, Timer(s.stall)  # s.stall: a line when a phase runs far longer than in earlier steps
+    trainer = s.started_trainer()
     stopping = lambda: stop is not None and stop.requested is not None  # noqa: E731
     collected = collect(s, step, timer, stopping)
     if collected is None:
@@ -87,13 +88,13 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     ref = None
     if r.algorithm.kl.coef > 0:  # in the loss, or in the reward (compute_advantages subtracts it there)
         with timer("ref_logprobs"):
-            ref = s.trainer.call("logprobs", batch, True)  # type: ignore[union-attr]
+            ref = trainer.logprobs(batch, reference=True)
         if stopping():
             return None
     values = None
-    if r.algorithm.name == "ppo":  # the critic's values before the update: GAE's baseline, the value clip's centre
+    if r.algorithm.has_critic:  # PPO: the critic's values before the update: GAE's baseline, the value clip's centre
         with timer("values"):
-            values = s.trainer.call("values", batch)  # type: ignore[union-attr]
+            values = trainer.values(batch)
     kl_ctl = s.kl_control
     adv = compute_advantages(r.algorithm, r.rollout, rewards, batch.response_mask, logp_bt=rollout_lp, ref_logp_bt=ref,
                              values_bt=values, kl_coef=None if kl_ctl is None else kl_ctl.coef)
@@ -101,7 +102,7 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
         kl_ctl.update(adv.kl_seq_mean, batch.size)
     with timer("update"):
         s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
-        m = s.trainer.call("update", batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)  # type: ignore[union-attr]
+        m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()
@@ -131,8 +132,8 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
     rewards are all equal and refills the batch by generating for further prompts (at most
     max_refill_rounds extra rounds; still short: it trains on the groups it has and says so in the metrics
     `groups_short`). None when a stop was requested."""
-    r, n, algo = s.recipe, s.recipe.rollout.n, s.recipe.algorithm
-    dapo = algo.name == "dapo"
+    r, n = s.recipe, s.recipe.rollout.n
+    dapo = r.algorithm if isinstance(r.algorithm, DapoCfg) else None  # DAPO's settings, None for the others
     want = r.data.batch_size
     kept_ro: list[Rollouts] = []
     kept_rewards: list[torch.Tensor] = []
@@ -152,22 +153,22 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
         if stopping():
             return None
         all_rewards.append(rewards)
-        if dapo and algo.overlong.buffer > 0:  # type: ignore[union-attr]
+        if dapo is not None and dapo.overlong.buffer > 0:
             lengths = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
-            pen = overlong_penalty(lengths, max_len=r.rollout.max_response_tokens, buffer=algo.overlong.buffer,  # type: ignore[union-attr]
-                                   penalty_factor=algo.overlong.penalty)  # type: ignore[union-attr]
+            pen = overlong_penalty(lengths, max_len=r.rollout.max_response_tokens, buffer=dapo.overlong.buffer,
+                                   penalty_factor=dapo.overlong.penalty)
             rewards = rewards + pen
             m["overlong_penalty"] = float(pen.mean())
         round_metrics.append((len(ro), m))
         keep_g = torch.ones(len(rows), dtype=torch.bool)
-        if dapo and algo.dynamic_sampling:  # type: ignore[union-attr]
+        if dapo is not None and dapo.dynamic_sampling:
             keep_g, num_dropped = dynamic_sampling_filter(rewards, n)
             dropped += num_dropped
         keep = keep_g.repeat_interleave(n).nonzero().view(-1).tolist()
         kept_ro.append(_take(ro, keep))
         kept_rewards.append(rewards[keep])
         have += int(keep_g.sum())
-        if have >= want or not dapo or rounds >= algo.max_refill_rounds:  # type: ignore[union-attr]
+        if have >= want or dapo is None or rounds >= dapo.max_refill_rounds:
             break
         rounds += 1
     if have == 0:  # no group with a signal: the last round as it is (all-zero advantages move nothing)
@@ -177,7 +178,7 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
     raw = torch.cat(all_rewards)  # every sampled completion, before any penalty or filtering
     metrics["reward_mean"] = float(raw.mean())
     metrics["reward_std"] = float(raw.std()) if raw.numel() > 1 else 0.0
-    if dapo:
+    if dapo is not None:
         metrics.update(groups_dropped=float(dropped), refill_rounds=float(rounds), groups_trained=float(min(have, want)),
                        groups_short=float(max(want - have, 0)))
         if have < want:

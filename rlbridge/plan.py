@@ -7,6 +7,7 @@ read from here rather than re-derived.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -127,17 +128,35 @@ def rank_coords(r: Recipe) -> list[RankCoord]:
     return out
 
 
+def num_mini_batches(r: Recipe, num_rows: int) -> int:
+    """Mini-batches (optimizer steps per PPO epoch) of a step's `num_rows` sequences: as many of
+    mini_batch_size x rollout.n as fit, to the nearest whole number, at least one and at most one per row (a
+    DAPO step can come up short of batch_size x n). A full step: batch_size / mini_batch_size."""
+    return max(1, min(num_rows, round(num_rows / (r.mini_batch_size * r.rollout.n))))
+
+
+def num_micro_batches(r: Recipe, num_rows: int) -> int:
+    """Micro-batches (gradient-accumulation steps) of one rank's `num_rows` sequences of a mini-batch; the last
+    one may be short."""
+    return math.ceil(num_rows / r.trainer.micro_batch_size)
+
+
+def total_optimizer_steps(r: Recipe) -> int:
+    """Optimizer steps of a whole run (the LR schedule's length): steps x mini-batches per step x PPO epochs."""
+    return r.run.steps * batches(r, 1).optimizer_steps_per_step
+
+
 def batches(r: Recipe, dp: int) -> Batches:
     mini = r.mini_batch_size
     per_rank = mini * r.rollout.n // dp
-    num_minis = r.data.batch_size // mini
+    num_minis = num_mini_batches(r, r.data.batch_size * r.rollout.n)
     return Batches(
         prompts_per_step=r.data.batch_size,
         rollouts_per_step=r.data.batch_size * r.rollout.n,
         mini_batches_per_step=num_minis,
         optimizer_steps_per_step=num_minis * r.trainer.ppo_epochs,
         sequences_per_dp_rank=per_rank,
-        micro_batches_per_mini_batch=max(per_rank // r.trainer.micro_batch_size, 1),
+        micro_batches_per_mini_batch=max(num_micro_batches(r, per_rank), 1),
         max_sequence_tokens=r.rollout.max_prompt_tokens + r.rollout.max_response_tokens,
     )
 
@@ -178,7 +197,7 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     else:  # vLLM takes gpu_memory_utilization of the device; what the weights leave is KV cache
         kv = max(r.rollout.gpu_memory_utilization * capacity - rollout_w, 0.0)
     critic = full_critic = 0.0
-    if r.algorithm.name == "ppo":
+    if r.algorithm.has_critic:
         critic, full_critic = _critic_gib(r, m, stage_params / total, trainer_gib)
     trainer_total = weights + grads + opt + act + critic
     _, full_grads, full_opt = trainer_gib(stage_params)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.markup import escape
 
@@ -20,6 +22,7 @@ from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
+from rlbridge.engines.registry import engine_kind
 from rlbridge.metrics.log import MetricsLog, StallWatch, console
 from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan
@@ -27,6 +30,7 @@ from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.run import directory as rundir
+from rlbridge.trainer.client import RayTrainer, Trainer
 from rlbridge.trainer.group import TrainerGroup, start_trainer_group
 from rlbridge.trainer.role import TrainerRole
 
@@ -48,14 +52,39 @@ class Encoded:
         self.prompts, self.ids = prompts, ids
 
 
+class Rollout(Protocol):
+    """The rollout worker as the session drives it (cluster/ray_cluster.Worker, or an in-process stand-in)."""
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass
+class Workers:
+    """What a session trains with: the trainer (a typed client), the rollout, and the rollout's GPU memory."""
+
+    trainer: Trainer
+    rollout: Rollout
+    memory: RolloutMemory
+
+
+StartWorkers = Callable[["Session"], Workers]
+"""Starts a session's workers once its data, rewards and metrics are ready (default: Ray actors)."""
+
+
 class Session:
-    def __init__(self, recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path) -> None:
+    def __init__(self, recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *,
+                 start_workers: StartWorkers | None = None) -> None:
+        """start_workers: how the trainer and rollout start (default: Ray actors placed as `plan` says;
+        tests pass in-process ones, trainer/client.LocalTrainer)."""
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
         self.version = 0
         self._pg: Any = None
-        self.trainer: rc.Worker | TrainerGroup | None = None
-        """The hf engine's one worker, or the megatron ranks behind one TrainerGroup (same interface)."""
-        self.rollout: rc.Worker | None = None
+        self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
+        self.trainer: Trainer | None = None
+        """The trainer's typed client: the hf engine's one worker, or the megatron ranks behind one group."""
+        self.rollout: Rollout | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.stall = StallWatch(log_plain, hint=f" (the workers' logs: {run_dir / 'logs'})")
@@ -66,6 +95,8 @@ class Session:
         self._stack = ExitStack()
         self._start_time = 0.0
         """When the workers were asked for (time.monotonic)."""
+        self._announced: list[rc.Worker] = []
+        """The workers whose start-up gets its own line (the hf trainer, the rollout; not megatron ranks)."""
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
@@ -91,7 +122,8 @@ class Session:
                                   config=r.model_dump(mode="json"))
         stack.callback(self.metrics.close)
         stack.callback(self._stop_workers)
-        self._start_workers()
+        workers = self._start_workers(self)
+        self.trainer, self.rollout, self.memory = workers.trainer, workers.rollout, workers.memory
 
     def _stop_workers(self) -> None:
         for w in (self.rollout, self.trainer):
@@ -111,7 +143,7 @@ class Session:
                 f"{r.rollout.max_prompt_tokens} and were left out")
         return Encoded(kept, ids)
 
-    def _start_workers(self) -> None:
+    def _start_ray_workers(self) -> Workers:
         r, plan = self.recipe, self.plan
         rc.connect(r.cluster, plan, log_plain)
         self.driver_log.apply()  # Ray's loggers, as ray.init left them
@@ -123,35 +155,42 @@ class Session:
         log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
         self._start_time = time.monotonic()
         starting: list[tuple[rc.Worker, Any]] = []
-        if r.trainer.engine == "hf":
-            self.trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
-                                           log_file=rundir.log_file(self.run_dir, "trainer"), echo=self.echo,
-                                           args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
-            starting.append((self.trainer, self.trainer.submit("rlbridge_started")))
+        multi_rank = engine_kind(r).multi_rank
+        trainer: rc.Worker | TrainerGroup | None = None
+        if not multi_rank:
+            trainer = rc.start_worker(TrainerRole, "trainer", self._pg, 0, num_cpus=share, num_gpus=gpu * share,
+                                      log_file=rundir.log_file(self.run_dir, "trainer"), echo=self.echo,
+                                      args=(r, str(self.model_dir)), kwargs={"num_threads": threads})
+            self._announced = [trainer]
+            client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
+            starting.append((trainer, trainer.submit("rlbridge_started")))
         rollout_cls = _rollout_class(r)
         rollout_bundle = 0 if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
-        self.rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
-                                       log_file=rundir.log_file(self.run_dir, "rollout"), echo=self.echo,
-                                       args=(str(self.model_dir), r.rollout, r.model),
-                                       kwargs=_rollout_kwargs(r, threads))
-        starting.append((self.rollout, self.rollout.submit("rlbridge_started")))
+        rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
+                                  log_file=rundir.log_file(self.run_dir, "rollout"), echo=self.echo,
+                                  args=(str(self.model_dir), r.rollout, r.model), kwargs=_rollout_kwargs(r, threads))
+        self.rollout = rollout
+        self._announced.append(rollout)
+        starting.append((rollout, rollout.submit("rlbridge_started")))
         colocated_gpu = r.cluster.colocate and r.cluster.device == "cuda" and r.rollout.engine == "vllm"
-        self.memory = RolloutMemory(self.rollout.call, enabled=colocated_gpu)
+        memory = RolloutMemory(rollout.call, enabled=colocated_gpu)
         joins: list[Any] = []
-        if r.trainer.engine == "megatron":  # one actor per rank (bundle i); forms while the rollout loads
-            self.trainer, joins = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share,
-                                                      run_dir=self.run_dir, log=log_plain, echo=self.echo)
-            starting += list(zip(self.trainer.ranks, joins, strict=True))
+        if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
+            trainer, joins = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share,
+                                                 run_dir=self.run_dir, log=log_plain, echo=self.echo)
+            client = self.trainer = RayTrainer(trainer)
+            starting += list(zip(trainer.ranks, joins, strict=True))
         answers = rc.wait_started(starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain,
                                   on_ready=self._started)
-        if isinstance(self.trainer, TrainerGroup):
+        if isinstance(trainer, TrainerGroup):
             log(f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)")
-            self.trainer.formed(answers[-len(joins):], log_plain)
+            trainer.formed(answers[-len(joins):], log_plain)
+        return Workers(client, rollout, memory)
 
     def _started(self, worker: rc.Worker, answer: Any) -> None:
         """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the
         workers were asked for, of which the Ray worker process took those before its constructor ran."""
-        if worker is not self.trainer and worker is not self.rollout:
+        if not any(worker is w for w in self._announced):
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
         phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]})
@@ -159,6 +198,11 @@ class Session:
         log_plain(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
+    def started_trainer(self) -> Trainer:
+        """The trainer client (the session has started)."""
+        assert self.trainer is not None, "the session has not started its workers"
+        return self.trainer
+
     def sampling(self, *, greedy: bool = False) -> SamplingCfg:
         ro = self.recipe.rollout
         return SamplingCfg(n=1 if greedy else ro.n, temperature=0.0 if greedy else ro.temperature, top_p=ro.top_p,
@@ -177,11 +221,11 @@ class Session:
         the driver never holds (or copies) the weights."""
         assert self.trainer is not None and self.rollout is not None
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
-        ref = self.trainer.submit("export_weights", self.recipe.rollout.weight_sync, as_files=same_node)
+        ref = self.trainer.export_weights(self.recipe.rollout.weight_sync, as_files=same_node)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version
         self.memory.load(lambda: rollout.call("load_weights", ref, v))
-        return int(self.trainer.call("last_export_bytes"))
+        return self.trainer.last_export_bytes()
 
     def release_rollout_memory(self) -> None:
         """Colocated GPUs: vLLM sleeps during the update (a no-op on CPU or separate devices)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -59,6 +59,50 @@ class TrainEngine(Protocol):
     def frozen_fingerprint(self) -> dict[str, float]:
         """A cheap fingerprint (e.g. sum of |w|) of every frozen tensor, to prove the base stays frozen."""
         ...
+
+
+@runtime_checkable
+class CheckpointableEngine(TrainEngine, Protocol):
+    """A TrainEngine whose trainable tensors and optimizer state go into checkpoints and come back."""
+
+    def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Optimizer (and schedule) state as named tensors plus JSON metadata."""
+        ...
+
+    def load_optimizer_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RankedEngine(TrainEngine, Protocol):
+    """A TrainEngine of one rank of a multi-rank trainer (megatron), which says where in the layout it sits."""
+
+    def coordinates(self) -> dict[str, int]:
+        """{rank, dp, tp, pp, cp} of this rank."""
+        ...
+
+
+# value_loss_fn(values_bt, rows) -> (scalar loss, metrics), the critic's LossFn (rows: as for LossFn).
+ValueLossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Critic(Protocol):
+    """PPO's value model next to the policy engine (engines/hf_critic.py, engines/megatron/critic.py)."""
+
+    def values(self, batch: SeqBatch) -> torch.Tensor:
+        """[b, R] values V(s_t) of the response tokens, no gradients."""
+        ...
+
+    def train_step(self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int) -> dict[str, Any]: ...
+
+    def trainable_state(self) -> dict[str, torch.Tensor]: ...
+
+    def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+    def load_optimizer_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
 
 def load_named(params: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor], what: str) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import types
 import warnings
 from collections.abc import Iterator
@@ -52,34 +51,15 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
+from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
-from rlbridge.recipe.schema import OptimCfg, Recipe
+from rlbridge.plan import total_optimizer_steps
+from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
 
 ADAPTER = "default"
 """peft's adapter name inside the live model (it never appears in exported names)."""
-_OPTIM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
-
-
-# ------------------------------------------------------------------------------------------ schedule
-def total_optimizer_steps(recipe: Recipe) -> int:
-    """Optimizer steps of a whole run: steps x mini-batches per step x PPO epochs."""
-    minis = max(1, recipe.data.batch_size // recipe.mini_batch_size)
-    return recipe.run.steps * minis * recipe.trainer.ppo_epochs
-
-
-def lr_at(optim: OptimCfg, step: int, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warm-up to `lr` over warmup_steps (the
-    first step already uses lr / warmup_steps), then constant, or a cosine / linear decay that reaches
-    min_lr at `total_steps`."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return optim.lr
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
-    return optim.min_lr + (optim.lr - optim.min_lr) * factor
 
 
 # ------------------------------------------------------------------------------- token statistics
@@ -420,48 +400,3 @@ class HFTrainEngine:
     def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         load_adamw_state(self.optimizer, self._trainable, tensors, meta)
         self.num_optimizer_steps = int(meta["scheduler"]["step"])  # total_steps stays the recipe's
-
-
-# ------------------------------------------------------------------------- named AdamW state (checkpoints)
-def adamw_state(
-    optimizer: torch.optim.Optimizer, trainable: list[tuple[str, nn.Parameter]], scheduler: dict[str, int]
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The state of `optimizer` over the named parameters `trainable` as tensors `<name>:step|exp_avg|exp_avg_sq`
-    and JSON metadata ("adamw-v1": names with state, `scheduler`, hyper-parameters of the first group)."""
-    tensors: dict[str, Tensor] = {}
-    names: list[str] = []
-    for n, p in trainable:
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        names.append(n)
-        for key in _OPTIM_STATE_KEYS:
-            tensors[f"{n}:{key}"] = state[key].detach().clone()
-    group = optimizer.param_groups[0]
-    meta = {
-        "format": "adamw-v1",
-        "names": names,
-        "scheduler": scheduler,
-        "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")},
-    }
-    return tensors, json.loads(json.dumps(meta))
-
-
-def load_adamw_state(
-    optimizer: torch.optim.Optimizer, trainable: list[tuple[str, nn.Parameter]], tensors: dict[str, Tensor],
-    meta: dict[str, Any],
-) -> None:
-    """Inverse of adamw_state (the hyper-parameters stay the recipe's)."""
-    if meta.get("format") != "adamw-v1":
-        raise RlbridgeError(f"unknown optimizer state format {meta.get('format')!r}")
-    params = dict(trainable)
-    unknown = [n for n in meta["names"] if n not in params]
-    if unknown:
-        raise RlbridgeError(f"optimizer state for tensors the model does not train: {unknown[:3]}")
-    optimizer.state.clear()
-    for n in meta["names"]:
-        p = params[n]
-        state = {k: tensors[f"{n}:{k}"].clone() for k in _OPTIM_STATE_KEYS}
-        state["exp_avg"] = state["exp_avg"].to(p.device, p.dtype)
-        state["exp_avg_sq"] = state["exp_avg_sq"].to(p.device, p.dtype)
-        optimizer.state[p] = state

@@ -19,7 +19,6 @@ same positions whose logits give the log-prob of token t; engines/hf.response_lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,12 @@ from transformers import AutoModel, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import load_named
-from rlbridge.engines.hf import adamw_state, load_adamw_state
+from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.master import MasterWeights
+from rlbridge.engines.optim import adamw_state, load_adamw_state
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
 
-ValueLossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
 """value_loss_fn(values_bt, rows) -> (loss, metrics); rows index the batch given to HFCritic.train_step."""
 
 

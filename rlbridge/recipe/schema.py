@@ -189,6 +189,11 @@ class _AlgoBase(Section):
     loss_agg: LossAgg = "token-mean"
     """How token losses are aggregated into one number."""
 
+    @property
+    def has_critic(self) -> bool:
+        """Whether the algorithm trains a value model (PPO's critic) next to the policy."""
+        return False
+
 
 class GrpoCfg(_AlgoBase):
     name: Literal["grpo"] = "grpo"
@@ -258,6 +263,10 @@ class PpoCfg(_AlgoBase):
     adaptive_kl_horizon: PositiveInt = 10000
     """Horizon of the adaptive KL controller in rollouts (Ziegler et al. 2019 and TRL use 10000): the larger, the
     slower kl.coef moves (at most x1.2 per horizon rollouts)."""
+
+    @property
+    def has_critic(self) -> bool:
+        return True
 
 
 AlgorithmCfg = Annotated[

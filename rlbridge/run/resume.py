@@ -71,8 +71,7 @@ class Checkpointer:
         """Steps in a row skipped for non-finite values (run.health.max_nonfinite_steps counts them)."""
         self.eval_before: dict[str, float] = {}
         self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
-        assert s.trainer is not None
-        self.problem: str | None = s.trainer.call("checkpoint_support")
+        self.problem = s.started_trainer().checkpoint_support()
         if self.problem:
             log(f"[yellow]checkpoints are off[/]: {self.problem}")
 
@@ -81,10 +80,9 @@ class Checkpointer:
         """Trainer (weights, optimizer, RNG), data position, driver RNG and weight version from `point`, then
         the rollout weights, before anything is generated. Returns the checkpoint's step."""
         s = self.s
-        assert s.trainer is not None
         if self.problem:
             raise RlbridgeError(f"cannot resume: {self.problem}")
-        state = s.trainer.call("load_checkpoint", str(point.path.resolve()))
+        state = s.started_trainer().load_checkpoint(str(point.path.resolve()))
         if state.get("format") != STATE_FORMAT:
             raise RlbridgeError(f"{point.path}: unknown run state format {state.get('format')!r}")
         s.sampler.load_state(state["data"])
@@ -126,7 +124,6 @@ class Checkpointer:
         if self.problem or self.last_step == step:
             return
         s, r = self.s, self.s.recipe
-        assert s.trainer is not None
         state = {"format": STATE_FORMAT, "step": step, "weight_version": s.version,
                  "data": data if data is not None else s.sampler.state(),
                  "rng": rng if rng is not None else rng_state(),
@@ -134,7 +131,7 @@ class Checkpointer:
                  "rollout_seed": "sha256(run.seed, step)",
                  "kl_control": s.kl_control.state() if s.kl_control is not None else None}
         try:
-            info = s.trainer.call("save_checkpoint", str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
+            info = s.started_trainer().save_checkpoint(str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
             hint = (f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
                     f"{resume_command(s.run_dir)}" if self.last_path else

@@ -6,16 +6,16 @@ Forming the group needs no launcher: rank 0 picks a free port on its node and re
 driver, which hands it to every rank; each rank then joins torch.distributed (gloo on CPU, NCCL on GPUs)
 and builds the megatron engine, which initializes megatron's parallel state from the recipe.
 
-`TrainerGroup` offers what `ray_cluster.Worker` offers (call, submit, kill) for TrainerRole's methods.
-Every call goes to every rank (the engine's methods are collective) and the answer comes from the ranks
-that hold it:
+`TrainerGroup` offers what `ray_cluster.Worker` offers (call, submit, kill) for TrainerRole's methods, and
+trainer/client.RayTrainer picks, per method, how the ranks' answers combine. Every call goes to every rank
+(the engine's methods are collective) and the answer comes from the ranks that hold it:
 
-  logprobs,       each data-parallel replica computes its share of the rows; the shares, in dp order
-  values          (values: PPO's critic)
-  update          each replica trains on its share of every mini-batch (TrainerRole._shard) with the
+  call_rows       logprobs, values (PPO's critic): each data-parallel replica computes its share of the
+                  rows; the shares, in dp order
+  call_metrics    update: each replica trains on its share of every mini-batch (TrainerRole._shard) with the
                   mini-batch's loss normalization, so DP=2 takes the same step as DP=1; metrics are the
                   replicas' mean (their max for *_max)
-  anything else   global rank 0's answer (export_weights: rank 0 holds the full export and, on one node,
+  call, submit    global rank 0's answer (export_weights: rank 0 holds the full export and, on one node,
                   writes it as files; the other ranks return an empty export)
 
 Arguments are put into Ray's object store once and shared by all ranks.
@@ -41,6 +41,7 @@ import torch
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.cluster.logs import WarningEcho
 from rlbridge.cluster.ray_cluster import Worker, start_worker
+from rlbridge.engines.base import RankedEngine
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import directory as rundir
@@ -80,14 +81,10 @@ class TrainerRank(TrainerRole):
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
 
-        def megatron_engine() -> Any:
-            from rlbridge.engines.megatron.engine import MegatronTrainEngine
-
-            return MegatronTrainEngine(recipe)
-
-        super().__init__(recipe, model_dir, num_threads=threads, engine_factory=megatron_engine)
+        super().__init__(recipe, model_dir, num_threads=threads)  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip()}  # type: ignore[attr-defined]
+        assert isinstance(self.engine, RankedEngine)
+        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip()}
 
 
 class TrainerGroup:
@@ -111,12 +108,19 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        results = self._wait(self._submit_all(method, args, kwargs), method, timeout=timeout)
-        if method in ("logprobs", "values"):
-            return torch.cat([results[i] for i in self._leaders])
-        if method == "update":
-            return _mean_metrics([results[i] for i in self._leaders])
-        return results[0]
+        """`method` on every rank; global rank 0's answer."""
+        return self._wait(self._submit_all(method, args, kwargs), method, timeout=timeout)[0]
+
+    def call_rows(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`method` on every rank, each data-parallel replica answering for its share of the rows: the
+        shares, concatenated in dp order."""
+        results = self._wait(self._submit_all(method, args, kwargs), method)
+        return torch.cat([results[i] for i in self._leaders])
+
+    def call_metrics(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`method` on every rank; the replicas' metrics averaged (their max for *_max)."""
+        results = self._wait(self._submit_all(method, args, kwargs), method)
+        return _mean_metrics([results[i] for i in self._leaders])
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Runs `method` on every rank and returns a reference to rank 0's result once all have finished,

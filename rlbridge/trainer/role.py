@@ -11,50 +11,22 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import TrainEngine, WeightExport
+from rlbridge.engines.base import CheckpointableEngine, TrainEngine, WeightExport
+from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
-from rlbridge.recipe.schema import Recipe
+from rlbridge.plan import num_micro_batches, num_mini_batches
+from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.run import faults
-
-if TYPE_CHECKING:
-    from rlbridge.engines.hf_critic import HFCritic
-    from rlbridge.engines.megatron.critic import MegatronCritic
 
 
 class HealthError(RlbridgeError):
     """A health gate failed; the message says which and how to turn it off."""
-
-
-def _device(recipe: Recipe) -> str:
-    return "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
-
-
-def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
-    if recipe.trainer.engine == "hf":
-        from rlbridge.engines.hf import HFTrainEngine
-
-        return HFTrainEngine(recipe, model_dir, device=_device(recipe))
-    raise RlbridgeError("the megatron engine runs one TrainerRole per rank (trainer/group.py)")
-
-
-def build_critic(recipe: Recipe, model_dir: Path) -> HFCritic | MegatronCritic | None:
-    """PPO's critic next to the policy engine (engines/hf_critic.py; engines/megatron/critic.py on each rank of
-    a megatron trainer, after its engine); None for the critic-free algorithms."""
-    if recipe.algorithm.name != "ppo":
-        return None
-    if recipe.trainer.engine == "megatron":
-        from rlbridge.engines.megatron.critic import MegatronCritic
-
-        return MegatronCritic(recipe)
-    from rlbridge.engines.hf_critic import HFCritic
-
-    return HFCritic(recipe, model_dir, device=_device(recipe))
 
 
 class TrainerRole:
@@ -131,10 +103,6 @@ class TrainerRole:
     def last_export_bytes(self) -> int:
         return self._export_bytes
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Generic access to the engine (checkpointing, tests)."""
-        return getattr(self.engine, method)(*args, **kwargs)
-
     # ---------------------------------------------------------------- the update
     def update(
         self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None,
@@ -149,10 +117,7 @@ class TrainerRole:
                 raise RlbridgeError("the PPO update needs the critic's old values and the returns")
             critic = (old_values_bt, returns_bt)
         r = self.recipe
-        seqs_per_mini = r.mini_batch_size * r.rollout.n
-        # a batch need not be exactly batch_size * n (DAPO's dynamic sampling can come up short): as many
-        # mini-batches as fit to the nearest whole number, at least one, in contiguous near-equal slices
-        num_minis = max(1, min(batch.size, round(batch.size / seqs_per_mini)))
+        num_minis = num_mini_batches(r, batch.size)  # DAPO can come up short: contiguous near-equal slices
         on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
         minis = list(torch.arange(batch.size).tensor_split(num_minis))
         mine = torch.cat([self._shard(rows) for rows in minis])  # the rows this rank trains on
@@ -185,7 +150,7 @@ class TrainerRole:
             ref_logp_bt=None if ref is None else ref[rows], rollout_logp_bt=rollout_lp[rows],
         )  # fmt: skip
         mine = self._shard(rows)
-        num_micro = math.ceil(len(mine) / r.trainer.micro_batch_size)
+        num_micro = num_micro_batches(r, len(mine))
         # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py) and data parallelism
         # averages the ranks' gradients: micro_scale undoes both
         loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
@@ -196,7 +161,8 @@ class TrainerRole:
         m = self.engine.train_step(batch.select(mine), loss_fn, num_micro_batches=num_micro)
         if self.critic is not None and critic is not None:  # the same rows, in the same micro-batches
             old_values, returns = critic
-            value_fn = make_value_loss_fn(self.recipe.algorithm.critic, old_values[rows], returns[rows],  # type: ignore[union-attr]
+            assert isinstance(r.algorithm, PpoCfg)  # the one algorithm with a critic
+            value_fn = make_value_loss_fn(r.algorithm.critic, old_values[rows], returns[rows],
                                           batch.response_mask[rows], micro_scale=float(num_micro * self.dp_size))
             if self.dp_size > 1:  # as loss_fn: shard rows -> mini-batch rows
                 value_mini = value_fn
@@ -208,14 +174,20 @@ class TrainerRole:
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_support(self) -> str | None:
         """None when this trainer can save and restore checkpoints, else why not."""
-        missing = [m for m in _CHECKPOINT_METHODS if not callable(getattr(self.engine, m, None))]
-        if missing:
+        if not isinstance(self.engine, CheckpointableEngine):
             return (f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
-                    f"{', '.join(missing)})")
+                    "optimizer_state, load_optimizer_state)")
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             return "checkpoints of a multi-rank trainer are not implemented yet"
         return None
+
+    def _checkpointable(self) -> CheckpointableEngine:
+        problem = self.checkpoint_support()
+        if problem:
+            raise RlbridgeError(problem)
+        assert isinstance(self.engine, CheckpointableEngine)
+        return self.engine
 
     def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
                         keep: int) -> dict[str, Any]:
@@ -226,11 +198,9 @@ class TrainerRole:
         from rlbridge.run import checkpoint as ckpt
         from rlbridge.run import rng
 
-        problem = self.checkpoint_support()
-        if problem:
-            raise RlbridgeError(problem)
+        engine = self._checkpointable()
         start = time.perf_counter()
-        optim_tensors, optim_meta = self.engine.optimizer_state()  # type: ignore[attr-defined]
+        optim_tensors, optim_meta = engine.optimizer_state()
         mine = {"engine": self.recipe.trainer.engine, "rng": rng.rng_state(), "optimizer": optim_meta,
                 "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
         notes: list[str] = []
@@ -250,16 +220,14 @@ class TrainerRole:
         from rlbridge.run import checkpoint as ckpt
         from rlbridge.run import rng
 
-        problem = self.checkpoint_support()
-        if problem:
-            raise RlbridgeError(problem)
+        engine = self._checkpointable()
         loaded = ckpt.load_checkpoint(Path(path))
         mine = loaded.state.get("trainer") or {}
         if mine.get("engine") != self.recipe.trainer.engine:
             raise RlbridgeError(f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
                                 f"trainer.engine={self.recipe.trainer.engine}")
-        self.engine.load_trainable_state(loaded.tensors["trainable"])  # type: ignore[attr-defined]
-        self.engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])  # type: ignore[attr-defined]
+        engine.load_trainable_state(loaded.tensors["trainable"])
+        engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])
         if self.critic is not None:
             if "critic" not in loaded.tensors or "critic_optimizer" not in mine:
                 raise RlbridgeError(f"checkpoint {path} holds no critic (critic.safetensors), which "
@@ -298,9 +266,6 @@ class TrainerRole:
         if not unchanged:
             self._gate_done = True
             self._start = None
-
-
-_CHECKPOINT_METHODS = ("trainable_state", "load_trainable_state", "optimizer_state", "load_optimizer_state")
 
 
 def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:

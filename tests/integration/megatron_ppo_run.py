@@ -27,12 +27,10 @@ def main() -> None:
 
     torch.set_num_threads(2)
     compat.activate()
-    from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.loop import train_step
-    from rlbridge.rollout.hf import HFRollout
-    from rlbridge.rollout.memory import RolloutMemory
-    from rlbridge.trainer.role import TrainerRole
-    from tests.integration.test_algorithms_learn import Local, LocalSession, make_recipe
+    from rlbridge.trainer.client import LocalTrainer
+    from tests.fixtures.local_session import local_session
+    from tests.integration.test_algorithms_learn import make_recipe
     from tests.integration.test_ppo_learn import with_updates
 
     model_dir, run_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -41,19 +39,12 @@ def main() -> None:
     base = make_recipe(model_dir, algorithm, **({"steps": spec["steps"]} if "steps" in spec else {}))
     recipe = with_updates(base, {**spec.get("updates", {}), "trainer.engine": "megatron"})
 
-    class MegatronSession(LocalSession):
-        def _start_workers(self) -> None:
-            r = self.recipe
-            self.trainer = Local(TrainerRole(r, str(self.model_dir),  # type: ignore[assignment]
-                                             engine_factory=lambda: MegatronTrainEngine(r)))
-            self.rollout = Local(HFRollout(str(self.model_dir), r.rollout, r.model, seed=r.run.seed))  # type: ignore[assignment]
-            self.memory = RolloutMemory(self.rollout.call, enabled=False)
-
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
                             timeout=timedelta(seconds=120))
     run_dir.mkdir(parents=True, exist_ok=True)
-    with MegatronSession(recipe, None, run_dir, model_dir) as s:  # type: ignore[arg-type]
-        role = s.trainer.obj  # type: ignore[union-attr]
+    with local_session(recipe, run_dir, model_dir) as s:  # the engine registry builds the megatron engine
+        assert isinstance(s.trainer, LocalTrainer)
+        role = s.trainer.role
         kinds = {"engine": type(role.engine).__name__, "critic": type(role.critic).__name__}
         records = [train_step(s, step) for step in range(1, recipe.run.steps + 1)]
     out.write_text(json.dumps({**kinds, "records": records}))

@@ -13,41 +13,13 @@ import pytest
 
 from rlbridge.loop import train_step
 from rlbridge.recipe.schema import Recipe
-from rlbridge.rollout.hf import HFRollout
-from rlbridge.rollout.memory import RolloutMemory
-from rlbridge.session import Session
-from rlbridge.trainer.role import TrainerRole
+from tests.fixtures.local_session import local_session
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 pytestmark = [pytest.mark.integration]
 
 STEPS, WINDOW, MARGIN = 8, 3, 0.1
 """Measured first/last 3-step means (seed 3): 0.42-0.49 -> 0.71-1.0 for every algorithm."""
-
-
-class Local:
-    """A worker's interface (call / submit / kill) over an object in this process."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.obj, method)(*args, **kwargs)
-
-    submit = call
-
-    def kill(self) -> None:
-        pass
-
-
-class LocalSession(Session):
-    """Session with its trainer and rollout in this process instead of in Ray actors."""
-
-    def _start_workers(self) -> None:
-        r = self.recipe
-        self.trainer = Local(TrainerRole(r, str(self.model_dir)))  # type: ignore[assignment]
-        self.rollout = Local(HFRollout(str(self.model_dir), r.rollout, r.model, seed=r.run.seed))  # type: ignore[assignment]
-        self.memory = RolloutMemory(self.rollout.call, enabled=False)
 
 
 def make_recipe(model_dir: Path, algorithm: dict[str, Any], steps: int = STEPS) -> Recipe:
@@ -67,7 +39,7 @@ def make_recipe(model_dir: Path, algorithm: dict[str, Any], steps: int = STEPS) 
 
 def run_steps(recipe: Recipe, model_dir: Path, run_dir: Path) -> list[dict[str, Any]]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    with LocalSession(recipe, None, run_dir, model_dir) as s:  # type: ignore[arg-type]
+    with local_session(recipe, run_dir, model_dir) as s:
         records = [train_step(s, step) for step in range(1, recipe.run.steps + 1)]
     assert all(r is not None for r in records)
     return records  # type: ignore[return-value]

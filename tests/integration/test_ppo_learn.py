@@ -21,8 +21,9 @@ from rlbridge.loop import train_step
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run.resume import Checkpointer, find_checkpoint
 from rlbridge.run.signals import StopSignals
+from tests.fixtures.local_session import local_session
 from tests.fixtures.tiny_llama import build_tiny_llama
-from tests.integration.test_algorithms_learn import MARGIN, WINDOW, LocalSession, make_recipe, run_steps
+from tests.integration.test_algorithms_learn import MARGIN, WINDOW, make_recipe, run_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -81,7 +82,7 @@ def test_adaptive_kl_follows_ziegler_and_resumes_exactly(model_dir: Path, tmp_pa
     recipe = make_recipe(model_dir, algorithm, steps=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with LocalSession(recipe, None, run_dir, model_dir) as s:  # type: ignore[arg-type]
+    with local_session(recipe, run_dir, model_dir) as s:
         saver = Checkpointer(s, StopSignals(), print)
         records = [train_step(s, 1), train_step(s, 2)]
         saver.save(2)
@@ -93,7 +94,7 @@ def test_adaptive_kl_follows_ziegler_and_resumes_exactly(model_dir: Path, tmp_pa
         coef *= 1.0 + min(max(r["kl_seq"] / target - 1.0, -0.2), 0.2) * 16 / horizon
     assert records[-1]["kl_coef"] != records[0]["kl_coef"]  # type: ignore[index]
 
-    with LocalSession(recipe, None, run_dir, model_dir) as s:  # type: ignore[arg-type]
+    with local_session(recipe, run_dir, model_dir) as s:
         Checkpointer(s, StopSignals(), print).restore(find_checkpoint(run_dir))
         resumed = train_step(s, 3)
     assert resumed is not None and records[2] is not None

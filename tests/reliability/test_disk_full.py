@@ -94,11 +94,11 @@ class Trainer:
     def __init__(self, mib: list[float]) -> None:
         self.mib = mib
 
-    def call(self, method: str, *args: Any) -> Any:
-        if method == "checkpoint_support":
-            return None
-        assert method == "save_checkpoint"
-        run_dir, step, state, recipe_yaml, keep = args
+    def checkpoint_support(self) -> str | None:
+        return None
+
+    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
+                        keep: int) -> dict[str, Any]:
         path = ckpt.save_checkpoint(Path(run_dir), step, tensors=tensors(self.mib.pop(0)), state=state,
                                     recipe_yaml=recipe_yaml, keep=keep)
         return {"path": str(path), "bytes": 0, "seconds": 0.0, "notes": []}
@@ -109,7 +109,7 @@ def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(small_dis
     monkeypatch.setattr("rlbridge.run.resume.resolved_yaml", lambda recipe: "a: 1\n")
     written: list[dict[str, Any]] = []
     session = SimpleNamespace(
-        trainer=Trainer([1, 6]), run_dir=small_disk, version=1, kl_control=None,
+        trainer=Trainer([1, 6]), started_trainer=lambda: session.trainer, run_dir=small_disk, version=1, kl_control=None,
         recipe=SimpleNamespace(run=SimpleNamespace(save_every=1, keep=3)),
         sampler=SimpleNamespace(state=lambda: {"epoch": 0, "index": 0}),
         metrics=SimpleNamespace(write=written.append))

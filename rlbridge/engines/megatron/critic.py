@@ -29,21 +29,19 @@ Design, one rank of the trainer's torch.distributed group (the policy's Megatron
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import load_named
+from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, forward, params
 from rlbridge.engines.megatron import provider as P
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 
-ValueLossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
 HEAD = "output_layer."
 """Name prefix of the value head's tensors (it takes GPTModel's output_layer slot)."""
 

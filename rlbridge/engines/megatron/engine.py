@@ -35,7 +35,9 @@ from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params
 from rlbridge.engines.megatron import provider as P
+from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
+from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
 
 
@@ -45,8 +47,6 @@ class MegatronTrainEngine:
     LOSS_SCALED_BY_MICRO_BATCHES = True
 
     def __init__(self, recipe: Recipe, *, total_steps: int | None = None) -> None:
-        from rlbridge.engines.hf import total_optimizer_steps
-
         compat.activate()
         B.check_backend(recipe)
         self.recipe = recipe
@@ -103,8 +103,6 @@ class MegatronTrainEngine:
         )
 
     def _set_lr(self) -> float:
-        from rlbridge.engines.hf import lr_at
-
         lr = lr_at(self.recipe.trainer.optim, self.num_optimizer_steps, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
