@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from rlbridge.cli import render
 from rlbridge.cli.common import RecipeArg, SetOpt, example, user_errors
-from rlbridge.recipe import validate_recipe
+from rlbridge.recipe import ValidRecipe, validate_recipe
+
+if TYPE_CHECKING:
+    from rlbridge.run.resume import ResumePoint
 
 
 @example("rlbridge train recipes/quickstart.yaml --set run.steps=20\n\n"
@@ -34,21 +38,7 @@ def train(
             valid = prepare(recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"))
         else:
             valid = validate_recipe(recipe, set_)
-    from rlbridge.plan import make_plan
-    from rlbridge.run import directory as rd
-
-    plan = make_plan(valid.recipe, valid.model)
-    render.plan_summary(plan)
-    with user_errors(), stop_on_signal():
-        from rlbridge.loop import train as run_training
-        from rlbridge.model.cache import ensure_model
-
-        model_dir = ensure_model(valid.recipe.model.path)
-        out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
-        render.out.print(f"run directory: {out}")
-        with resume_hint(out):
-            summary = run_training(valid.recipe, plan, out, model_dir)
-    render.print_summary(summary)
+    run(valid, run_dir)
 
 
 @example("rlbridge resume runs/quickstart-20261130-1200 --set run.steps=60")
@@ -71,14 +61,21 @@ def resume(
             render.issues_table(e.issues, f"cannot resume {run_dir}: {n} recipe change{'s' if n != 1 else ''} since "
                                 "the checkpoint would change what the run computes")
             raise typer.Exit(2) from None
-    from rlbridge.plan import make_plan
-
-    valid, point, steps = prep.valid, prep.point, prep.valid.recipe.run.steps
+    point, steps = prep.point, prep.valid.recipe.run.steps
     render.out.print(f"resuming {run_dir} from {point.path} (step {point.step} of {steps})")
     if point.step >= steps:
         render.out.print(f"nothing to do: the checkpoint is at step {point.step} and run.steps is {steps} "
                          f"(continue further with --set run.steps=N)")
         return
+    run(prep.valid, run_dir, resume=point)
+
+
+def run(valid: ValidRecipe, run_dir: Path | None, *, resume: ResumePoint | None = None) -> None:
+    """plan -> model -> run directory -> the loop, for `train` (a new run directory: `run_dir`, run.dir or
+    runs/<name>-<time>) and `resume` (`run_dir` itself, continued from `resume`'s checkpoint)."""
+    from rlbridge.plan import make_plan
+    from rlbridge.run import directory as rd
+
     plan = make_plan(valid.recipe, valid.model)
     render.plan_summary(plan)
     with user_errors(), stop_on_signal():
@@ -86,8 +83,14 @@ def resume(
         from rlbridge.model.cache import ensure_model
 
         model_dir = ensure_model(valid.recipe.model.path)
-        with resume_hint(run_dir):
-            summary = run_training(valid.recipe, plan, run_dir, model_dir, resume=point)
+        if resume is None:
+            out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
+            render.out.print(f"run directory: {out}")
+        else:
+            assert run_dir is not None, "resume continues the run directory it was given"
+            out = run_dir
+        with resume_hint(out):
+            summary = run_training(valid.recipe, plan, out, model_dir, resume=resume)
     render.print_summary(summary)
 
 

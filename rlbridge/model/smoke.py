@@ -196,12 +196,12 @@ def prepare(path: str | Path, overrides: list[str], *, log: Any = print) -> Any:
     from rlbridge.recipe import load_recipe, validate_recipe
 
     try:
-        validate_recipe(path, overrides)
+        original = validate_recipe(path, overrides).recipe
     except RecipeError as e:
         rest = [i for i in e.issues if i.key not in CPU_ONLY_KEYS]
         if rest:
             raise RecipeError(rest) from None
-    original = load_recipe(path, overrides)
+        original = load_recipe(path, overrides)  # the schema held; only checks the smoke run turns off failed
     plan = plan_smoke(original, read_config(original))
     for note in plan.notes:
         log(note)
