@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rlbridge.algo import advantages as A
 from rlbridge.algo import losses as L
+from rlbridge.engines.base import LossFn, ValueLossFn
 from rlbridge.recipe.schema import AlgorithmCfg, CriticCfg, PpoCfg, RolloutCfg
 
 
@@ -67,7 +68,7 @@ def compute_advantages(
             raise ValueError("ppo needs the critic's values (values_bt)")
         if token_rewards_bt is None:
             token_rewards_bt = A.outcome_to_token_rewards(rewards_b, mask_bt)
-        out = ppo_advantages(algo, token_rewards_bt, values_bt, mask_bt)  # type: ignore[arg-type]
+        out = ppo_advantages(algo, token_rewards_bt, values_bt, mask_bt)  # type: ignore[arg-type]  # algo.name == ppo: algo is a PpoCfg
         out.metrics = {**metrics, **out.metrics}
         out.kl_seq_mean = kl_seq
         return out
@@ -121,7 +122,7 @@ def explained_variance(returns_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -
 
 
 def make_value_loss_fn(critic: CriticCfg, old_values_bt: Tensor, returns_bt: Tensor, mask_bt: Tensor, *,
-                       micro_scale: float = 1.0):  # type: ignore[no-untyped-def]
+                       micro_scale: float = 1.0) -> ValueLossFn:
     """Critic loss closure over the rows of one mini-batch: `loss_coef * 0.5 * token-mean (V - R)^2`, with the
     PPO value clip around the old values when critic.value_clip is set (losses.value_loss). As make_loss_fn,
     each micro-batch returns its share of the mini-batch's token-mean (times `micro_scale`), so gradient
@@ -161,7 +162,7 @@ class LossInputs:
     """The rollout engine's log-probs of the same tokens, for the trainer-vs-rollout agreement metric."""
 
 
-def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float, micro_scale: float = 1.0):  # type: ignore[no-untyped-def]
+def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float, micro_scale: float = 1.0) -> LossFn:
     """Loss closure for TrainEngine.train_step.
 
     For micro-batch rows `rows`, it returns the micro-batch's share of the mini-batch loss:

@@ -100,7 +100,7 @@ def float32_logits(model: PreTrainedModel) -> None:
     if type(head) is not nn.Linear:
         raise RlbridgeError(f"float32 logits need a plain nn.Linear output layer, got {type(head).__name__}")
     # bound to the module, so that a deepcopy (the full fine-tuning reference) computes with its own weight
-    head.forward = types.MethodType(_float32_linear, head)  # type: ignore[method-assign]
+    head.forward = types.MethodType(_float32_linear, head)  # type: ignore[method-assign]  # patches the output head's forward on purpose (float32 logits)
 
 
 def _float32_linear(self: nn.Linear, hidden: Tensor) -> Tensor:

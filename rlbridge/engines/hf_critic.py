@@ -65,15 +65,15 @@ class HFCritic:
         self.master = MasterWeights([(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
         self._trainable = self.master.named
         optim = recipe.trainer.optim
-        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]
+        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
                                            betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
     def _apply_lora(self, backbone: PreTrainedModel) -> nn.Module:
         cfg = self.recipe.lora
-        config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+        config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
                             target_modules=hf_targets(cfg.targets), use_dora=cfg.type == "dora")
         # float32 adapters on a bfloat16 / float16 backbone (peft's default, stated), as the policy's
-        return get_peft_model(backbone, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
+        return get_peft_model(backbone, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
 
     def _apply_recompute(self, backbone: PreTrainedModel) -> None:
         """Whole-layer gradient checkpointing as the policy has it (engines/hf.py), warnings left to the policy."""

@@ -44,7 +44,7 @@ class WandbSink:
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "rlbridge"), name=name, id=run_id, resume="allow",
-            config=config, dir=str(logs_dir), mode=mode(),  # type: ignore[arg-type]
+            config=config, dir=str(logs_dir), mode=mode(),  # type: ignore[arg-type]  # wandb's stubs type mode as a Literal; mode() returns one of its values
             settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
                                     x_disable_stats=True),
         )
@@ -95,7 +95,7 @@ def read_records(run_dir: Path) -> list[Any]:
         raise FileNotFoundError(f"no run-*.wandb file in {run_dir}")
     records = []
     for chunk in _chunks(files[0].read_bytes()):
-        rec = pb.Record()  # type: ignore[attr-defined]
+        rec = pb.Record()  # type: ignore[attr-defined]  # protobuf classes are generated at runtime; no stubs
         rec.ParseFromString(chunk)
         records.append(rec)
     return records

@@ -6,7 +6,6 @@ import itertools
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,9 +70,8 @@ def test_plan_json_has_layout_batches_memory() -> None:
     args = ["plan", str(recipe), "--json", *sum((["--set", s] for s in recipe_sets(recipe)), [])]
     if not GSM8K.is_dir():
         args += ["--set", "data.train.path=builtin:arithmetic", "--set", "data.val.path=builtin:arithmetic"]
-    t = time.perf_counter()
-    res = runner.invoke(app, args)
-    assert time.perf_counter() - t < 5
+    res = runner.invoke(app, args)  # how long it takes: bench/plan_latency.py
+    assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
     assert (plan["dp"], plan["tp"], len(plan["trainer_ranks"])) == (4, 2, 8)
     assert plan["trainer_ranks"][3] == {"rank": 3, "node": 0, "local": 3, "dp": 1, "tp": 1, "pp": 0, "cp": 0, "ep": 0, "etp": 0}

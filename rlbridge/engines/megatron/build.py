@@ -150,7 +150,7 @@ def _patch_block_input(block: torch.nn.Module) -> None:
             hidden_states = hidden_states.detach().requires_grad_(True)
         return original(hidden_states, *args, **kwargs)
 
-    block.forward = forward  # type: ignore[method-assign]
+    block.forward = forward  # type: ignore[method-assign]  # patches one block's forward on purpose (see the docstring above)
 
 
 def build_megatron_bridge(built: Built, *, after_peft: Hook | None = None) -> Model:

@@ -150,7 +150,7 @@ class _CpuStream:
 class _CudaToCpu(torch.overrides.TorchFunctionMode):
     """Maps explicit CUDA devices to the CPU; reports CPU tensor types under their CUDA names."""
 
-    def __torch_function__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # torch/importlib hook signature, untyped upstream
         kwargs = dict(kwargs or {})
         device = kwargs.get("device")
         if device is not None and "cuda" in str(device):
@@ -167,18 +167,18 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
 
 def _redirect_cuda_to_cpu() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
-    cuda.random.get_rng_state = cuda.get_rng_state  # type: ignore[assignment]
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore[assignment]
-    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
-    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    cuda.empty_cache = lambda: None  # type: ignore[assignment]
-    cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
-    cuda.current_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]
-    cuda.default_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]  # CPU stand-in for a torch.cuda function
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.random.get_rng_state = cuda.get_rng_state  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.Stream = _CpuStream  # type: ignore[assignment,misc]  # CPU stand-in for torch.cuda.Stream
+    cuda.current_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.default_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]  # CPU stand-in for a torch.cuda function
     import megatron.core.tensor_parallel.random as mcore_random
 
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -203,8 +203,8 @@ def _contiguous_tp_scatter() -> None:
             splits = [s.contiguous() for s in splits]
         return original(self, splits, *args, **kwargs)
 
-    scatter_to_tp_ranks._rlbridge = True  # type: ignore[attr-defined]
-    cls.scatter_to_tp_ranks = scatter_to_tp_ranks  # type: ignore[method-assign]
+    scatter_to_tp_ranks._rlbridge = True  # type: ignore[attr-defined]  # marker / placeholder attribute set on a foreign object
+    cls.scatter_to_tp_ranks = scatter_to_tp_ranks  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose (see the docstring above)
 
 
 def device_scope() -> contextlib.AbstractContextManager[Any]:
@@ -238,18 +238,18 @@ class _PlaceholderModule(types.ModuleType):
 
 
 class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]  # torch/importlib hook signature, untyped upstream
         if fullname.split(".")[0] in _TE_NAMES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
-    def create_module(self, spec):  # type: ignore[no-untyped-def]
+    def create_module(self, spec):  # type: ignore[no-untyped-def]  # torch/importlib hook signature, untyped upstream
         module = _PlaceholderModule(spec.name)
         module.__path__ = []
-        module.__version__ = "0.0.0+placeholder"  # type: ignore[attr-defined]
+        module.__version__ = "0.0.0+placeholder"  # type: ignore[attr-defined]  # marker / placeholder attribute set on a foreign object
         return module
 
-    def exec_module(self, module):  # type: ignore[no-untyped-def]
+    def exec_module(self, module):  # type: ignore[no-untyped-def]  # torch/importlib hook signature, untyped upstream
         pass
 
 
@@ -282,7 +282,7 @@ def _import_bridge_with_te_placeholder() -> None:
             del sys.modules[name]  # modules that imported it keep their reference; new imports fail
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.bridge") and getattr(module, "HAVE_TE", None) is True:
-            module.HAVE_TE = False  # type: ignore[attr-defined]
+            module.HAVE_TE = False  # type: ignore[attr-defined]  # marker / placeholder attribute set on a foreign object
 
 
 # -------------------------------------------------------------------------------------------- mbridge

@@ -51,7 +51,7 @@ class ValueHead(nn.Linear):
     runtime_gather_output=...), returns (values [s, b, 1], None). Stays float32 when the model is cast
     (megatron's Float16Module calls .bfloat16() / .half() on the whole model)."""
 
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # megatron-core's GPTModel.forward, called with a subset of its arguments
         self, hidden: Tensor, weight: Tensor | None = None, runtime_gather_output: Any = None, **_: Any
     ) -> tuple[Tensor, None]:
         return super().forward(hidden.float()), None
@@ -74,7 +74,7 @@ class MegatronCritic:
             raise RlbridgeError("PPO's critic on the megatron engine is built through Megatron-Bridge: set "
                                 "trainer.bridge: megatron-bridge")
         self.recipe = recipe
-        self.lr = float(recipe.algorithm.critic.lr)  # type: ignore[union-attr]
+        self.lr = float(recipe.algorithm.critic.lr)  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
         self.num_optimizer_steps = 0
         seed = recipe.run.seed
         with compat.device_scope(), torch.random.fork_rng(devices=[]):

@@ -112,9 +112,9 @@ def _broadcast_from_pp_owners(self: Any, tensor: torch.Tensor | None, cache_key:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         tensor = torch.empty(first[0], dtype=first[1], device=device)
         if first[2] is not None:
-            tensor.tensor_model_parallel = first[2]  # type: ignore[attr-defined]
+            tensor.tensor_model_parallel = first[2]  # type: ignore[attr-defined]  # megatron reads these attributes that it sets on tensors itself
         if first[3] is not None:
-            tensor.partition_dim = first[3]  # type: ignore[attr-defined]
+            tensor.partition_dim = first[3]  # type: ignore[attr-defined]  # megatron reads these attributes that it sets on tensors itself
     tensor = tensor.contiguous()  # gloo sends a view's raw storage
     mine = tensor.detach().clone() if len(owners) > 1 else None
     src = dist.get_global_rank(self.pp_group, owners[0])
@@ -139,5 +139,5 @@ def install_pp_duplicate_check() -> None:
     cls = param_mapping.MegatronParamMapping
     if getattr(cls.broadcast_from_pp_rank, "_rlbridge", False):
         return
-    _broadcast_from_pp_owners._rlbridge = True  # type: ignore[attr-defined]
+    _broadcast_from_pp_owners._rlbridge = True  # type: ignore[attr-defined]  # megatron reads these attributes that it sets on tensors itself
     cls.broadcast_from_pp_rank = _broadcast_from_pp_owners

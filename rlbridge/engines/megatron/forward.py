@@ -163,7 +163,7 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
                 kwargs["bias"] = kwargs["bias"].float()
             return _impl(input.float(), weight.float(), *args, **kwargs)
 
-        layer._forward_impl = float32_impl  # type: ignore[method-assign]
+        layer._forward_impl = float32_impl  # type: ignore[method-assign]  # patches the output layer's forward on purpose (see the docstring above)
         changed += 1
     return changed
 
@@ -234,7 +234,7 @@ def finite(x: float) -> bool:
 def zero_grads(model: list[torch.nn.Module], optimizer: Any) -> None:
     """Clear megatron DDP's gradient buffers of every chunk and the optimizer's gradients."""
     for chunk in model:
-        chunk.zero_grad_buffer()  # type: ignore[operator]
+        chunk.zero_grad_buffer()  # type: ignore[operator]  # DDP chunks have zero_grad_buffer; typed as nn.Module
     optimizer.zero_grad()
 
 

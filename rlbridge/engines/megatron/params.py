@@ -54,7 +54,7 @@ def optimizer_params(optimizer: object) -> list[torch.nn.Parameter]:
             for group in list(sub.float16_groups) + list(sub.fp32_from_fp32_groups):
                 out.extend(group)
         else:
-            for group in sub.optimizer.param_groups:  # type: ignore[attr-defined]
+            for group in sub.optimizer.param_groups:  # type: ignore[attr-defined]  # megatron's chained optimizer: its parts are typed as the base class
                 out.extend(group["params"])
     return out
 
