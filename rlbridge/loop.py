@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlbridge.algo.advantages import dynamic_sampling_filter, overlong_penalty
+from rlbridge.algo.correction import health_problems
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
@@ -104,6 +105,7 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
         s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
+    check_mismatch(r, m, step)
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()
     record = {"kind": "train", "step": step, **reward_metrics, **adv.metrics, **m,
@@ -236,6 +238,18 @@ def check_agreement(r: Recipe, m: dict[str, Any]) -> None:
     if limit is not None and diff is not None and diff > limit:
         raise RlbridgeError(f"trainer and rollout log-probs disagree: mean |diff| {diff:.3g} > run.health.max_logprob_diff {limit} "
                             "(stale rollout weights or a dtype mismatch; raise the limit or set it to null to continue anyway)")
+
+
+def check_mismatch(r: Recipe, m: dict[str, Any], step: int) -> None:
+    """run.health's importance-weight limits (algo/correction.py): a warning, or a stop with on_mismatch: stop."""
+    problems = health_problems(r.run.health, m)
+    if not problems:
+        return
+    text = f"step {step}: rollout and trainer disagree: {'; '.join(problems)}"
+    if r.run.health.on_mismatch == "stop":
+        raise RlbridgeError(f"{text} (run.health.on_mismatch: stop; set it to warn to continue, or correct the gap "
+                            "with algorithm.rollout_correction: docs/rollout-correction.md)")
+    log(f"[yellow]warning[/] {text} (algorithm.rollout_correction corrects it: docs/rollout-correction.md)")
 
 
 def evaluate(s: Session, step: int) -> dict[str, float]:

@@ -154,6 +154,7 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: AggMode = "token-mean",
     level: RatioLevel = "token",
+    weight_bt: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate, with asymmetric clip (DAPO clip-higher), dual clip and GSPO.
 
@@ -163,6 +164,8 @@ def policy_loss(
     ``level="sequence"`` is GSPO: the ratio is ``s_i = exp(mean_t(logp - old_logp))`` over the valid
     tokens of sequence i, used per token in the straight-through form ``sg[s_i] * exp(logp_t -
     sg[logp_t])`` so gradients flow per token (the GSPO paper's objective is ``agg="seq-mean-token-mean"``).
+``weight_bt`` (detached, e.g. the rollout correction's importance weights, ``rlbridge.algo.correction``)
+multiplies the per-token loss after both clips, before aggregation; the metrics do not see it.
 
     Metrics (over valid tokens): ``clip_frac`` (the clipped term is chosen, i.e. the clip zeroes the
     gradient), ``dual_clip_frac`` (the dual-clip cap is active), ``approx_kl`` (mean of the k2 estimate
@@ -181,6 +184,8 @@ def policy_loss(
         cap = -adv * dual_clip
         dual_active = (adv < 0) & (loss_bt > cap)
         loss_bt = torch.where(dual_active, cap, loss_bt)
+    if weight_bt is not None:
+        loss_bt = loss_bt * _zero_pad(weight_bt.detach(), mask)
     loss = aggregate(loss_bt, mask, agg)
     with torch.no_grad():
         ratio_valid = ratio[mask]
@@ -309,13 +314,15 @@ def total_loss(
     kl_kind: KLKind = "low_var_kl",
     entropy_bt: Tensor | None = None,
     entropy_coef: float = 0.0,
+    weight_bt: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Actor loss: ``policy_loss + kl_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``.
 
     The KL term (``algorithm.kl.where: loss``) needs ``ref_logp_bt`` when ``kl_coef != 0``; the entropy
     bonus needs ``entropy_bt`` when ``entropy_coef != 0``.  Metrics: those of ``policy_loss`` plus
     ``pg_loss``, ``kl_loss`` (aggregated KL before the coefficient; only with ``ref_logp_bt``),
-    ``entropy`` (aggregated entropy; only with ``entropy_bt``) and ``loss``.
+    ``entropy`` (aggregated entropy; only with ``entropy_bt``) and ``loss``.  ``weight_bt`` weighs the
+    policy term only (see ``policy_loss``).
     """
     if kl_coef != 0.0 and ref_logp_bt is None:
         raise ValueError("kl_coef != 0 needs ref_logp_bt")
@@ -324,7 +331,7 @@ def total_loss(
     mask = as_bool_mask(mask_bt)
     pg, metrics = policy_loss(
         logp_bt, old_logp_bt, adv_bt, mask, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, agg=agg, level=level,
+        dual_clip=dual_clip, agg=agg, level=level, weight_bt=weight_bt,
     )  # fmt: skip
     loss = pg
     metrics["pg_loss"] = _item(pg)

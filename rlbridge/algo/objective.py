@@ -8,12 +8,14 @@ so gradient accumulation gives the same update as one big batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rlbridge.algo import advantages as A
+from rlbridge.algo import correction as C
 from rlbridge.algo import losses as L
 from rlbridge.engines.base import LossFn, ValueLossFn
 from rlbridge.recipe.schema import AlgorithmCfg, CriticCfg, PpoCfg, RolloutCfg
@@ -156,42 +158,57 @@ class LossInputs:
     adv_bt: Tensor
     mask_bt: Tensor
     old_logp_bt: Tensor | None
-    """None: on-policy (one optimizer step per batch): the ratio is exactly 1 and old = logp.detach()."""
+    """None: on-policy (one optimizer step per batch): the ratio is exactly 1 and old = logp.detach(). With
+    algorithm.rollout_correction.bypass: the rollout's log-probs."""
     ref_logp_bt: Tensor | None
     rollout_logp_bt: Tensor | None
     """The rollout engine's log-probs of the same tokens, for the trainer-vs-rollout agreement metric."""
 
 
-def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float, micro_scale: float = 1.0) -> LossFn:
+def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float, micro_scale: float = 1.0,
+                 record: Callable[[Tensor, Tensor], None] | None = None) -> LossFn:
     """Loss closure for TrainEngine.train_step.
 
     For micro-batch rows `rows`, it returns the micro-batch's share of the mini-batch loss:
     agg(micro) * count(micro) / count(mini). Summed over micro-batches this equals agg(mini) exactly.
     `micro_scale` undoes a 1/num_micro_batches scaling the engine applies (pass num_micro_batches then).
+
+    algorithm.rollout_correction (algo/correction.py): the policy loss is weighted per token by the correction
+    factor of the trainer's old log-probs against the rollout's (computed per micro-batch: it is local to a
+    token or a sequence), and the mismatch metrics (rc_*) of the micro-batch are returned with the others.
+    The trainer's log-probs are the old ones, or the live ones detached when old is None or comes from the
+    rollout (bypass). `record(rows, logp)` receives the live log-probs, detached, of every micro-batch.
     """
     total = _norm_count(inputs.mask_bt, algo.loss_agg).clamp(min=1)
     level: L.RatioLevel = "sequence" if algo.name == "gspo" else "token"
     kl_in_loss = algo.kl.where == "loss" and algo.kl.coef > 0
+    rc = algo.rollout_correction
 
     def loss_fn(logp_bt: Tensor, entropy_bt: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
         mask = inputs.mask_bt[rows].to(logp_bt.device)
         old = logp_bt.detach() if inputs.old_logp_bt is None else inputs.old_logp_bt[rows].to(logp_bt.device)
         ref = inputs.ref_logp_bt[rows].to(logp_bt.device) if kl_in_loss and inputs.ref_logp_bt is not None else None
+        rollout = None if inputs.rollout_logp_bt is None else inputs.rollout_logp_bt[rows].to(logp_bt.device)
+        trainer = logp_bt.detach() if inputs.old_logp_bt is None or rc.bypass else old
+        factor = None if rollout is None else C.loss_factor(rc, trainer, rollout, mask)
         loss, metrics = L.total_loss(
             logp_bt, old, inputs.adv_bt[rows].to(logp_bt.device), mask,
             clip_low=algo.clip.low, clip_high=algo.clip.high, dual_clip=algo.clip.dual,
             agg=algo.loss_agg, level=level,
             ref_logp_bt=ref, kl_coef=algo.kl.coef if ref is not None else 0.0, kl_kind=algo.kl.estimator,
-            entropy_bt=entropy_bt, entropy_coef=algo.entropy_coef,
+            entropy_bt=entropy_bt, entropy_coef=algo.entropy_coef, weight_bt=factor,
         )  # fmt: skip
         if algo.loss_agg == "seq-mean-token-sum-norm":
             loss = loss * (mask.shape[1] / norm_constant)  # the constant is max_response_tokens, not the padded width
         share = _norm_count(mask, algo.loss_agg).to(logp_bt.dtype) / total.to(logp_bt.dtype)
-        if inputs.rollout_logp_bt is not None:
-            diff = (logp_bt.detach() - inputs.rollout_logp_bt[rows].to(logp_bt.device)).abs()
+        if rollout is not None:
+            diff = (logp_bt.detach() - rollout).abs()
             valid = mask > 0
             metrics["logprob_diff_mean"] = float(diff[valid].mean()) if valid.any() else 0.0
             metrics["logprob_diff_max"] = float(diff[valid].max()) if valid.any() else 0.0
+            metrics.update(C.metrics(rc, trainer, rollout, mask))
+        if record is not None:
+            record(rows, logp_bt.detach())
         return loss * share * micro_scale, metrics
 
     return loss_fn

@@ -180,7 +180,7 @@ def _line(r: dict[str, Any], total: int) -> str:
     phases = " ".join(f"{k.removeprefix('time_')} {v:.1f}" for k, v in r.items() if k.startswith("time_") and k != "time_step")
     parts = [f"[bold]step {r['step']}/{total}[/]", _fmt(r, "reward_mean", "reward"), _fmt(r, "accuracy", "acc", ".2f"),
              _fmt(r, "kl", "kl", ".4f"), _fmt(r, "entropy", "ent", ".2f"), _fmt(r, "grad_norm", "|g|", ".3f"),
-             _fmt(r, "logprob_diff_mean", "lp-diff", ".1e"), _fmt(r, "time_step", "", ".1f") + "s", f"[dim]({phases})[/]"]
+             _fmt(r, "logprob_diff_mean", "lp-diff", ".1e"), _fmt(r, "rc_ess", "ess", ".2f"), _fmt(r, "time_step", "", ".1f") + "s", f"[dim]({phases})[/]"]
     if r.get("reward_error"):
         parts.append(f"[red]reward errors {r['reward_error']}[/]")
     return "  ".join(p for p in parts if p)

@@ -232,6 +232,33 @@ def check_algorithm(r: Recipe, out: Issues) -> None:
                                fix="set algorithm.kl.where: reward and algorithm.kl.coef > 0 (e.g. 0.05), or remove adaptive_kl_target"))
 
 
+def check_rollout_correction(r: Recipe, out: Issues) -> None:
+    rc, key = r.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rc.bypass:
+        for name, on in (("weights", rc.weights != "none"), ("mask_band", rc.mask_band is not None),
+                         ("reject", rc.reject is not None)):
+            if on:
+                out.append(RecipeIssue(f"{key}.{name}", "bypass takes the old log-probs from the rollout, so there is no trainer "
+                                       "log-prob to weigh, mask or reject by (the PPO ratio against the rollout corrects instead)",
+                                       fix=f"remove {key}.{name}, or set {key}.bypass: false"))
+    if rc.weights == "none" and "clamp_high" in rc.model_fields_set and rc.clamp_high is not None:
+        out.append(RecipeIssue(f"{key}.clamp_high", "clamp_high truncates importance weights, and weights is none",
+                               value=str(rc.clamp_high), fix=f"set {key}.weights: token (or sequence), or remove clamp_high"))
+    if "mask_level" in rc.model_fields_set and rc.mask_band is None:
+        out.append(RecipeIssue(f"{key}.mask_level", "mask_level says how mask_band judges, and there is no mask_band",
+                               value=rc.mask_level, fix=f"set {key}.mask_band (e.g. [0.5, 2.0]), or remove mask_level"))
+    if rc.mask_band is not None:
+        low, high = rc.mask_band
+        if not low < 1.0 < high:
+            out.append(RecipeIssue(f"{key}.mask_band", "the band must hold 1 (trainer and rollout agree) strictly inside: "
+                                   "low < 1 < high, else it masks agreeing tokens", value=f"[{low}, {high}]",
+                                   fix=f"set {key}.mask_band: [{min(low, 0.5)}, {max(high, 2.0)}]"))
+        elif rc.weights != "none" and rc.clamp_high is not None and rc.clamp_high >= high:
+            out.append(RecipeIssue(f"{key}.clamp_high", f"clamp_high {rc.clamp_high} is at or above mask_band's high {high}: "
+                                   "weights that high are masked before the clamp could act", value=str(rc.clamp_high),
+                                   fix=f"set {key}.clamp_high below {high}, or to null"))
+
+
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
     for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
@@ -269,7 +296,8 @@ def check_loggers(r: Recipe, out: Issues) -> None:
 
 # ---------------------------------------------------------------------------------------- entry
 RecipeRule = Callable[[Recipe, Issues], None]
-RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_algorithm, check_files,
+RULES: tuple[RecipeRule, ...] = (check_layout, check_rollout_layout, check_batches, check_lora, check_algorithm, check_rollout_correction,
+                                 check_files,
                                  check_reward, check_loggers)
 
 

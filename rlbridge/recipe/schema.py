@@ -178,12 +178,54 @@ class ClipCfg(Section):
     """Dual clip constant c > 1 bounding the loss for negative advantages; null turns it off."""
 
 
+class RejectCfg(Section):
+    divergence: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token divergence between rollout and trainer, with log w = trainer - rollout log-prob: k1 = |log w|,
+    k2 = 0.5 (log w)^2, k3 = w - 1 - log w (each >= 0; 0 when both agree)."""
+    level: Literal["token", "sequence_mean", "sequence_max"] = "token"
+    """What is rejected: each token whose divergence exceeds the threshold, or each whole sequence whose mean
+    (sequence_mean) or largest (sequence_max) token divergence does."""
+    threshold: Annotated[float, Field(gt=0)]
+    """Rejection threshold (nats for k1; e.g. 0.5 for k1, 0.1 for k2 / k3)."""
+
+
+class RolloutCorrectionCfg(Section):
+    """Correction for the gap between the rollout engine's and the trainer's log-probs (docs/rollout-correction.md).
+    The defaults change nothing: no weights, no masks, old log-probs from the trainer."""
+
+    weights: Literal["none", "token", "sequence"] = "none"
+    """Importance weights w = pi_trainer / pi_rollout of the sampled tokens, detached, multiplied into the per-token
+    policy loss: none, per token, or per sequence (the geometric mean exp(mean_t log w_t), on every token)."""
+    clamp_high: Annotated[float, Field(gt=1)] | None = 2.0
+    """Truncated importance sampling: weights above this are set to it; null keeps them untruncated. Only used with
+    weights token or sequence."""
+    mask_band: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(gt=0)]] | None = None
+    """[low, high] with low < 1 < high (IcePop-style): tokens (or sequences, see mask_level) whose importance ratio
+    lies outside are left out of the policy loss; null masks nothing."""
+    mask_level: Literal["token", "sequence"] = "token"
+    """Unit that mask_band judges: each token's ratio, or each sequence's geometric-mean ratio (the whole sequence
+    is masked)."""
+    reject: RejectCfg | None = None
+    """Leave out tokens or sequences whose divergence between rollout and trainer exceeds a threshold; null: none."""
+    bypass: bool = False
+    """Take the old log-probs from the rollout instead of a trainer forward: the PPO ratio is then against the
+    rollout policy (which corrects the mismatch inside the clip) and a step with several optimizer updates
+    (data.mini_batch_size < batch_size or trainer.ppo_epochs > 1) runs one forward fewer. Excludes weights,
+    mask_band and reject."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the policy loss changes (weights, masks or rejection): bypass changes the old log-probs instead."""
+        return self.weights != "none" or self.mask_band is not None or self.reject is not None
+
+
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class _AlgoBase(Section):
     kl: KlCfg = KlCfg()
     clip: ClipCfg = ClipCfg()
+    rollout_correction: RolloutCorrectionCfg = RolloutCorrectionCfg()
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
     """Entropy bonus coefficient."""
     loss_agg: LossAgg = "token-mean"
@@ -367,6 +409,14 @@ class HealthCfg(Section):
     """Stop when the mean |trainer - rollout| log-prob of sampled tokens exceeds this; null turns it off."""
     max_nonfinite_steps: Annotated[int, Field(ge=0)] = 3
     """Steps with non-finite loss/gradients that are skipped before the run stops."""
+    is_weight_range: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (0.5, 2.0)
+    """A step whose mean importance weight (trainer / rollout probability of the sampled tokens, metric
+    rc_weight_mean) leaves [low, high] gets a warning, or stops the run with on_mismatch: stop."""
+    min_ess: Annotated[float, Field(ge=0, le=1)] = 0.3
+    """A step whose normalized effective sample size of the importance weights (rc_ess) falls below this gets a
+    warning, or stops the run with on_mismatch: stop."""
+    on_mismatch: Literal["warn", "stop"] = "warn"
+    """What a step outside is_weight_range or min_ess does: print a warning, or stop the run."""
 
 
 class RunCfg(Section):

@@ -17,6 +17,9 @@ TRAIN_METRICS = (
     ("entropy", "entropy", ".3f"),
     ("grad_norm", "grad norm", ".3f"),
     ("logprob_diff_mean", "trainer vs rollout log-prob, mean abs diff", ".2e"),
+    ("rc_weight_mean", "importance weight trainer / rollout, mean", ".4f"),
+    ("rc_ess", "importance weights, effective sample size", ".3f"),
+    ("rc_masked_token_frac", "tokens masked by rollout correction", ".1%"),
     ("response_length", "response length (tokens)", ".1f"),
     ("tokens_per_s", "response tokens / s", ".1f"),
 )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlbridge.algo import correction
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import CheckpointableEngine, TrainEngine, WeightExport
@@ -121,27 +122,42 @@ class TrainerRole:
         on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
         minis = list(torch.arange(batch.size).tensor_split(num_minis))
         mine = torch.cat([self._shard(rows) for rows in minis])  # the rows this rank trains on
-        old = None
-        if not on_policy:
+        rc = r.algorithm.rollout_correction
+        old, old_seconds = None, 0.0
+        if rc.bypass:  # the rollout's log-probs are the old ones: no trainer forward before the update
+            old = rollout_logp_bt.to(torch.float32)
+        elif not on_policy:
+            start = time.perf_counter()
             old = torch.zeros(batch.size, batch.response_width)
             old[mine] = self.engine.logprobs(batch if self.dp_size == 1 else batch.select(mine))
+            old_seconds = time.perf_counter() - start
+        seen = _SeenLogprobs(batch.size, batch.response_width)  # the first pass's live log-probs, per row
         if self._start is None and not self._gate_done:
             self._start = {k: v.detach().clone() for k, v in self.engine.trainable_state().items()}
             self._frozen = self.engine.frozen_fingerprint()
         metrics: list[dict[str, float]] = []
-        for _ in range(r.trainer.ppo_epochs):
+        for epoch in range(r.trainer.ppo_epochs):
             for rows in minis:
-                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt, critic))
+                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt, critic,
+                                                 record=seen.record(rows) if epoch == 0 else None))
         out = _mean_metrics(metrics)
-        if old is not None:
-            diff = (old - rollout_logp_bt)[mine].abs()[batch.response_mask[mine] > 0]
+        out["old_logprobs_s"] = old_seconds  # inside time_update: the forward that bypass saves
+        # the trainer's log-probs of the rollout's weights: the old ones, else those of the first pass (exact on
+        # policy; in bypass mode later mini-batches include the policy's own movement). A rank that saw none of
+        # them (a pipeline stage without the loss) keeps the loss closure's per-micro-batch means.
+        trainer_lp = old if old is not None and not rc.bypass else seen.logp if seen.covers(mine) else None
+        valid = batch.response_mask[mine] > 0
+        if trainer_lp is not None and bool(valid.any()):
+            diff = (trainer_lp - rollout_logp_bt)[mine].abs()[valid]
             out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
+            out.update(correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine]))
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         return out
 
     def _update_mini(self, batch: SeqBatch, rows: torch.Tensor, adv_bt: torch.Tensor, old: torch.Tensor | None,
                      ref: torch.Tensor | None, rollout_lp: torch.Tensor,
-                     critic: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
+                     critic: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                     record: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, Any]:
         """One optimizer step on the mini-batch `rows` (contiguous). The loss inputs cover the whole
         mini-batch, so each data-parallel rank's closure returns its exact share of the mini-batch loss."""
         r = self.recipe
@@ -154,7 +170,7 @@ class TrainerRole:
         # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py) and data parallelism
         # averages the ranks' gradients: micro_scale undoes both
         loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
-                               micro_scale=float(num_micro * self.dp_size))
+                               micro_scale=float(num_micro * self.dp_size), record=record)
         if self.dp_size > 1:  # the engine numbers the rows of its shard; the closure, those of the mini-batch
             in_mini, mini_fn = mine - rows[0], loss_fn
             loss_fn = lambda logp, ent, local: mini_fn(logp, ent, in_mini[local.cpu()])  # noqa: E731
@@ -266,6 +282,25 @@ class TrainerRole:
         if not unchanged:
             self._gate_done = True
             self._start = None
+
+
+class _SeenLogprobs:
+    """The live log-probs the loss closure saw on the first pass over each row (detached, on the CPU)."""
+
+    def __init__(self, size: int, width: int) -> None:
+        self.logp = torch.zeros(size, width)
+        self.filled = torch.zeros(size, dtype=torch.bool)
+
+    def record(self, mini_rows: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """A recorder for one mini-batch: the closure numbers its rows within the mini-batch."""
+        def put(rows: torch.Tensor, logp: torch.Tensor) -> None:
+            idx = mini_rows[rows.cpu()]
+            self.logp[idx, : logp.shape[1]] = logp.float().cpu()
+            self.filled[idx] = True
+        return put
+
+    def covers(self, rows: torch.Tensor) -> bool:
+        return bool(self.filled[rows].all())
 
 
 def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:
