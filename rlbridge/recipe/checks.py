@@ -234,6 +234,10 @@ def check_algorithm(r: Recipe, out: Issues) -> None:
 
 def check_rollout_correction(r: Recipe, out: Issues) -> None:
     rc, key = r.algorithm.rollout_correction, "algorithm.rollout_correction"
+    low, high = r.run.health.is_weight_range
+    if not low < 1.0 < high:
+        out.append(RecipeIssue("run.health.is_weight_range", "the range must hold 1 (trainer and rollout agree) strictly inside",
+                               value=f"[{low}, {high}]", fix="set run.health.is_weight_range: [0.5, 2.0]"))
     if rc.bypass:
         for name, on in (("weights", rc.weights != "none"), ("mask_band", rc.mask_band is not None),
                          ("reject", rc.reject is not None)):

@@ -351,6 +351,7 @@ RC = "algorithm.rollout_correction"
     ([f"{RC}.weights=tokens"], f"{RC}.weights", "token"),
     ([f"{RC}.reject.divergence=k3"], f"{RC}.reject.threshold", ""),
     ([f"{RC}.clamp_high=0.5", f"{RC}.weights=token"], f"{RC}.clamp_high", ""),
+    (["run.health.is_weight_range=[1.2,2]"], "run.health.is_weight_range", "[0.5, 2.0]"),
 ])
 def test_recipe_rejects_contradictions_with_a_fix(tmp_path: Any, sets: list[str], key: str, fragment: str) -> None:
     from rlbridge.errors import RecipeError
