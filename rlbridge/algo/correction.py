@@ -128,7 +128,8 @@ def metrics(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt:
     rc_trainer_log_ppl / rc_rollout_log_ppl  mean over sequences of -mean_t logp (log-perplexity)
     rc_log_ppl_diff                       trainer minus rollout log-perplexity (= -mean over sequences of log w_seq)
     rc_kl_k3                              token mean of w - 1 - log w: the k3 estimate of KL(rollout || trainer)
-    rc_chi2                               token mean of w^2 - 1: chi-square divergence of trainer from rollout
+    rc_chi2                               token mean of w^2 - 1: chi-square divergence of trainer from rollout (a
+                                          sample estimate: can be slightly negative)
     """
     valid = mask_bt > 0
     seqs = valid.any(1)
