@@ -20,7 +20,7 @@ from rlbridge.algo import correction as C
 from rlbridge.algo.objective import LossInputs, make_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer import TrainerRole
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.unit.test_correction import ref_factor
 
