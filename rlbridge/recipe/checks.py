@@ -245,10 +245,13 @@ def check_rollout_correction(r: Recipe, out: Issues) -> None:
                 out.append(RecipeIssue(f"{key}.{name}", "bypass takes the old log-probs from the rollout, so there is no trainer "
                                        "log-prob to weigh, mask or reject by (the PPO ratio against the rollout corrects instead)",
                                        fix=f"remove {key}.{name}, or set {key}.bypass: false"))
-    if rc.weights == "none" and "clamp_high" in rc.model_fields_set and rc.clamp_high is not None:
+    # judged by value against the default, not by whether the key was written: the resolved recipe in a run
+    # directory writes every default out, and `rlbridge resume` must accept it (test_resume_unit)
+    default = type(rc)()
+    if rc.weights == "none" and rc.clamp_high not in (None, default.clamp_high):
         out.append(RecipeIssue(f"{key}.clamp_high", "clamp_high truncates importance weights, and weights is none",
                                value=str(rc.clamp_high), fix=f"set {key}.weights: token (or sequence), or remove clamp_high"))
-    if "mask_level" in rc.model_fields_set and rc.mask_band is None:
+    if rc.mask_level != default.mask_level and rc.mask_band is None:
         out.append(RecipeIssue(f"{key}.mask_level", "mask_level says how mask_band judges, and there is no mask_band",
                                value=rc.mask_level, fix=f"set {key}.mask_band (e.g. [0.5, 2.0]), or remove mask_level"))
     if rc.mask_band is not None:

@@ -14,6 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from rlbridge.cli import app
+from rlbridge.recipe import run_checks
 from rlbridge.recipe.load import build_recipe, load_recipe_data
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
@@ -33,10 +34,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
 def test_resolved_recipe_loads_again(path: Path) -> None:
-    """The run directory and every checkpoint hold the resolved recipe; resume must be able to load it."""
+    """The run directory and every checkpoint hold the resolved recipe (every default written out); resume must
+    be able to load it and pass the same checks (a check that asks whether a key was written would refuse it)."""
     recipe = build_recipe(*load_recipe_data(path))
     again = Recipe.model_validate(yaml.safe_load(resolved_yaml(recipe)))
     assert again == recipe and resolved_yaml(again) == resolved_yaml(recipe)
+    issues = lambda r: [(i.key, i.message) for i in run_checks(r, model_checks=False)[0]]  # noqa: E731
+    assert issues(again) == issues(recipe)  # the shipped recipes' data paths may be absent here: same issues
 
 
 def make_run(tmp_path: Path, model_dir: Path, steps: tuple[int, ...] = (2, 4)) -> Path:
