@@ -63,6 +63,7 @@ from tests.gpu.vllm_engine_job import (
     sample,
     sleep_wake,
     start_engine,
+    worst_same_token_diff,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.timeout(900 if DRY_RUN else 300)]
@@ -193,18 +194,15 @@ def check_modified(kind: str, out: Rollouts, base: Any, trainer: Any, sync_s: fl
 
 def check_sleep_wake(before: Rollouts, after: Rollouts, numbers: dict[str, float], reference: Any, label: str) -> None:
     same_rows = sum(a == b for a, b in zip(before.response_ids, after.response_ids, strict=True))
-    worst = 0.0
-    for ids_a, ids_b, lp_a, lp_b in zip(before.response_ids, after.response_ids, before.response_logprobs,
-                                        after.response_logprobs, strict=True):  # fmt: skip
-        common = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), min(len(ids_a), len(ids_b)))
-        worst = max([worst, *(abs(x - y) for x, y in zip(lp_a[:common], lp_b[:common], strict=True))])
+    worst = worst_same_token_diff(before, after)
     g = gaps(reference, after)
     figure(f"sleep_wake_{label}", identical_rows=same_rows, rows=len(after), max_diff_same_tokens=worst,
            after_wake_vs_reference_mean=g["mean"], **numbers)  # fmt: skip
     if P.device == "cuda":
         assert numbers["freed_share"] >= 0.9, numbers
         assert numbers["retaken_gib"] > 0.5 * numbers["freed_gib"], numbers  # it did allocate again
-    assert worst < SAME_AFTER_WAKE, worst
+    # sleep/wake changes no more than sampling the same engine twice does (bit-equal when that is)
+    assert worst < max(SAME_AFTER_WAKE, 2 * numbers.get("max_diff_repeat_no_sleep", 0.0)), (worst, numbers)
     assert same_rows >= len(after) // 2, f"only {same_rows} of {len(after)} rows sampled the same tokens"
     assert g["mean"] < P.logprob_bound, g
 
