@@ -123,10 +123,9 @@ def export_hf(source: Path, out: Path, *, merge: bool | None = None, step: int |
 
 # ------------------------------------------------------------------------------------------- exporters
 def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
-    from transformers.utils import logging as hf_logging
-
     from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.model.cache import ensure_model
+    from rlbridge.model.hf import hf_logging
 
     base_dir = ensure_model(recipe.model.path)
     loaded = ckpt.load_checkpoint(point.path)
@@ -224,7 +223,7 @@ def _write_merged(tmp: Path, exported: Exported, max_shard_size: str | int) -> N
         config.pop("torch_dtype", None)
     ckpt.safe_join(tmp, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if not ckpt.safe_join(tmp, "generation_config.json").exists():  # the base had none: the config's tokens
-        from transformers import GenerationConfig
+        from rlbridge.model.hf import GenerationConfig
 
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
         GenerationConfig(**ids).save_pretrained(tmp)

@@ -39,14 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, WeightExport, load_named
@@ -54,6 +48,18 @@ from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
+from rlbridge.model.hf import (
+    AutoModelForCausalLM,
+    LoraConfig,
+    LoraLayer,
+    LoraLinear,
+    PeftModel,
+    PreTrainedModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    remove_tied_weights_from_state_dict,
+    revert_weight_conversion,
+)
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets

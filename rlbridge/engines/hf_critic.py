@@ -23,15 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
-from transformers import AutoModel, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.master import MasterWeights
 from rlbridge.engines.optim import adamw_state, load_adamw_state
+from rlbridge.model.hf import AutoModel, LoraConfig, PreTrainedModel, get_peft_model, hf_logging
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
 

@@ -109,7 +109,7 @@ def _find_gguf() -> Path:
 def _no_progress_bars() -> Iterator[None]:
     """transformers' progress bars (GGUF dequantization: a plain tqdm on sys.stderr; loading, writing shards)
     off: on a first run they would be the only third-party lines on the console. Failures still raise."""
-    from transformers.utils import logging as hf_logging
+    from rlbridge.model.hf import hf_logging
 
     hf_logging.disable_progress_bar()
     try:
@@ -126,7 +126,8 @@ def _convert_gguf(gguf: Path, out_dir: Path, expected: dict[str, Any]) -> None:
     that agree with `expected` to float32 precision are written as the canonical value.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

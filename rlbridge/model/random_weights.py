@@ -43,7 +43,8 @@ def _bytes_to_unicode() -> list[str]:
 
 def save_byte_tokenizer(out_dir: Path, *, model_max_length: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    from rlbridge.model.hf import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_bytes_to_unicode())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -62,7 +63,8 @@ def build_random_model(config: dict[str, Any], out_dir: Path, *, seed: int = 0, 
     """Write a float32 random model of `config` (a config.json mapping; vocabulary and special-token ids
     are replaced by the byte tokenizer's) with that tokenizer into `out_dir`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from rlbridge.model.hf import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     cfg = {k: v for k, v in config.items() if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")}
     cfg.update(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+    from rlbridge.model.hf import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if tok.pad_token_id is None:

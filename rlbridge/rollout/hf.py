@@ -38,7 +38,7 @@ class HFRollout:
     def __init__(
         self, model_dir: str | Path, rollout_cfg: RolloutCfg, model_cfg: ModelCfg, *, seed: int
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer
 
         self.weight_version = 0
         self.cfg = rollout_cfg
@@ -97,7 +97,7 @@ class HFRollout:
         return self._to_rollouts(rows, new_bt, logprobs_bt, sampling.max_tokens)
 
     def _generation_config(self, sampling: SamplingCfg) -> Any:
-        from transformers import GenerationConfig
+        from rlbridge.model.hf import GenerationConfig
 
         common: dict[str, Any] = dict(
             max_new_tokens=sampling.max_tokens,
@@ -166,7 +166,7 @@ class HFRollout:
         self.model.load_state_dict(tensors, strict=False)
 
     def _load_adapter(self, weights: WeightExport) -> None:
-        from peft import get_peft_model, set_peft_model_state_dict
+        from rlbridge.model.hf import get_peft_model, set_peft_model_state_dict
 
         if not weights.adapter_config:
             raise ValueError(
@@ -196,7 +196,7 @@ class HFRollout:
 
 def _lora_config(config: dict[str, Any]) -> Any:
     """A peft LoraConfig from adapter_config.json content (keys peft does not know are dropped)."""
-    from peft import LoraConfig
+    from rlbridge.model.hf import LoraConfig
 
     known = {f.name for f in dataclasses.fields(LoraConfig)}
     kwargs = {k: v for k, v in config.items() if k in known and k not in ("peft_type", "task_type")}

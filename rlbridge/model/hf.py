@@ -1,0 +1,30 @@
+"""transformers and peft: the one module of rlbridge that imports them (ruff's TID251 rule enforces it).
+
+The hf engine and critic, the hf rollout, the model cache, random weights, the tokenizer and export-hf take these
+names from here. Modules on the CLI's fast path (validate-recipe, report) import this inside the functions that
+need it: importing it costs transformers' import time (~2.5 s; peft adds ~0.2 s on top).
+"""
+
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+from transformers.utils import logging as hf_logging
+
+__all__ = [
+    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "LlamaForCausalLM",
+    "LoraConfig", "LoraLayer", "LoraLinear", "PeftModel", "PreTrainedModel", "PreTrainedTokenizerFast",
+    "get_peft_model", "get_peft_model_state_dict", "hf_logging", "remove_tied_weights_from_state_dict",
+    "revert_weight_conversion", "set_peft_model_state_dict",
+]
