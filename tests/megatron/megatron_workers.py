@@ -640,8 +640,12 @@ def checkpoint_suite(qwen: str, run_dir: str, tp: int, pp: int, phase: str, lr: 
         import time
 
         t0 = time.perf_counter()
-        res["saved"] = role.save_checkpoint(run_dir, 2, {"note": "test"}, "name: test\n", keep=2)
+        from rlbridge.run.directory import resolved_yaml
+
+        res["saved"] = role.save_checkpoint(run_dir, 2, {"note": "test"}, resolved_yaml(recipe), keep=2)
         res["save_s"] = time.perf_counter() - t0
+        res["batch_full"] = batch_dict(full_batch())
+        res["logits_saved"] = full_logits(engine, full_batch())  # what export-hf of step 2 must reproduce
     else:
         import time
 

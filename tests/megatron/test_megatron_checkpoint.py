@@ -76,3 +76,34 @@ def test_resume_at_another_layout_matches(saved: dict[str, Any], run_workers: An
     for name, tensor in ref["after"]["optimizer"].items():
         _close(got["after"]["optimizer"][name], tensor)
     print(f"loaded at tp{tp} pp{pp} in {got['load_s']:.2f} s")
+
+
+def test_export_hf_from_a_tp2_pp2_checkpoint(saved: dict[str, Any], tmp_path: Path) -> None:
+    """export-hf of the TP2 x PP2 checkpoint in this (CPU, no Megatron, no Ray) process: the merged model's
+    logits equal the megatron trainer's at the saved step and a peft merge of the adapter export."""
+    import time
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlbridge.export import export_hf
+
+    r0, path = saved["ranks"][0], Path(saved["ranks"][0]["saved"]["path"])
+    start = time.perf_counter()
+    merged = export_hf(path, tmp_path / "merged", merge=True, log=lambda _: None)
+    adapter = export_hf(path, tmp_path / "adapter", merge=False, log=lambda _: None)
+    print(f"export-hf merged {merged.bytes} bytes, adapter {adapter.bytes} bytes, {time.perf_counter() - start:.1f} s")
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False  # the tiny Qwen2 is untied: both matrices written
+    batch = r0["batch_full"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert "lm_head.weight" in dict(model.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+                                                ["base_model_name_or_path"], dtype=torch.float32)
+    peft_merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = peft_merged(input_ids=ids, attention_mask=mask).logits
+    _close(got, want, rtol=1e-4)
+    _close(got, r0["logits_saved"].float(), rtol=1e-4)  # fused qkv / gate-up adapters split correctly
