@@ -107,3 +107,30 @@ def test_export_hf_from_a_tp2_pp2_checkpoint(saved: dict[str, Any], tmp_path: Pa
         want = peft_merged(input_ids=ids, attention_mask=mask).logits
     _close(got, want, rtol=1e-4)
     _close(got, r0["logits_saved"].float(), rtol=1e-4)  # fused qkv / gate-up adapters split correctly
+
+
+def test_corrupted_or_missing_shard_is_skipped_with_the_reason(saved: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    good = Path(saved["ranks"][0]["saved"]["path"])
+    run_dir = tmp_path / "run"
+    shutil.copytree(good.parent.parent, run_dir)
+    for step, damage in ((3, "corrupt"), (4, "missing")):
+        bad = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+        shutil.copytree(good, bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["step"] = step
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+        if damage == "corrupt":
+            with open(bad / "optimizer.safetensors", "r+b") as f:
+                f.seek(-1, 2)
+                last = f.read(1)
+                f.seek(-1, 2)
+                f.write(bytes([last[0] ^ 0xFF]))
+        else:
+            (bad / "trainable.safetensors").unlink()
+    said: list[str] = []
+    info = ckpt.latest_complete(run_dir, log=said.append)
+    assert info is not None and info.step == 2
+    assert "step_000004: missing trainable.safetensors" in said[0]
+    assert "step_000003: optimizer.safetensors: sha256 mismatch" in said[1]
