@@ -9,7 +9,9 @@ exporter of the checkpoint's engine (`EXPORTERS`) for the weights:
   trainer used, and the hf engine exports them: LoRA folded in float32 with peft's arithmetic
   (engines/weights.merge_lora) and cast to model.dtype at the end, or peft's adapter tensors and
   adapter_config.json. No Ray, no vLLM.
-- megatron: its bridge export plugs in here (not yet: the engine does not write checkpoints yet).
+- megatron (LoRA): the checkpoint's canonical Megatron adapter tensors (full, whatever TP/PP wrote them) are
+  renamed to PEFT's (engines/megatron/hf_names.py, splitting the fused qkv and gate/up projections) and
+  exported as above: the same CPU process, no Megatron, no Ray.
 
 What is written (to a temporary sibling of --out, renamed into place when complete):
 
@@ -145,7 +147,12 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    engine.load_trainable_state(loaded.tensors["trainable"])
+    trainable = loaded.tensors["trainable"]
+    if recipe.trainer.engine == "megatron":  # canonical Megatron adapter names -> the hf engine's PEFT names
+        from rlbridge.engines.megatron.hf_names import lora_to_peft
+
+        trainable = lora_to_peft(trainable, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
+    engine.load_trainable_state(trainable)
     if kind == "adapter":
         weights = engine.export_weights("adapter")
         config = dict(weights.adapter_config or {})
@@ -159,8 +166,18 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
     return Exported(WeightExport("merged", state), config, base_dir, notes)
 
 
-EXPORTERS: dict[str, Exporter] = {"hf": _hf_exporter}
-"""trainer.engine -> exporter. The megatron engine's bridge export registers here once it checkpoints."""
+def _megatron_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+    """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
+    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray)."""
+    if not recipe.lora.enabled or recipe.lora.type != "lora":
+        what = "full fine-tuning" if not recipe.lora.enabled else f"lora.type {recipe.lora.type}"
+        raise RlbridgeError(f"export-hf of a megatron checkpoint of {what} is not implemented yet (LoRA only: "
+                            "its adapters map onto PEFT's); export from the running trainer instead")
+    return _hf_exporter(recipe, point, kind, log)
+
+
+EXPORTERS: dict[str, Exporter] = {"hf": _hf_exporter, "megatron": _megatron_exporter}
+"""trainer.engine -> exporter."""
 
 
 def _settle_ties(model: Any, state: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:

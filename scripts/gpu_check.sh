@@ -30,9 +30,10 @@ cd "$root"
 case "$part" in
   1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py) ;;
   2) files=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
+  3) files=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
   all) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
-              tests/gpu/test_gpu_kill_resume_export.py) ;;
-  *) echo "usage: bash scripts/gpu_check.sh [1|2|all]" >&2; exit 2 ;;
+              tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;
+  *) echo "usage: bash scripts/gpu_check.sh [1|2|3|all]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT/runs"

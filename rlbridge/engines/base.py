@@ -75,6 +75,21 @@ class CheckpointableEngine(TrainEngine, Protocol):
 
 
 @runtime_checkable
+class PortableCheckpointEngine(Protocol):
+    """An engine (or critic) of a multi-rank trainer whose checkpoint state is layout-free: full tensors under
+    canonical names, so a checkpoint loads at another parallel layout (engines/megatron/state.py)."""
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """Collective over every rank: ({"trainable": ..., "optimizer": ...}, JSON metadata); the tensors on
+        global rank 0 only ({} elsewhere), the metadata on every rank."""
+        ...
+
+    def load_checkpoint_state(self, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
+        """Every rank: restore its shards from the full tensors `checkpoint_state` returned."""
+        ...
+
+
+@runtime_checkable
 class RankedEngine(TrainEngine, Protocol):
     """A TrainEngine of one rank of a multi-rank trainer (megatron), which says where in the layout it sits."""
 

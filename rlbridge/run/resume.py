@@ -229,10 +229,11 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     valid = validate_recipe(recipe_file, list(overrides))
     new_yaml = resolved_yaml(valid.recipe)
     diff = policy.recipe_diff(point.recipe_yaml, new_yaml)
-    refused = policy.check_resume_compatible(point.recipe_yaml, new_yaml)
+    layout_free = _layout_free(point)
+    refused = policy.check_resume_compatible(point.recipe_yaml, new_yaml, layout_free=layout_free)
     if refused:
         set_keys = {o.split("=", 1)[0].strip() for o in overrides}
-        unsafe = [(k, o, n) for k, o, n in diff if not policy.is_resume_safe(k)]
+        unsafe = [(k, o, n) for k, o, n in diff if not policy.is_resume_safe(k, layout_free=layout_free)]
         raise UnsafeResumeError([RecipeIssue(key=k, message=m, where="--set" if k in set_keys else str(recipe_file))
                                  for (k, _, _), m in zip(unsafe, refused, strict=True)])
     for key, old, new in diff:
@@ -247,6 +248,16 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     if dropped:
         log(f"{METRICS}: dropped {dropped} record(s) written after step {point.step} (they are recomputed)")
     return ResumePlan(valid, point, diff, dropped)
+
+
+def _layout_free(point: ResumePoint) -> bool:
+    """Whether the checkpoint's trainer state is layout-free (loads at another parallel layout)."""
+    try:
+        state = json.loads((point.path / ckpt.STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    trainer = state.get("trainer") if isinstance(state, dict) else None
+    return isinstance(trainer, dict) and trainer.get("layout_free") is True
 
 
 def _warn_versions(point: ResumePoint, log: Callable[[str], None]) -> None:

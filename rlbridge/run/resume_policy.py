@@ -16,6 +16,10 @@ RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every",
                     "cluster.collective_timeout_s",
                     "reward.timeout_s", "reward.workers", "reward.error_budget")
 """Recipe key prefixes that may change on resume: they do not change what the run computes."""
+LAYOUT_KEYS = ("trainer.parallel.tensor", "trainer.parallel.pipeline", "trainer.parallel.virtual_pipeline",
+               "cluster.gpus_per_node", "cluster.nodes")
+"""Keys that may also change when the checkpoint is layout-free (the megatron engine's canonical tensors,
+engines/megatron/state.py): the run continues at another layout, equal up to float summation order."""
 
 class _Missing:
     def __repr__(self) -> str:
@@ -53,15 +57,23 @@ def _same_number(a: Any, b: Any) -> bool:
     return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b)) and a == b
 
 
-def is_resume_safe(key: str) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in RESUME_SAFE_KEYS)
+def is_resume_safe(key: str, *, layout_free: bool = False) -> bool:
+    keys = RESUME_SAFE_KEYS + (LAYOUT_KEYS if layout_free else ())
+    return any(key == p or key.startswith(p + ".") for p in keys)
 
 
-def check_resume_compatible(old_yaml: str, new_yaml: str) -> list[str]:
-    """One message per changed key that may not change on resume (see RESUME_SAFE_KEYS)."""
-    return [f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not continue "
-            f"the same run. Set {key} back to {_show(old)}, or start a new run"
-            for key, old, new in recipe_diff(old_yaml, new_yaml) if not is_resume_safe(key)]
+def check_resume_compatible(old_yaml: str, new_yaml: str, *, layout_free: bool = False) -> list[str]:
+    """One message per changed key that may not change on resume (see RESUME_SAFE_KEYS; LAYOUT_KEYS too when
+    the checkpoint is `layout_free`)."""
+    out = []
+    for key, old, new in recipe_diff(old_yaml, new_yaml):
+        if is_resume_safe(key, layout_free=layout_free):
+            continue
+        why = (" (only a layout-free checkpoint, written by the megatron engine, loads at another parallel layout)"
+               if any(key == p for p in LAYOUT_KEYS) else "")
+        out.append(f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not "
+                   f"continue the same run{why}. Set {key} back to {_show(old)}, or start a new run")
+    return out
 
 
 def _show(value: Any) -> str:

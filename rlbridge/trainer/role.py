@@ -18,7 +18,7 @@ import torch
 from rlbridge.algo import correction
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import CheckpointableEngine, TrainEngine, WeightExport
+from rlbridge.engines.base import CheckpointableEngine, PortableCheckpointEngine, TrainEngine, WeightExport
 from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
@@ -190,12 +190,14 @@ class TrainerRole:
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_support(self) -> str | None:
         """None when this trainer can save and restore checkpoints, else why not."""
+        if isinstance(self.engine, PortableCheckpointEngine):
+            problem: str | None = getattr(self.engine, "checkpoint_problem", lambda: None)()
+            return problem
         if not isinstance(self.engine, CheckpointableEngine):
             return (f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
                     "optimizer_state, load_optimizer_state)")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            return "checkpoints of a multi-rank trainer are not implemented yet"
+        if _world_size() > 1:
+            return "checkpoints of a multi-rank trainer need a layout-free engine state (checkpoint_state)"
         return None
 
     def _checkpointable(self) -> CheckpointableEngine:
@@ -205,25 +207,49 @@ class TrainerRole:
         assert isinstance(self.engine, CheckpointableEngine)
         return self.engine
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]:
-        """Write checkpoint `step` from this process (the tensors never travel): the trainable tensors
-        (adapters only under LoRA), optimizer and scheduler state, this process's RNG states and the gate
-        state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
-        rlbridge/run/checkpoint.py). Returns path, bytes, seconds, and what retention deleted."""
-        from rlbridge.run import checkpoint as ckpt
+    def _engine_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """The tensor groups and the trainer's part of state.json (collective for a multi-rank engine)."""
         from rlbridge.run import rng
 
+        mine: dict[str, Any] = {"engine": self.recipe.trainer.engine, "updates": self.updates,
+                                "gate_done": self._gate_done, "signal_updates": self._signal_updates}
+        if isinstance(self.engine, PortableCheckpointEngine):  # full tensors on global rank 0, any layout
+            problem = self.checkpoint_support()
+            if problem:
+                raise RlbridgeError(problem)
+            groups, mine["optimizer"] = self.engine.checkpoint_state()
+            mine["layout_free"] = True
+            if self.critic is not None:
+                assert isinstance(self.critic, PortableCheckpointEngine)
+                critic, mine["critic_optimizer"] = self.critic.checkpoint_state()
+                if critic:
+                    groups.update(critic=critic["trainable"], critic_optimizer=critic["optimizer"])
+            mine["rng_ranks"] = _gather_rng(rng.rng_state())
+            mine["rng"] = mine["rng_ranks"][0] if mine["rng_ranks"] else rng.rng_state()
+            return groups, mine
         engine = self._checkpointable()
-        start = time.perf_counter()
-        optim_tensors, optim_meta = engine.optimizer_state()
-        mine = {"engine": self.recipe.trainer.engine, "rng": rng.rng_state(), "optimizer": optim_meta,
-                "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
-        notes: list[str] = []
+        optim_tensors, mine["optimizer"] = engine.optimizer_state()
+        mine["rng"] = rng.rng_state()
         groups = {"trainable": self.engine.trainable_state(), "optimizer": optim_tensors}
         if self.critic is not None:  # PPO: the critic's adapter (or weights) + value head, and its AdamW
             critic_optim, mine["critic_optimizer"] = self.critic.optimizer_state()
             groups.update(critic=self.critic.trainable_state(), critic_optimizer=critic_optim)
+        return groups, mine
+
+    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
+                        keep: int) -> dict[str, Any]:
+        """Write checkpoint `step` from this process (the tensors never travel through the driver): the
+        trainable tensors (adapters only under LoRA), optimizer and scheduler state, the RNG states and the
+        gate state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
+        rlbridge/run/checkpoint.py). A multi-rank trainer gathers full, layout-free tensors to global rank 0,
+        which alone writes. Returns path, bytes, seconds, and what retention deleted."""
+        from rlbridge.run import checkpoint as ckpt
+
+        start = time.perf_counter()
+        groups, mine = self._engine_state()
+        if not self.is_holder:
+            return {"path": "", "bytes": 0, "seconds": time.perf_counter() - start, "notes": []}
+        notes: list[str] = []
         path = ckpt.save_checkpoint(Path(run_dir), step, tensors=groups,
                                     state={**state, "trainer": mine}, recipe_yaml=recipe_yaml, keep=keep,
                                     log_fn=notes.append)
@@ -232,25 +258,43 @@ class TrainerRole:
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
-        (verified first); returns its state.json content for the driver to restore the rest."""
+        (verified first; every rank of a multi-rank trainer reads it); returns its state.json content for
+        the driver to restore the rest."""
         from rlbridge.run import checkpoint as ckpt
         from rlbridge.run import rng
 
-        engine = self._checkpointable()
+        problem = self.checkpoint_support()
+        if problem:
+            raise RlbridgeError(problem)
         loaded = ckpt.load_checkpoint(Path(path))
         mine = loaded.state.get("trainer") or {}
         if mine.get("engine") != self.recipe.trainer.engine:
             raise RlbridgeError(f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
                                 f"trainer.engine={self.recipe.trainer.engine}")
-        engine.load_trainable_state(loaded.tensors["trainable"])
-        engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])
-        if self.critic is not None:
-            if "critic" not in loaded.tensors or "critic_optimizer" not in mine:
-                raise RlbridgeError(f"checkpoint {path} holds no critic (critic.safetensors), which "
-                                    "algorithm.name=ppo needs")
-            self.critic.load_trainable_state(loaded.tensors["critic"])
-            self.critic.load_optimizer_state(loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"])
-        rng.set_rng_state(mine["rng"])
+        if "trainable" not in loaded.tensors:
+            raise RlbridgeError(f"checkpoint {path} holds no trainable.safetensors")
+        if self.critic is not None and ("critic" not in loaded.tensors or "critic_optimizer" not in mine):
+            raise RlbridgeError(f"checkpoint {path} holds no critic (critic.safetensors), which "
+                                "algorithm.name=ppo needs")
+        policy = {"trainable": loaded.tensors["trainable"], "optimizer": loaded.tensors.get("optimizer", {})}
+        if isinstance(self.engine, PortableCheckpointEngine):
+            self.engine.load_checkpoint_state(policy, mine["optimizer"])
+            if self.critic is not None:
+                assert isinstance(self.critic, PortableCheckpointEngine)
+                self.critic.load_checkpoint_state({"trainable": loaded.tensors["critic"],
+                                                   "optimizer": loaded.tensors.get("critic_optimizer", {})},
+                                                  mine["critic_optimizer"])
+            ranks = mine.get("rng_ranks") or [mine["rng"]]
+            rank = torch.distributed.get_rank() if _world_size() > 1 else 0
+            rng.set_rng_state(ranks[rank] if len(ranks) == _world_size() else ranks[0])
+        else:
+            engine = self._checkpointable()
+            engine.load_trainable_state(policy["trainable"])
+            engine.load_optimizer_state(policy["optimizer"], mine["optimizer"])
+            if self.critic is not None:
+                self.critic.load_trainable_state(loaded.tensors["critic"])
+                self.critic.load_optimizer_state(loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"])
+            rng.set_rng_state(mine["rng"])
         self.updates = int(mine.get("updates", 0))
         self._gate_done = bool(mine.get("gate_done", self._gate_done))
         self._signal_updates = int(mine.get("signal_updates", 0))
@@ -282,6 +326,21 @@ class TrainerRole:
         if not unchanged:
             self._gate_done = True
             self._start = None
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather_rng(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's RNG state, in global rank order, on global rank 0 ([] elsewhere; [mine] alone)."""
+    if _world_size() == 1:
+        return [mine]
+    dist = torch.distributed
+    out: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, out if dist.get_rank() == 0 else None, dst=0)
+    return out
 
 
 class _SeenLogprobs:

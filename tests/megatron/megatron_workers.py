@@ -616,3 +616,46 @@ def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float
     res["moment_dtypes"] = sorted({str(st[k].dtype) for st in states for k in ("exp_avg", "exp_avg_sq")})
     engine.close()
     return res
+
+
+def checkpoint_suite(qwen: str, run_dir: str, tp: int, pp: int, phase: str, lr: float = 1e-2,
+                     warmup: int = 0) -> dict[str, Any]:
+    """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
+    checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
+    take the third step. Both report the full canonical state (global rank 0) and log-probs after step 3,
+    so a resume at any layout can be compared with continuing at the original one."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.trainer.role import TrainerRole
+
+    recipe = make_recipe(qwen, lora=lora(), trainer=trainer(tp=tp, pp=pp, optim={"lr": lr, "clip_grad": 1.0,
+                                                                              "warmup_steps": warmup}))
+    role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
+    role.is_holder = torch.distributed.get_rank() == 0
+    engine: Any = role.engine
+    batch = ragged_batch(seed=4, rows=4)
+    res: dict[str, Any] = {"support": role.checkpoint_support()}
+    if phase == "save":
+        set_adapters(engine)
+        res["steps"] = [engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2) for _ in range(2)]
+        import time
+
+        t0 = time.perf_counter()
+        from rlbridge.run.directory import resolved_yaml
+
+        res["saved"] = role.save_checkpoint(run_dir, 2, {"note": "test"}, resolved_yaml(recipe), keep=2)
+        res["save_s"] = time.perf_counter() - t0
+        res["batch_full"] = batch_dict(full_batch())
+        res["logits_saved"] = full_logits(engine, full_batch())  # what export-hf of step 2 must reproduce
+    else:
+        import time
+
+        t0 = time.perf_counter()
+        res["state"] = role.load_checkpoint(f"{run_dir}/checkpoints/step_000002")
+        res["load_s"] = time.perf_counter() - t0
+        res["loaded"] = engine.checkpoint_state()[0]
+    res["step3"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    res["logprobs"] = engine.logprobs(batch)
+    groups, meta = engine.checkpoint_state()
+    res["after"], res["meta"] = groups, meta
+    engine.close()
+    return res

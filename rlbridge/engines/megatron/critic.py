@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.megatron import build as B
-from rlbridge.engines.megatron import compat, forward, params
+from rlbridge.engines.megatron import compat, forward, params, state
 from rlbridge.engines.megatron import provider as P
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
@@ -186,10 +186,23 @@ class MegatronCritic:
         self.optimizer.reload_model_params()
 
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        raise RlbridgeError("checkpoints of the megatron engine are not implemented yet (nor of its critic)")
+        raise RlbridgeError("the megatron critic is checkpointed through checkpoint_state (layout-free)")
 
     def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        raise RlbridgeError("checkpoints of the megatron engine are not implemented yet (nor of its critic)")
+        raise RlbridgeError("the megatron critic is restored through load_checkpoint_state (layout-free)")
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, Tensor]], dict[str, Any]]:
+        """Collective: as MegatronTrainEngine.checkpoint_state, for the critic (value head included)."""
+        with compat.device_scope():
+            groups = state.gather_state(self.model, self.optimizer)
+        return groups, {"format": state.FORMAT, "scheduler": {"step": self.num_optimizer_steps}}
+
+    def load_checkpoint_state(self, groups: dict[str, dict[str, Tensor]], meta: dict[str, Any]) -> None:
+        if meta.get("format") != state.FORMAT:
+            raise RlbridgeError(f"unknown megatron critic checkpoint format {meta.get('format')!r}")
+        with compat.device_scope():
+            state.load_state(self.model, self.optimizer, groups["trainable"], groups.get("optimizer", {}), "the critic")
+        self.num_optimizer_steps = int(meta["scheduler"]["step"])
 
     def set_head(self, weight: Tensor, bias: Tensor) -> None:
         """Overwrite the value head (tests compare values against an HF computation with given weights)."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
-from rlbridge.engines.megatron import compat, export, forward, params
+from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P
 from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
@@ -284,6 +284,28 @@ class MegatronTrainEngine:
         load_named(self._trainable, tensors, "the model's trainable")
         self.optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
 
+    def checkpoint_problem(self) -> str | None:
+        """Why this layout cannot checkpoint yet, or None."""
+        return state.unsupported(self.recipe)
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """Collective: full fp32 trainable tensors and Adam moments under canonical names on global rank 0
+        (engines/megatron/state.py), and the schedule position and layout as metadata on every rank."""
+        with compat.device_scope():
+            groups = state.gather_state(self.model, self.optimizer)
+        meta = {"format": state.FORMAT, "scheduler": {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
+                "layout": layout(self.built.provider)}
+        return groups, meta
+
+    def load_checkpoint_state(self, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
+        """Every rank: its shards of the checkpoint's full tensors, Adam's state and the schedule position."""
+        if meta.get("format") != state.FORMAT:
+            raise RlbridgeError(f"unknown megatron checkpoint format {meta.get('format')!r} (expected {state.FORMAT})")
+        with compat.device_scope():
+            state.load_state(self.model, self.optimizer, groups["trainable"], groups.get("optimizer", {}), "the policy")
+        self.num_optimizer_steps = int(meta["scheduler"]["step"])
+        self._set_lr()
+
     def frozen_fingerprint(self) -> dict[str, float]:
         """sum |w| (float64) of every frozen tensor on this rank."""
         return {
@@ -299,6 +321,15 @@ class MegatronTrainEngine:
 
             ps.destroy_model_parallel()
             self._owns_parallel_state = False
+
+
+def layout(provider: Any) -> dict[str, int | None]:
+    """The parallel sizes a checkpoint was written at (informational: checkpoints load at any layout)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tensor": int(provider.tensor_model_parallel_size), "pipeline": int(provider.pipeline_model_parallel_size),
+            "virtual_pipeline": provider.virtual_pipeline_model_parallel_size,
+            "data": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
 
 
 def _mean(items: list[dict[str, Any]]) -> dict[str, float]:
