@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlbridge.recipe.schema import AlgorithmCfg
+from rlbridge.recipe.schema import AlgorithmCfg, PpoCfg
 
 MAX_ERROR = 0.2
 """Ziegler et al.'s clip on the proportional error."""
@@ -45,7 +45,8 @@ class AdaptiveKlController:
 
 def kl_controller(algo: AlgorithmCfg) -> AdaptiveKlController | None:
     """The controller a recipe asks for (`algorithm.adaptive_kl_target`, PPO only), or None: kl.coef stays fixed."""
-    target = getattr(algo, "adaptive_kl_target", None)
-    if target is None:
+    if not isinstance(algo, PpoCfg) or algo.adaptive_kl_target is None:
         return None
-    return AdaptiveKlController(coef=algo.kl.coef, target=float(target), horizon=int(algo.adaptive_kl_horizon))  # type: ignore[union-attr]  # adaptive_kl_target is set: the algorithm is PPO
+    return AdaptiveKlController(
+        coef=algo.kl.coef, target=float(algo.adaptive_kl_target), horizon=int(algo.adaptive_kl_horizon)
+    )

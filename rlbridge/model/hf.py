@@ -23,8 +23,22 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.utils import logging as hf_logging
 
 __all__ = [
-    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "LlamaForCausalLM",
-    "LoraConfig", "LoraLayer", "LoraLinear", "PeftModel", "PreTrainedModel", "PreTrainedTokenizerFast",
-    "get_peft_model", "get_peft_model_state_dict", "hf_logging", "remove_tied_weights_from_state_dict",
-    "revert_weight_conversion", "set_peft_model_state_dict",
+    "AutoConfig",
+    "AutoModel",
+    "AutoModelForCausalLM",
+    "AutoTokenizer",
+    "GenerationConfig",
+    "LlamaForCausalLM",
+    "LoraConfig",
+    "LoraLayer",
+    "LoraLinear",
+    "PeftModel",
+    "PreTrainedModel",
+    "PreTrainedTokenizerFast",
+    "get_peft_model",
+    "get_peft_model_state_dict",
+    "hf_logging",
+    "remove_tied_weights_from_state_dict",
+    "revert_weight_conversion",
+    "set_peft_model_state_dict",
 ]

@@ -11,15 +11,33 @@ import yaml
 
 from rlbridge.errors import RlbridgeError
 
-RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every", "run.eval_samples",
-                    "run.loggers", "run.health", "run.dir", "cluster.address", "cluster.placement_timeout_s",
-                    "cluster.collective_timeout_s",
-                    "reward.timeout_s", "reward.workers", "reward.error_budget")
+RESUME_SAFE_KEYS = (
+    "run.steps",
+    "run.save_every",
+    "run.keep",
+    "run.eval_every",
+    "run.eval_samples",
+    "run.loggers",
+    "run.health",
+    "run.dir",
+    "cluster.address",
+    "cluster.placement_timeout_s",
+    "cluster.collective_timeout_s",
+    "reward.timeout_s",
+    "reward.workers",
+    "reward.error_budget",
+)
 """Recipe key prefixes that may change on resume: they do not change what the run computes."""
-LAYOUT_KEYS = ("trainer.parallel.tensor", "trainer.parallel.pipeline", "trainer.parallel.virtual_pipeline",
-               "cluster.gpus_per_node", "cluster.nodes")
+LAYOUT_KEYS = (
+    "trainer.parallel.tensor",
+    "trainer.parallel.pipeline",
+    "trainer.parallel.virtual_pipeline",
+    "cluster.gpus_per_node",
+    "cluster.nodes",
+)
 """Keys that may also change when the checkpoint is layout-free (the megatron engine's canonical tensors,
 engines/megatron/state.py): the run continues at another layout, equal up to float summation order."""
+
 
 class _Missing:
     def __repr__(self) -> str:
@@ -48,7 +66,9 @@ def _load_mapping(text: str, which: str) -> dict[str, Any]:
 def _diff(old: Any, new: Any, prefix: str, out: list[tuple[str, Any, Any]]) -> None:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in [*old, *(k for k in new if k not in old)]:
-            _diff(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out)
+            _diff(
+                old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out
+            )
     elif old != new or type(old) is not type(new) and not _same_number(old, new):
         out.append((prefix, old, new))
 
@@ -69,10 +89,15 @@ def check_resume_compatible(old_yaml: str, new_yaml: str, *, layout_free: bool =
     for key, old, new in recipe_diff(old_yaml, new_yaml):
         if is_resume_safe(key, layout_free=layout_free):
             continue
-        why = (" (only a layout-free checkpoint, written by the megatron engine, loads at another parallel layout)"
-               if any(key == p for p in LAYOUT_KEYS) else "")
-        out.append(f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not "
-                   f"continue the same run{why}. Set {key} back to {_show(old)}, or start a new run")
+        why = (
+            " (only a layout-free checkpoint, written by the megatron engine, loads at another parallel layout)"
+            if any(key == p for p in LAYOUT_KEYS)
+            else ""
+        )
+        out.append(
+            f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not "
+            f"continue the same run{why}. Set {key} back to {_show(old)}, or start a new run"
+        )
     return out
 
 

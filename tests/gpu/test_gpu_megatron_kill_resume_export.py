@@ -37,20 +37,27 @@ SAVED = re.compile(r"saved step (\d+): \S+ \(([\d.]+) MB in ([\d.]+) s\)")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     base = tmp_path_factory.mktemp("megatron_killed")
     run_dir, log = base / "run", base / "train.log"
-    args = cli_args("train", run_dir, "trainer.engine=megatron", "rollout.weight_sync=merged", "run.save_every=1")
+    args = cli_args(
+        "train", run_dir, "trainer.engine=megatron", "rollout.weight_sync=merged", "run.save_every=1"
+    )
     manifest = run_dir / "checkpoints" / ckpt.step_dir_name(1) / "manifest.json"
     run = procs.start(args, log)
     try:
         rc = run.wait(time_left(P.cli_timeout_s), until=manifest.is_file)
         if rc is not None or not manifest.is_file():
-            pytest.fail(f"the run exited ({rc}) or timed out before its step-1 checkpoint:\n{run.text()[-6000:]}")
+            pytest.fail(
+                f"the run exited ({rc}) or timed out before its step-1 checkpoint:\n{run.text()[-6000:]}"
+            )
         run.kill()
         left = run.gone_within(30.0)
         assert not left, f"processes of the killed run still alive: {left}"
         saves = SAVED.findall(run.text())
         size = sum(f.stat().st_size for f in manifest.parent.iterdir())
-        figure("megatron_checkpoint", bytes=size, saves=[{"step": int(s), "mb": float(m), "seconds": float(t)}
-                                                        for s, m, t in saves])
+        figure(
+            "megatron_checkpoint",
+            bytes=size,
+            saves=[{"step": int(s), "mb": float(m), "seconds": float(t)} for s, m, t in saves],
+        )
         yield run_dir
     finally:
         run.kill()
@@ -79,12 +86,17 @@ def test_megatron_kill_9_resume_export(killed: Path, tmp_path: Path) -> None:
                               cwd=ROOT, env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
                               text=True, timeout=time_left(300))  # fmt: skip
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        exports[flag] = {"seconds": time.perf_counter() - start, "bytes": sum(f.stat().st_size for f in dest.iterdir())}
+        exports[flag] = {
+            "seconds": time.perf_counter() - start,
+            "bytes": sum(f.stat().st_size for f in dest.iterdir()),
+        }
     figure("megatron_export_hf", **{k.strip("-"): v for k, v in exports.items()})
     merged = tmp_path / "merge-lora"
     from peft import PeftModel
 
-    base_dir = json.loads((tmp_path / "adapter-only" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base_dir = json.loads((tmp_path / "adapter-only" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ]
     PeftModel.from_pretrained(load_hf(Path(base_dir)), tmp_path / "adapter-only")  # peft loads the adapter
     scores = tmp_path / "scores.json"
     job = [python(), str(ROOT / "tests" / "gpu" / "vllm_score_job.py"), "--model", str(merged), "--device", P.device,
@@ -94,5 +106,7 @@ def test_megatron_kill_9_resume_export(killed: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     s = json.loads(scores.read_text())
     exported = gap(load_hf(merged), s["prompts"], s["answers"], s["logprobs"])
-    figure("megatron_export_merged_in_vllm", mean=exported["mean"], max=exported["max"], bound=P.logprob_bound)
+    figure(
+        "megatron_export_merged_in_vllm", mean=exported["mean"], max=exported["max"], bound=P.logprob_bound
+    )
     assert exported["mean"] < P.logprob_bound, exported

@@ -30,7 +30,9 @@ EXACT = ("step", "data_epoch", "weight_version", "rollout_sha", "reward_mean", "
 
 
 def recipe() -> dict[str, Any]:
-    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "rlbridge/recipes/smoke-megatron-cpu.yaml").read_text())
+    raw = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "rlbridge/recipes/smoke-megatron-cpu.yaml").read_text()
+    )
     raw["data"]["arithmetic"] = {"num_train": 4, "num_val": 2}  # 2 steps per epoch: step 2 ends epoch 0
     raw["run"].update(steps=STEPS, save_every=2, eval_samples=2)
     return raw
@@ -76,24 +78,42 @@ def assert_same_run(got: Path, want: Path, rtol: float = RTOL) -> None:
         assert a.keys() == b.keys()
         exact = {k: (a[k], b[k]) for k in EXACT if k in a and a[k] != b[k]}
         assert not exact, exact
-        floats = {k: (a[k], b[k]) for k in a if isinstance(a[k], float) and k not in EXACT
-                  and not k.startswith("logprob_diff") and not _rel(a[k], b[k])}
+        floats = {
+            k: (a[k], b[k])
+            for k in a
+            if isinstance(a[k], float)
+            and k not in EXACT
+            and not k.startswith("logprob_diff")
+            and not _rel(a[k], b[k])
+        }
         assert not floats, (a["step"], floats)
-    assert [(e["step"], e.get("accuracy")) for e in evals(got)] == [(e["step"], e.get("accuracy")) for e in evals(want)]
+    assert [(e["step"], e.get("accuracy")) for e in evals(got)] == [
+        (e["step"], e.get("accuracy")) for e in evals(want)
+    ]
     for group in ("trainable", "optimizer"):
         name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
         tg, tw = load_file(str(got / name)), load_file(str(want / name))
         assert tg.keys() == tw.keys(), group
-        bad = {k: float((tg[k] - tw[k]).abs().max()) for k in tg
-               if float((tg[k] - tw[k]).abs().max()) > rtol * float(tw[k].abs().max()) + 1e-12}
+        bad = {
+            k: float((tg[k] - tw[k]).abs().max())
+            for k in tg
+            if float((tg[k] - tw[k]).abs().max()) > rtol * float(tw[k].abs().max()) + 1e-12
+        }
         assert not bad, (group, dict(list(bad.items())[:5]))
 
 
-def test_megatron_kill_9_after_step_2_then_resume_is_exact(killed: Path, reference: Path, tmp_path: Path) -> None:
+def test_megatron_kill_9_after_step_2_then_resume_is_exact(
+    killed: Path, reference: Path, tmp_path: Path
+) -> None:
     state = json.loads((killed / "checkpoints/step_000002/state.json").read_text())
     assert state["weight_version"] == 2 and state["trainer"]["layout_free"]
-    assert state["trainer"]["optimizer"]["layout"] == {"tensor": 2, "pipeline": 2, "virtual_pipeline": None,
-                                                       "data": 1, "world": 4}
+    assert state["trainer"]["optimizer"]["layout"] == {
+        "tensor": 2,
+        "pipeline": 2,
+        "virtual_pipeline": None,
+        "data": 1,
+        "world": 4,
+    }
     run_dir = tmp_path / "run"
     shutil.copytree(killed, run_dir)
     rc, out = run(["resume", str(run_dir)], tmp_path / "log.txt")
@@ -110,8 +130,19 @@ def test_megatron_resume_at_tensor_1_pipeline_1(killed: Path, reference: Path, t
     weights, and the trainer's numbers differ by float32 summation order only."""
     run_dir = tmp_path / "run"
     shutil.copytree(killed, run_dir)
-    rc, out = run(["resume", str(run_dir), "--set", "trainer.parallel.tensor=1", "--set", "trainer.parallel.pipeline=1",
-                   "--set", "cluster.gpus_per_node=1"], tmp_path / "log.txt")
+    rc, out = run(
+        [
+            "resume",
+            str(run_dir),
+            "--set",
+            "trainer.parallel.tensor=1",
+            "--set",
+            "trainer.parallel.pipeline=1",
+            "--set",
+            "cluster.gpus_per_node=1",
+        ],
+        tmp_path / "log.txt",
+    )
     assert rc == 0, out[-5000:]
     assert "changed on resume: trainer.parallel.tensor 2 -> 1" in out
     g, w = train_metrics(run_dir), train_metrics(reference)

@@ -26,10 +26,20 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tiny_dirs: dict[str, str], run_workers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def saved(
+    tiny_dirs: dict[str, str], run_workers: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("mt_ckpt_run")
-    ranks = run_workers("checkpoint_suite", 4, timeout=240, qwen=tiny_dirs["qwen2"], run_dir=str(run_dir),
-                        tp=2, pp=2, phase="save")
+    ranks = run_workers(
+        "checkpoint_suite",
+        4,
+        timeout=240,
+        qwen=tiny_dirs["qwen2"],
+        run_dir=str(run_dir),
+        tp=2,
+        pp=2,
+        phase="save",
+    )
     return {"run_dir": run_dir, "ranks": ranks}
 
 
@@ -55,11 +65,20 @@ def test_checkpoint_format_tp2_pp2(saved: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 2), (1, 1), (2, 1)])
-def test_resume_at_another_layout_matches(saved: dict[str, Any], run_workers: Any, tiny_dirs: dict[str, str],
-                                         tp: int, pp: int) -> None:
+def test_resume_at_another_layout_matches(
+    saved: dict[str, Any], run_workers: Any, tiny_dirs: dict[str, str], tp: int, pp: int
+) -> None:
     ref = saved["ranks"][0]
-    got = run_workers("checkpoint_suite", tp * pp, timeout=240, qwen=tiny_dirs["qwen2"],
-                      run_dir=str(saved["run_dir"]), tp=tp, pp=pp, phase="load")[0]
+    got = run_workers(
+        "checkpoint_suite",
+        tp * pp,
+        timeout=240,
+        qwen=tiny_dirs["qwen2"],
+        run_dir=str(saved["run_dir"]),
+        tp=tp,
+        pp=pp,
+        phase="load",
+    )[0]
     assert got["state"]["note"] == "test"
     saved_path = Path(ref["saved"]["path"])
     for group in ("trainable", "optimizer"):  # the load put every full tensor back where the save took it
@@ -92,15 +111,19 @@ def test_export_hf_from_a_tp2_pp2_checkpoint(saved: dict[str, Any], tmp_path: Pa
     start = time.perf_counter()
     merged = export_hf(path, tmp_path / "merged", merge=True, log=lambda _: None)
     adapter = export_hf(path, tmp_path / "adapter", merge=False, log=lambda _: None)
-    print(f"export-hf merged {merged.bytes} bytes, adapter {adapter.bytes} bytes, {time.perf_counter() - start:.1f} s")
+    print(
+        f"export-hf merged {merged.bytes} bytes, adapter {adapter.bytes} bytes, {time.perf_counter() - start:.1f} s"
+    )
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False  # the tiny Qwen2 is untied: both matrices written
     batch = r0["batch_full"]
     ids, mask = batch["input_ids"], batch["attention_mask"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert "lm_head.weight" in dict(model.named_parameters())
-    base = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-                                                ["base_model_name_or_path"], dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"],
+        dtype=torch.float32,
+    )
     peft_merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().eval()
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits

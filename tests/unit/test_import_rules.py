@@ -40,7 +40,9 @@ def imports(path: Path, *, top_level_only: bool) -> list[str]:
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append(node.module)
-            out += [f"{node.module}.{a.name}" for a in node.names]  # `from rlbridge.x import y` may be a module
+            out += [
+                f"{node.module}.{a.name}" for a in node.names
+            ]  # `from rlbridge.x import y` may be a module
     return out
 
 
@@ -50,7 +52,9 @@ def test_each_heavy_library_is_imported_in_its_one_place() -> None:
         rel = path.relative_to(PKG).as_posix()
         for name in imports(path, top_level_only=False):
             lib = name.split(".")[0]
-            if lib in ALLOWED and not any(rel == a or (a.endswith("/") and rel.startswith(a)) for a in ALLOWED[lib]):
+            if lib in ALLOWED and not any(
+                rel == a or (a.endswith("/") and rel.startswith(a)) for a in ALLOWED[lib]
+            ):
                 wrong.append(f"{rel} imports {name} (allowed only in {', '.join(ALLOWED[lib])})")
     assert not wrong, "\n".join(wrong)
 
@@ -59,8 +63,16 @@ def test_no_import_cycle_through_module_level_imports() -> None:
     modules = {module_name(p): p for p in PKG.rglob("*.py")}
     # an edge to one's own parent package is left out: importing rlbridge.cli.export runs rlbridge/cli/__init__.py
     # first whatever it names, so `from rlbridge.cli import common` inside the package is no cycle
-    graph = {m: sorted({n for n in imports(p, top_level_only=True) if n in modules and n != m and not m.startswith(n + ".")})
-             for m, p in modules.items()}
+    graph = {
+        m: sorted(
+            {
+                n
+                for n in imports(p, top_level_only=True)
+                if n in modules and n != m and not m.startswith(n + ".")
+            }
+        )
+        for m, p in modules.items()
+    }
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -69,7 +81,7 @@ def test_no_import_cycle_through_module_level_imports() -> None:
         path.append(m)
         for n in graph[m]:
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (cycle := visit(n)):
                 return cycle
         path.pop()

@@ -293,16 +293,23 @@ class MegatronTrainEngine:
         (engines/megatron/state.py), and the schedule position and layout as metadata on every rank."""
         with compat.device_scope():
             groups = state.gather_state(self.model, self.optimizer)
-        meta = {"format": state.FORMAT, "scheduler": {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
-                "layout": layout(self.built.provider)}
+        meta = {
+            "format": state.FORMAT,
+            "scheduler": {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
+            "layout": layout(self.built.provider),
+        }
         return groups, meta
 
     def load_checkpoint_state(self, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Every rank: its shards of the checkpoint's full tensors, Adam's state and the schedule position."""
         if meta.get("format") != state.FORMAT:
-            raise RlbridgeError(f"unknown megatron checkpoint format {meta.get('format')!r} (expected {state.FORMAT})")
+            raise RlbridgeError(
+                f"unknown megatron checkpoint format {meta.get('format')!r} (expected {state.FORMAT})"
+            )
         with compat.device_scope():
-            state.load_state(self.model, self.optimizer, groups["trainable"], groups.get("optimizer", {}), "the policy")
+            state.load_state(
+                self.model, self.optimizer, groups["trainable"], groups.get("optimizer", {}), "the policy"
+            )
         self.num_optimizer_steps = int(meta["scheduler"]["step"])
         self._set_lr()
 
@@ -327,9 +334,13 @@ def layout(provider: Any) -> dict[str, int | None]:
     """The parallel sizes a checkpoint was written at (informational: checkpoints load at any layout)."""
     from megatron.core import parallel_state as ps
 
-    return {"tensor": int(provider.tensor_model_parallel_size), "pipeline": int(provider.pipeline_model_parallel_size),
-            "virtual_pipeline": provider.virtual_pipeline_model_parallel_size,
-            "data": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+    return {
+        "tensor": int(provider.tensor_model_parallel_size),
+        "pipeline": int(provider.pipeline_model_parallel_size),
+        "virtual_pipeline": provider.virtual_pipeline_model_parallel_size,
+        "data": ps.get_data_parallel_world_size(),
+        "world": dist.get_world_size(),
+    }
 
 
 def _mean(items: list[dict[str, Any]]) -> dict[str, float]:

@@ -23,12 +23,16 @@ from torch import Tensor
 
 from rlbridge.errors import RlbridgeError
 
-_NAME = re.compile(r"decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
-                   r"\.adapter\.linear_(in|out)\.weight")
+_NAME = re.compile(
+    r"decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
+    r"\.adapter\.linear_(in|out)\.weight"
+)
 _SINGLE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}
 
 
-def lora_to_peft(tensors: dict[str, Tensor], config: dict[str, Any], adapter: str = "default") -> dict[str, Tensor]:
+def lora_to_peft(
+    tensors: dict[str, Tensor], config: dict[str, Any], adapter: str = "default"
+) -> dict[str, Tensor]:
     """Canonical megatron LoRA tensors -> `base_model.model.model.layers.<i>.<module>.lora_<A|B>.<adapter>.weight`,
     for an HF config (`config.json` content) of a Llama-like decoder (Llama, Qwen2, Mistral, ...)."""
     heads = int(config["num_attention_heads"])
@@ -42,8 +46,10 @@ def lora_to_peft(tensors: dict[str, Tensor], config: dict[str, Any], adapter: st
     for name, t in tensors.items():
         m = _NAME.fullmatch(name)
         if m is None:
-            raise RlbridgeError(f"checkpoint tensor {name!r} is not a LoRA adapter of a decoder projection this "
-                                "export knows (linear_qkv, linear_proj, linear_fc1, linear_fc2)")
+            raise RlbridgeError(
+                f"checkpoint tensor {name!r} is not a LoRA adapter of a decoder projection this "
+                "export knows (linear_qkv, linear_proj, linear_fc1, linear_fc2)"
+            )
         layer, target, side = m.group(1), m.group(3), m.group(4)
         if target in _SINGLE:
             put(layer, _SINGLE[target], "A" if side == "in" else "B", t)
@@ -62,8 +68,10 @@ def lora_to_peft(tensors: dict[str, Tensor], config: dict[str, Any], adapter: st
             per_group = heads // kv_heads
             expected = (heads + 2 * kv_heads) * head_dim
             if t.shape[0] != expected:
-                raise RlbridgeError(f"{name}: {t.shape[0]} rows, expected {expected} for {heads} heads, "
-                                    f"{kv_heads} key/value heads of dim {head_dim} (a checkpoint of another model?)")
+                raise RlbridgeError(
+                    f"{name}: {t.shape[0]} rows, expected {expected} for {heads} heads, "
+                    f"{kv_heads} key/value heads of dim {head_dim} (a checkpoint of another model?)"
+                )
             grouped = t.reshape(kv_heads, (per_group + 2) * head_dim, -1)
             q = grouped[:, : per_group * head_dim].reshape(heads * head_dim, -1)
             k = grouped[:, per_group * head_dim : (per_group + 1) * head_dim].reshape(kv_heads * head_dim, -1)

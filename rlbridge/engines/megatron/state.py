@@ -47,11 +47,15 @@ _CHUNK = re.compile(r"^chunk(\d+)\.")
 def unsupported(recipe: Recipe) -> str | None:
     """Why checkpoints of this megatron layout cannot be written yet, or None."""
     if recipe.trainer.distributed_optimizer:
-        return ("checkpoints with trainer.distributed_optimizer: true are not implemented (its fp32 main "
-                "parameters and Adam moments live in flat buffers sharded over data-parallel ranks); set it false")
+        return (
+            "checkpoints with trainer.distributed_optimizer: true are not implemented (its fp32 main "
+            "parameters and Adam moments live in flat buffers sharded over data-parallel ranks); set it false"
+        )
     if recipe.trainer.parallel.expert > 1:
-        return ("checkpoints at trainer.parallel.expert > 1 are not implemented (local expert indices are not "
-                "renamed to global ones yet); use expert: 1")
+        return (
+            "checkpoints at trainer.parallel.expert > 1 are not implemented (local expert indices are not "
+            "renamed to global ones yet); use expert: 1"
+        )
     return None
 
 
@@ -106,7 +110,12 @@ def _main_params(optimizer: Any) -> tuple[dict[int, Tensor], dict[int, Any]]:
 def _is_glu_rows(name: str, p: Tensor, gated: bool) -> bool:
     """Rows of a gated linear_fc1's output ([gate; up] per rank): its weight, bias, and LoRA's linear_out. Not
     LoRA's linear_in, whose rows (the adapter rank) Megatron-Bridge may shard too."""
-    return gated and "linear_fc1." in name and ".linear_in." not in name and int(getattr(p, "partition_dim", 0)) == 0
+    return (
+        gated
+        and "linear_fc1." in name
+        and ".linear_in." not in name
+        and int(getattr(p, "partition_dim", 0)) == 0
+    )
 
 
 def _tp_gather(name: str, shard: Tensor, p: Tensor, gated: bool) -> Tensor:
@@ -172,13 +181,20 @@ def gather_state(model: list[torch.nn.Module], optimizer: Any) -> dict[str, dict
             for key, tensor in tensors.items():
                 have = out[group].get(key)
                 if have is not None and not torch.equal(have, tensor):
-                    raise RlbridgeError(f"checkpoint: {key} is held by two pipeline stages with different values")
+                    raise RlbridgeError(
+                        f"checkpoint: {key} is held by two pipeline stages with different values"
+                    )
                 out[group][key] = tensor
     return out
 
 
-def load_state(model: list[torch.nn.Module], optimizer: Any, tensors: dict[str, Tensor],
-               moments: dict[str, Tensor], what: str) -> None:
+def load_state(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    tensors: dict[str, Tensor],
+    moments: dict[str, Tensor],
+    what: str,
+) -> None:
     """Restore this rank's shards from full canonical tensors (see `gather_state`); every trainable
     parameter must be present with its full shape, and nothing else."""
     mains, owners = _main_params(optimizer)
@@ -187,15 +203,19 @@ def load_state(model: list[torch.nn.Module], optimizer: Any, tensors: dict[str, 
     names = {n for n, _ in params}
     missing = sorted(names - tensors.keys())
     if missing:
-        raise RlbridgeError(f"{what}: the checkpoint lacks {len(missing)} trainable tensor(s) of this model, e.g. "
-                            f"{missing[:3]} (a checkpoint of another model, LoRA rank or targets?)")
+        raise RlbridgeError(
+            f"{what}: the checkpoint lacks {len(missing)} trainable tensor(s) of this model, e.g. "
+            f"{missing[:3]} (a checkpoint of another model, LoRA rank or targets?)"
+        )
     from megatron.core.utils import unwrap_model
 
     num_layers = int(unwrap_model(model)[0].config.num_layers)
     extra = _extra(tensors.keys(), params, num_layers)
     if extra:
-        raise RlbridgeError(f"{what}: the checkpoint holds {len(extra)} tensor(s) this model does not train, e.g. "
-                            f"{extra[:3]} (a checkpoint of another model, LoRA rank or targets?)")
+        raise RlbridgeError(
+            f"{what}: the checkpoint holds {len(extra)} tensor(s) this model does not train, e.g. "
+            f"{extra[:3]} (a checkpoint of another model, LoRA rank or targets?)"
+        )
     for owner in {id(o): o for o in owners.values()}.values():
         owner.state.clear()
     with torch.no_grad():
@@ -203,15 +223,19 @@ def load_state(model: list[torch.nn.Module], optimizer: Any, tensors: dict[str, 
             main = mains.get(id(p), p)
             shard = _tp_shard(name, tensors[name], p, gated)
             if shard.shape != main.shape:
-                raise RlbridgeError(f"{what}: {name} has shape {tuple(tensors[name].shape)} in the checkpoint, "
-                                    f"which does not fit this model's {tuple(main.shape)} shard (another model?)")
+                raise RlbridgeError(
+                    f"{what}: {name} has shape {tuple(tensors[name].shape)} in the checkpoint, "
+                    f"which does not fit this model's {tuple(main.shape)} shard (another model?)"
+                )
             main.copy_(shard.to(main.dtype))
             if main is not p:
                 p.copy_(main.to(p.dtype))
             if f"{name}:exp_avg" not in moments:
                 continue
-            state: dict[str, Any] = {k: _tp_shard(name, moments[f"{name}:{k}"], p, gated).to(main.device, main.dtype)
-                                     for k in MOMENTS}
+            state: dict[str, Any] = {
+                k: _tp_shard(name, moments[f"{name}:{k}"], p, gated).to(main.device, main.dtype)
+                for k in MOMENTS
+            }
             state["step"] = moments[f"{name}:step"].clone().to(torch.float32)
             owners[id(p)].state[main] = state
 
