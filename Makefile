@@ -3,13 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export VENV
 
-.PHONY: setup test test-fast quickstart lint bench clean docs
+.PHONY: setup test test-fast quickstart lint format bench clean docs
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	$(VENV)/bin/ruff check rlbridge tests bench
+	$(VENV)/bin/ruff format --check rlbridge tests bench scripts
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
@@ -26,7 +27,12 @@ docs: setup
 
 lint: setup
 	$(VENV)/bin/ruff check rlbridge tests bench
+	$(VENV)/bin/ruff format --check rlbridge tests bench scripts
 	$(VENV)/bin/mypy
+
+# Format the code as `make test` checks it (ruff format; line length 110, pyproject.toml).
+format: setup
+	$(VENV)/bin/ruff format rlbridge tests bench scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
