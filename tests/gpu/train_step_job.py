@@ -7,7 +7,7 @@ the batch (prompt + answer; loss on the answer tokens: mean negative log-prob, a
 the step the adapters' B matrices (zero at init, so A would get no gradient on a first step) are set to small
 random values, as after some training; then one `train_step` must move every trainable tensor and no frozen
 one. The megatron engine gets a one-rank process group first (NCCL on CUDA, gloo on the CPU), as
-cluster/trainer_group.py gives each rank; a process of its own also keeps megatron's compatibility layer out
+trainer/group.py gives each rank; a process of its own also keeps megatron's compatibility layer out
 of the pytest process. Writes the result as JSON.
 """
 
