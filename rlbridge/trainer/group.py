@@ -84,7 +84,7 @@ class TrainerRank(TrainerRole):
         super().__init__(recipe, model_dir, num_threads=threads)  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
         assert isinstance(self.engine, RankedEngine)
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip()}
+        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip(), "node": rc.node_id()}
 
 
 class TrainerGroup:
@@ -104,7 +104,8 @@ class TrainerGroup:
         self._leaders = [min(i for i, c in enumerate(coords) if c["dp"] == d) for d in range(num_dp)]
         for worker, c in zip(self.ranks, coords, strict=True):
             worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
-            log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']}")
+            log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
+                f"(ray node {c['node'][:8]})")
 
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -179,22 +180,27 @@ class TrainerGroup:
 
 
 def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: float, num_gpus: float,
-                        run_dir: Path, log: Log, echo: WarningEcho | None = None) -> tuple[TrainerGroup, list[Any]]:
+                        run_dir: Path, log: Log, echo: WarningEcho | None = None, slots: list[int] | None = None,
+                        nodes: list[rc.NodeInfo | None] | None = None) -> tuple[TrainerGroup, list[Any]]:
     """One TrainerRank per device of the plan (rank i on bundle i, its output in logs/trainer-rank<i>.log).
     Returns the group and the ranks' `join` calls, which form the process group and build the engine: the
     caller waits for them (ray_cluster.wait_started, beside the rollout's start) and hands the answers to
-    `TrainerGroup.formed`."""
+    `TrainerGroup.formed`. slots: rank i's bundle (ray_cluster.Placement.slots, node by node; default bundle i);
+    nodes: rank i's node, named in its errors."""
     world = recipe.world_size
+    slots = slots or list(range(world))
     threads = max(1, (os.cpu_count() or 1) // world) if recipe.cluster.device == "cpu" else None
     timeout = recipe.cluster.collective_timeout_s
     ranks = [
-        start_worker(TrainerRank, f"trainer rank {i}", pg, i, num_cpus=num_cpus, num_gpus=num_gpus,
+        start_worker(TrainerRank, f"trainer rank {i}", pg, slots[i], num_cpus=num_cpus, num_gpus=num_gpus,
                      log_file=rundir.log_file(run_dir, f"trainer-rank{i}"), echo=echo,
-                     args=(recipe, str(model_dir)), kwargs={"rank": i, "world": world, "num_threads": threads})
+                     args=(recipe, str(model_dir)), kwargs={"rank": i, "world": world, "num_threads": threads},
+                     node=nodes[i] if nodes else None)
         for i in range(world)
     ]
     group = TrainerGroup(ranks, timeout_s=timeout)
     log(f"starting {world} megatron trainer ranks ({recipe.cluster.device}, "
         f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})")
     host, port = group._wait([ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S)[0]
+    log(f"rendezvous: tcp://{host}:{port} (rank 0's node{': ' + nodes[0].label() if nodes and nodes[0] else ''})")
     return group, [w.submit("join", host, port, timeout) for w in ranks]
