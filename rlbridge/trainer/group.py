@@ -53,6 +53,25 @@ FAILURE_GRACE_S = 3.0
 """After a rank fails, how long to collect the other ranks' errors before stopping them all."""
 
 
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds IPv4 address `ip` (Linux), or None. Gloo binds to the address of the
+    host name unless GLOO_SOCKET_IFNAME names an interface; where the host name resolves to 127.0.0.1 (common in
+    /etc/hosts), ranks on other hosts could not reach it. The node's IP as Ray sees it is the one they reach."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
 class TrainerRank(TrainerRole):
     """One rank of a multi-process trainer, inside a Ray actor. Constructing it is cheap; `join` forms the
     process group and builds the engine (TrainerRole.__init__ then runs, with the engine factory)."""
@@ -78,13 +97,17 @@ class TrainerRank(TrainerRole):
         if cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only the GPU of its bundle
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(port))
+        gloo_if = os.environ.get("GLOO_SOCKET_IFNAME") or (None if cuda else interface_of(rc.node_ip()))
+        if gloo_if and not cuda:  # gloo would take the host name's address, often 127.0.0.1: unreachable from other hosts
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo_if
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
 
         super().__init__(recipe, model_dir, num_threads=threads)  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
         assert isinstance(self.engine, RankedEngine)
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip(), "node": rc.node_id()}
+        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip(), "node": rc.node_id(),
+                "gloo_if": None if cuda else gloo_if}
 
 
 class TrainerGroup:
@@ -105,7 +128,7 @@ class TrainerGroup:
         for worker, c in zip(self.ranks, coords, strict=True):
             worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
             log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
-                f"(ray node {c['node'][:8]})")
+                f"(ray node {c['node'][:8]})" + (f", gloo via {c['gloo_if']}" if c.get("gloo_if") else ""))
 
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from rlbridge.run import checkpoint as ckpt
+from rlbridge.trainer.group import interface_of
 from tests.fixtures.multinode import RAY_ENV, TwoNodeCluster, two_node_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +138,9 @@ def test_tp2_across_two_nodes_equals_one_node(cluster: TwoNodeCluster, env: dict
     assert rc == 0, out[-6000:]
     placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)[^)]*\): trainer devices (\d)", out)
     assert [(n, d) for n, _, d in placed] == [("0", "0"), ("1", "1")], out[-6000:]
-    ranks = re.findall(r"trainer rank (\d): pid \d+, dp 0 tp (\d) pp 0, host \S+ \(ray node (\w+)\)", out)
-    assert sorted(ranks) == [("0", "0", placed[0][1]), ("1", "1", placed[1][1])], out[-6000:]  # read inside the ranks
+    ranks = re.findall(r"trainer rank (\d): pid \d+, dp 0 tp (\d) pp 0, host (\S+) \(ray node (\w+)\), gloo via (\w+)", out)
+    assert sorted(r[:2] + r[3:4] for r in ranks) == [("0", "0", placed[0][1]), ("1", "1", placed[1][1])], out[-6000:]
+    assert all(interface_of(host) == iface for *_, host, _, iface in ranks)  # gloo on the node's IP, not the host name's
     assert placed[0][1] != placed[1][1]
     assert re.search(r"rendezvous: tcp://[\d.]+:\d+ \(rank 0's node: [\d.]+ \(ray node " + placed[0][1], out), out[-6000:]
     same_numbers(train_records(run), single_node)
@@ -222,3 +224,4 @@ def test_a_lost_node_stops_the_megatron_ranks(cluster: TwoNodeCluster, env: dict
     assert re.search(rf"trainer rank {rank} \(dp 0, tp {rank}, pp 0\) worker died on node [\d.]+ \(ray node {lost[:8]}\), "
                      "which is no longer alive", out), out[-6000:]
     assert "all trainer ranks were stopped" in out
+    assert "Connection closed by peer [127.0.0.1]" not in out  # gloo's peer is the node's address (GLOO_SOCKET_IFNAME)
