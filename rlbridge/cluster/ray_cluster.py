@@ -188,15 +188,22 @@ def placement(pg: PlacementGroup, num_trainer: int) -> Placement:
     """Read back which node each bundle landed on; the first `num_trainer` (the trainer's) ordered node by node."""
     table = ray.util.placement_group_table(pg)
     node_ids = [str(table["bundles_to_node_id"][i]) for i in range(len(table["bundles_to_node_id"]))]
-    order = list(dict.fromkeys(node_ids[:num_trainer]))  # nodes in order of first use: bundle 0's first
-    slots = sorted(range(num_trainer), key=lambda i: (order.index(node_ids[i]), i))
+    slots, order, node_of_slot = by_node(node_ids[:num_trainer])
     info = {n.id: n for n in alive_nodes()}
 
     def node(nid: str) -> NodeInfo:
         return info.get(nid, NodeInfo(nid, "?", False, {}))
 
-    return Placement(slots, [node(nid) for nid in order], [order.index(node_ids[i]) for i in slots],
-                     [node(nid) for nid in node_ids[num_trainer:]])
+    return Placement(slots, [node(nid) for nid in order], node_of_slot, [node(nid) for nid in node_ids[num_trainer:]])
+
+
+def by_node(node_ids: list[str]) -> tuple[list[int], list[str], list[int]]:
+    """Bundles (bundle i on node node_ids[i]) ordered node by node: (the bundle of each device, the nodes in
+    order of first use (bundle 0's first), the node index of each device). Ranks that follow this order keep
+    megatron's fastest-varying groups (tensor parallel) on one node."""
+    order = list(dict.fromkeys(node_ids))
+    slots = sorted(range(len(node_ids)), key=lambda i: (order.index(node_ids[i]), i))
+    return slots, order, [order.index(node_ids[i]) for i in slots]
 
 
 def node_alive(node_id: str, *, settle_s: float = 0.0) -> bool:

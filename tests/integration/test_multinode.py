@@ -99,9 +99,9 @@ def single_node(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
 def test_the_fixture_starts_two_nodes_with_their_own_resources(cluster: TwoNodeCluster) -> None:
     nodes = cluster.alive_nodes()
     assert len(nodes) == 2 and len({n["id"] for n in nodes}) == 2
-    by_name = {name: n for n in nodes for name in ("node_a", "node_b") if name in n["resources"]}  # type: ignore[operator]
+    by_name = {name: n for n in nodes for name in ("node_a", "node_b") if name in n["resources"]}
     assert set(by_name) == {"node_a", "node_b"} and by_name["node_a"] is not by_name["node_b"]
-    assert all(n["resources"]["CPU"] == 1 for n in nodes)  # type: ignore[index]
+    assert all(n["resources"]["CPU"] == 1 for n in nodes)
     assert cluster.head.raylet().pid != cluster.worker.raylet().pid
 
 
@@ -148,7 +148,7 @@ def test_tp2_across_two_nodes_equals_one_node(cluster: TwoNodeCluster, env: dict
 
 
 def node_b_id(cluster: TwoNodeCluster) -> str:
-    return next(str(n["id"]) for n in cluster.alive_nodes() if "node_b" in n["resources"])  # type: ignore[operator]
+    return next(str(n["id"]) for n in cluster.alive_nodes() if "node_b" in n["resources"])
 
 
 def kill_node_b_during(cluster: TwoNodeCluster, env: dict[str, str], args: list[str], after: str) -> tuple[int, str]:
