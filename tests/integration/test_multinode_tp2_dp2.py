@@ -48,4 +48,4 @@ def test_tp2_dp2_two_ranks_per_node_equals_one_node(cluster: TwoNodeCluster, env
     for ra, rb in zip(two, one, strict=True):
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key, ra[key], rb[key])
-    print("\n".join(m[0] for m in re.finditer(r"(placement|trainer rank \d): [^r]*?(?= rlbridge |$)", out)))
+    print("\n".join(m[0] for m in re.finditer(r"(placement|trainer rank \d): .*?(?= rlbridge |$)", out)))
