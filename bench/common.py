@@ -14,13 +14,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def report(name: str, result: dict[str, Any], rows: list[dict[str, Any]], *, save: bool = True) -> None:
-    doc = {"benchmark": name, "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), **result,
-           "rows": rows}
+    doc = {
+        "benchmark": name,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
+        **result,
+        "rows": rows,
+    }
     print(json.dumps(doc, indent=2))
     table = markdown(rows)
     print("\n" + table)
@@ -28,7 +37,9 @@ def report(name: str, result: dict[str, Any], rows: list[dict[str, Any]], *, sav
         RESULTS.mkdir(exist_ok=True)
         stamp = time.strftime("%Y-%m-%d")
         (RESULTS / f"{name}-{stamp}.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (RESULTS / f"{name}-{stamp}.md").write_text(f"# {name} ({doc['machine']['date']})\n\n`{doc['command']}`\n\n{table}\n")
+        (RESULTS / f"{name}-{stamp}.md").write_text(
+            f"# {name} ({doc['machine']['date']})\n\n`{doc['command']}`\n\n{table}\n"
+        )
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

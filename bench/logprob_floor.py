@@ -73,8 +73,16 @@ def say(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ scoring
-def forward_logprobs(model: Any, batch: Any, *, chunk: int, position_ids: bool = True, keep_all: bool = False,
-                     autocast: bool = False, round_logits: bool = False) -> Any:
+def forward_logprobs(
+    model: Any,
+    batch: Any,
+    *,
+    chunk: int,
+    position_ids: bool = True,
+    keep_all: bool = False,
+    autocast: bool = False,
+    round_logits: bool = False,
+) -> Any:
     """[b, R] float64 (CPU) log-probs of the response tokens as the hf engine computes them (logits sliced to
     the response, float32 or wider, gather - logsumexp), with the knobs the variants turn. round_logits:
     round the logits to bfloat16 first, as a bfloat16 vLLM's output layer does before its float32 log-softmax."""
@@ -89,10 +97,14 @@ def forward_logprobs(model: Any, batch: Any, *, chunk: int, position_ids: bool =
         sub = batch.select(slice(start, start + chunk)).to(device)
         ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            out = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
-                        position_ids=sub.position_ids if position_ids else None, use_cache=False,
-                        logits_to_keep=0 if keep_all else sub.response_width + 1)
-        logits = out.logits[:, -sub.response_width - 1:-1]
+            out = model(
+                input_ids=sub.input_ids,
+                attention_mask=sub.attention_mask,
+                position_ids=sub.position_ids if position_ids else None,
+                use_cache=False,
+                logits_to_keep=0 if keep_all else sub.response_width + 1,
+            )
+        logits = out.logits[:, -sub.response_width - 1 : -1]
         if round_logits:
             logits = logits.to(torch.bfloat16)
         logits = logits.double() if logits.dtype == torch.float64 else logits.float()
@@ -179,7 +191,9 @@ def extra_engine_kwargs(extra: dict[str, Any]) -> Iterator[None]:
         rv.engine_kwargs = original  # type: ignore[assignment]
 
 
-def sample(rollout: Any, prompt_ids: list[list[int]], sampling: Any, version: int, seed: int, pad_id: int) -> Any:
+def sample(
+    rollout: Any, prompt_ids: list[list[int]], sampling: Any, version: int, seed: int, pad_id: int
+) -> Any:
     from rlbridge.batch import SeqBatch, pad_lists
 
     ro = rollout.generate(prompt_ids, sampling, expect_version=version, seed=seed)
@@ -224,26 +238,48 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 
     cpu = a.device == "cpu"
     ref_dtype = torch.float64 if cpu else torch.float32
-    sets = ["model.dtype=bfloat16", f"rollout.weight_sync={kind}", f"rollout.n={a.n}",
-            f"rollout.max_response_tokens={a.max_tokens}", f"rollout.gpu_memory_utilization={a.gpu_memory}",
-            "rollout.max_lora_rank=16", f"cluster.device={a.device}", "data.val=null", f"trainer.optim.lr={a.lr}",
-            "trainer.optim.warmup_steps=0", *(["rollout.enforce_eager=true"] if a.eager else []), *a.sets]
+    sets = [
+        "model.dtype=bfloat16",
+        f"rollout.weight_sync={kind}",
+        f"rollout.n={a.n}",
+        f"rollout.max_response_tokens={a.max_tokens}",
+        f"rollout.gpu_memory_utilization={a.gpu_memory}",
+        "rollout.max_lora_rank=16",
+        f"cluster.device={a.device}",
+        "data.val=null",
+        f"trainer.optim.lr={a.lr}",
+        "trainer.optim.warmup_steps=0",
+        *(["rollout.enforce_eager=true"] if a.eager else []),
+        *a.sets,
+    ]
     r = load_recipe(ROOT / "recipes" / "quickstart.yaml", sets)
     model_dir = ensure_model(r.model.path)
     tok = load_tokenizer(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompts = load_dataset(r.data.train, r.data, split="train", seed=r.run.seed)[: a.prompts]
     prompt_ids, _, _ = encode_prompts(tok, prompts, r.data, r.rollout.max_prompt_tokens)
-    sampling = SamplingCfg(n=r.rollout.n, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-                           top_k=r.rollout.top_k, max_tokens=r.rollout.max_response_tokens)
+    sampling = SamplingCfg(
+        n=r.rollout.n,
+        temperature=r.rollout.temperature,
+        top_p=r.rollout.top_p,
+        top_k=r.rollout.top_k,
+        max_tokens=r.rollout.max_response_tokens,
+    )
     times: dict[str, float] = {}
     t = time.perf_counter()
     extra: dict[str, Any] = {}
     if a.child_head != "model":
         extra["hf_overrides"] = {"head_dtype": a.child_head}
     with extra_engine_kwargs(extra):
-        rollout = VllmRollout(str(model_dir), r.rollout, r.model, lora_rank=r.lora.rank, seed=r.run.seed, cpu=cpu,
-                              num_threads=os.cpu_count() if cpu else None)
+        rollout = VllmRollout(
+            str(model_dir),
+            r.rollout,
+            r.model,
+            lora_rank=r.lora.rank,
+            seed=r.run.seed,
+            cpu=cpu,
+            num_threads=os.cpu_count() if cpu else None,
+        )
     times["vllm_start_s"] = time.perf_counter() - t
     head_dtype = str(getattr(rollout._llm.llm_engine.model_config, "head_dtype", "unsupported"))
     kind_label = f"{kind}/head={a.child_head}"
@@ -254,9 +290,22 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     def add(phase: str, name: str, lp: Any, vllm_lp: Any, ref: Any, mask: Any) -> None:
         mv, xv = gap(lp, vllm_lp, mask)
         mr, xr = gap(lp, ref, mask)
-        rows.append({"sync": kind, "vllm_head": a.child_head, "phase": phase, "variant": name, "mean_vs_vllm": mv,
-                     "max_vs_vllm": xv, "mean_vs_ref": mr, "max_vs_ref": xr, "tokens": int(mask.sum())})
-        say(f"{kind_label}/{phase}/{name}: vs vLLM mean {mv:.2e} max {xv:.2e} | vs ref mean {mr:.2e} max {xr:.2e}")
+        rows.append(
+            {
+                "sync": kind,
+                "vllm_head": a.child_head,
+                "phase": phase,
+                "variant": name,
+                "mean_vs_vllm": mv,
+                "max_vs_vllm": xv,
+                "mean_vs_ref": mr,
+                "max_vs_ref": xr,
+                "tokens": int(mask.sum()),
+            }
+        )
+        say(
+            f"{kind_label}/{phase}/{name}: vs vLLM mean {mv:.2e} max {xv:.2e} | vs ref mean {mr:.2e} max {xr:.2e}"
+        )
 
     # ---- base weights
     t = time.perf_counter()
@@ -267,7 +316,9 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     ref = one_by_one(ref_model, batch, pad_id)
     add("base", "ref", ref, vllm_lp, ref, mask)
     add("base", "vllm", vllm_lp, vllm_lp, ref, mask)
-    add("base", "ref_bf16_logits", one_by_one(ref_model, batch, pad_id, round_logits=True), vllm_lp, ref, mask)
+    add(
+        "base", "ref_bf16_logits", one_by_one(ref_model, batch, pad_id, round_logits=True), vllm_lp, ref, mask
+    )
     if a.base_variants:
         try:
             add("base", "vllm_prefill", vllm_prefill(rollout, batch), vllm_lp, ref, mask)
@@ -276,17 +327,32 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     del ref_model
     free()
     if a.base_variants:  # for the megatron child: the same tokens, vLLM's and the reference's log-probs
-        torch.save({"fields": {k: getattr(batch, k) for k in BATCH_FIELDS}, "vllm": vllm_lp, "ref": ref},
-                   f"{a.child_out}.batch.pt")
+        torch.save(
+            {"fields": {k: getattr(batch, k) for k in BATCH_FIELDS}, "vllm": vllm_lp, "ref": ref},
+            f"{a.child_out}.batch.pt",
+        )
     engine = HFTrainEngine(r, model_dir, device=a.device)
     add("base", "engine_bf16", engine.logprobs(batch).double().cpu(), vllm_lp, ref, mask)
     if a.base_variants:
         t = time.perf_counter()
         m = load_hf(model_dir, torch.float32, a.device)
         add("base", "hf_fp32", forward_logprobs(m, batch, chunk=chunk), vllm_lp, ref, mask)
-        add("base", "hf_fp32_bf16_logits", forward_logprobs(m, batch, chunk=chunk, round_logits=True), vllm_lp, ref,
-            mask)
-        add("base", "fp32_autocast", forward_logprobs(m, batch, chunk=chunk, autocast=True), vllm_lp, ref, mask)
+        add(
+            "base",
+            "hf_fp32_bf16_logits",
+            forward_logprobs(m, batch, chunk=chunk, round_logits=True),
+            vllm_lp,
+            ref,
+            mask,
+        )
+        add(
+            "base",
+            "fp32_autocast",
+            forward_logprobs(m, batch, chunk=chunk, autocast=True),
+            vllm_lp,
+            ref,
+            mask,
+        )
         del m
         free()
         m = load_hf(model_dir, torch.bfloat16, a.device, "eager")
@@ -299,9 +365,22 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         add("base", "bf16_fp32_logits", forward_logprobs(m, batch, chunk=chunk), vllm_lp, ref, mask)
         m = load_hf(model_dir, torch.bfloat16, a.device)
         add("base", "bf16_one_by_one", one_by_one(m, batch, pad_id), vllm_lp, ref, mask)
-        add("base", "bf16_all_logits", forward_logprobs(m, batch, chunk=chunk, keep_all=True), vllm_lp, ref, mask)
-        add("base", "bf16_no_pos_ids", forward_logprobs(m, batch, chunk=chunk, position_ids=False), vllm_lp, ref,
-            mask)
+        add(
+            "base",
+            "bf16_all_logits",
+            forward_logprobs(m, batch, chunk=chunk, keep_all=True),
+            vllm_lp,
+            ref,
+            mask,
+        )
+        add(
+            "base",
+            "bf16_no_pos_ids",
+            forward_logprobs(m, batch, chunk=chunk, position_ids=False),
+            vllm_lp,
+            ref,
+            mask,
+        )
         for round_bf16 in (False, True):
             m = fp32_head(m, model_dir, round_bf16=round_bf16)
             name = "bf16_fp32_head" + ("_bf16w" if round_bf16 else "")
@@ -321,7 +400,9 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 
     t = time.perf_counter()
     for _ in range(a.steps):
-        step = engine.train_step(batch, loss_fn, num_micro_batches=max(1, batch.size // r.trainer.micro_batch_size))
+        step = engine.train_step(
+            batch, loss_fn, num_micro_batches=max(1, batch.size // r.trainer.micro_batch_size)
+        )
     times["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
     export = engine.export_weights(kind)
@@ -344,21 +425,40 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     add("after", "engine_bf16", trainer_lp, vllm2, ref2, mask2)
     assert ref_engine._peft is not None
     with ref_engine._peft.disable_adapter():
-        add("after", "ref_no_adapters", forward_logprobs(ref_engine.model, batch2, chunk=chunk), vllm2, ref2, mask2)
+        add(
+            "after",
+            "ref_no_adapters",
+            forward_logprobs(ref_engine.model, batch2, chunk=chunk),
+            vllm2,
+            ref2,
+            mask2,
+        )
     del ref_engine
     free()
     if merged is not None:
         m = load_hf(model_dir, torch.bfloat16, a.device)
-        missing, unexpected = m.load_state_dict({k: v.to(torch.bfloat16) for k, v in merged.items()}, strict=False)
+        missing, unexpected = m.load_state_dict(
+            {k: v.to(torch.bfloat16) for k, v in merged.items()}, strict=False
+        )
         bad = [k for k in missing if k != "lm_head.weight"]
         if bad or unexpected:
-            raise RuntimeError(f"merged export does not match the model: missing {bad[:3]}, unexpected {unexpected[:3]}")
+            raise RuntimeError(
+                f"merged export does not match the model: missing {bad[:3]}, unexpected {unexpected[:3]}"
+            )
         add("after", "hf_bf16_merged", forward_logprobs(m, batch2, chunk=chunk), vllm2, ref2, mask2)
         del m
         free()
     rollout.shutdown()
-    return {"kind": kind, "vllm_head": a.child_head, "vllm_head_dtype": head_dtype, "times": times, "step": {k: v for k, v in step.items() if k != "nonfinite"},
-            "tokens_base": int(mask.sum()), "tokens_after": int(mask2.sum()), "rows": rows}
+    return {
+        "kind": kind,
+        "vllm_head": a.child_head,
+        "vllm_head_dtype": head_dtype,
+        "times": times,
+        "step": {k: v for k, v in step.items() if k != "nonfinite"},
+        "tokens_base": int(mask.sum()),
+        "tokens_after": int(mask2.sum()),
+        "rows": rows,
+    }
 
 
 BATCH_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompt_width")
@@ -386,13 +486,25 @@ def run_megatron(a: argparse.Namespace, batch_file: str) -> dict[str, Any]:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if a.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "nccl" if a.device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=300),
+    )
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    r = load_recipe(ROOT / "recipes" / "quickstart.yaml",
-                    ["model.dtype=bfloat16", "trainer.engine=megatron", f"cluster.device={a.device}", "data.val=null",
-                     *a.sets])
+    r = load_recipe(
+        ROOT / "recipes" / "quickstart.yaml",
+        [
+            "model.dtype=bfloat16",
+            "trainer.engine=megatron",
+            f"cluster.device={a.device}",
+            "data.val=null",
+            *a.sets,
+        ],
+    )
     t = time.perf_counter()
     engine = MegatronTrainEngine(r)
     start_s = time.perf_counter() - t
@@ -400,13 +512,29 @@ def run_megatron(a: argparse.Namespace, batch_file: str) -> dict[str, Any]:
     mask = batch.response_mask
     mv, xv = gap(lp, saved["vllm"], mask)
     mr, xr = gap(lp, saved["ref"], mask)
-    say(f"megatron/head={a.child_head}/base/megatron_bf16: vs vLLM mean {mv:.2e} max {xv:.2e} | "
-        f"vs ref mean {mr:.2e} max {xr:.2e}")
+    say(
+        f"megatron/head={a.child_head}/base/megatron_bf16: vs vLLM mean {mv:.2e} max {xv:.2e} | "
+        f"vs ref mean {mr:.2e} max {xr:.2e}"
+    )
     engine.close()
     dist.destroy_process_group()
-    row = {"sync": "-", "vllm_head": a.child_head, "phase": "base", "variant": "megatron_bf16", "mean_vs_vllm": mv,
-           "max_vs_vllm": xv, "mean_vs_ref": mr, "max_vs_ref": xr, "tokens": int(mask.sum())}
-    return {"kind": "megatron", "vllm_head": a.child_head, "times": {"engine_start_s": start_s}, "rows": [row]}
+    row = {
+        "sync": "-",
+        "vllm_head": a.child_head,
+        "phase": "base",
+        "variant": "megatron_bf16",
+        "mean_vs_vllm": mv,
+        "max_vs_vllm": xv,
+        "mean_vs_ref": mr,
+        "max_vs_ref": xr,
+        "tokens": int(mask.sum()),
+    }
+    return {
+        "kind": "megatron",
+        "vllm_head": a.child_head,
+        "times": {"engine_start_s": start_s},
+        "rows": [row],
+    }
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -414,21 +542,29 @@ def main() -> None:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4, help="completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--syncs", default="merged,adapter", help="comma-separated: merged, adapter")
-    ap.add_argument("--vllm-heads", default="model,float32",
-                    help="comma-separated vLLM output-layer dtypes: model (vLLM's default) and/or float32 "
-                         "(hf_overrides head_dtype, vLLM >= the version that has ModelConfig.head_dtype)")
+    ap.add_argument(
+        "--vllm-heads",
+        default="model,float32",
+        help="comma-separated vLLM output-layer dtypes: model (vLLM's default) and/or float32 "
+        "(hf_overrides head_dtype, vLLM >= the version that has ModelConfig.head_dtype)",
+    )
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps before the 'after' comparison")
     ap.add_argument("--lr", type=float, default=2.0e-4, help="the quickstart's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=16, help="rows per trainer forward")
     ap.add_argument("--gpu-memory", type=float, default=0.3, help="rollout.gpu_memory_utilization")
-    ap.add_argument("--eager", action="store_true", help="rollout.enforce_eager=true (faster start on CUDA; the "
-                    "quickstart-gpu recipe compiles)")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="rollout.enforce_eager=true (faster start on CUDA; the quickstart-gpu recipe compiles)",
+    )
     ap.add_argument("--set", action="append", default=[], dest="sets", help="recipe override")
     ap.add_argument("--out", help="also write the JSON document here")
     ap.add_argument("--no-save", action="store_true", help="do not write bench/results/")
@@ -449,8 +585,21 @@ def main() -> None:
         for head in [h for h in a.vllm_heads.split(",") if h]:
             for i, kind in enumerate(syncs):
                 out = Path(tmp) / f"{kind}-{head}.json"
-                cmd = [sys.executable, __file__, *sys.argv[1:], "--device", a.device, "--child", kind,
-                       "--child-head", head, "--child-out", str(out), "--base-variants", "1" if i == 0 else "0"]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    *sys.argv[1:],
+                    "--device",
+                    a.device,
+                    "--child",
+                    kind,
+                    "--child-head",
+                    head,
+                    "--child-out",
+                    str(out),
+                    "--base-variants",
+                    "1" if i == 0 else "0",
+                ]
                 start = time.perf_counter()
                 proc = subprocess.run(cmd, cwd=ROOT, check=False, stdout=sys.stderr)
                 if proc.returncode != 0:
@@ -459,9 +608,21 @@ def main() -> None:
                 say(f"{kind}/head={head}: done in {time.perf_counter() - start:.0f} s")
             if a.megatron and syncs:  # the first sync's child saved its tokens
                 out = Path(tmp) / f"megatron-{head}.json"
-                cmd = [sys.executable, __file__, *sys.argv[1:], "--device", a.device, "--child", "megatron",
-                       "--child-head", head, "--child-out", str(out),
-                       "--child-batch", str(Path(tmp) / f"{syncs[0]}-{head}.json.batch.pt")]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    *sys.argv[1:],
+                    "--device",
+                    a.device,
+                    "--child",
+                    "megatron",
+                    "--child-head",
+                    head,
+                    "--child-out",
+                    str(out),
+                    "--child-batch",
+                    str(Path(tmp) / f"{syncs[0]}-{head}.json.batch.pt"),
+                ]
                 proc = subprocess.run(cmd, cwd=ROOT, check=False, stdout=sys.stderr)
                 if proc.returncode != 0:  # keep the hf results
                     say(f"megatron child failed (rc {proc.returncode})")
@@ -476,15 +637,23 @@ def main() -> None:
 
     internal = ("child", "child_out", "child_head", "child_batch", "base_variants")
     settings = {k: v for k, v in vars(a).items() if k not in internal}
-    result = {"settings": settings, "versions": versions,
-              "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
-              "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs]}
+    result = {
+        "settings": settings,
+        "versions": versions,
+        "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
+        "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
+    }
     report("logprob_floor", result, rows, save=not a.no_save)
     if a.out:
         from bench.common import machine
 
-        doc = {"benchmark": "logprob_floor", "command": " ".join(sys.argv), "machine": machine(), **result,
-               "rows": rows}
+        doc = {
+            "benchmark": "logprob_floor",
+            "command": " ".join(sys.argv),
+            "machine": machine(),
+            **result,
+            "rows": rows,
+        }
         Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
 
 

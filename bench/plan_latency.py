@@ -31,8 +31,12 @@ def plan_seconds(recipe: Path) -> float | None:
     None when the recipe does not plan on this machine."""
     for extra in ([], ["--no-model-checks"]):
         start = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "rlbridge", "plan", str(recipe), "--json", *BUILTIN_DATA, *extra],
-                             capture_output=True, text=True, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, "-m", "rlbridge", "plan", str(recipe), "--json", *BUILTIN_DATA, *extra],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if res.returncode == 0:
             return time.perf_counter() - start
     return None
@@ -50,8 +54,11 @@ def main() -> None:
             seconds = plan_seconds(recipe)
             if seconds is not None:
                 times[recipe.name].append(seconds)
-    rows = [{"recipe": name, "median_s": statistics.median(t), "max_s": max(t), "runs": len(t)}
-            for name, t in times.items() if t]
+    rows = [
+        {"recipe": name, "median_s": statistics.median(t), "max_s": max(t), "runs": len(t)}
+        for name, t in times.items()
+        if t
+    ]
     report("plan_latency", {"repeats": args.repeats}, rows, save=not args.no_save)
 
 

@@ -104,8 +104,12 @@ class TreeMemory:
         return round(sum(loads) / len(loads), 2) if loads else None
 
     def result(self) -> dict[str, Any]:
-        return {"peak_rss_gib": round(self.peak_rss / GIB, 3), "peak_pss_gib": round(self.peak_pss / GIB, 3),
-                "peak_processes": self.peak_procs, "memory_samples": self.samples}
+        return {
+            "peak_rss_gib": round(self.peak_rss / GIB, 3),
+            "peak_pss_gib": round(self.peak_pss / GIB, 3),
+            "peak_processes": self.peak_procs,
+            "memory_samples": self.samples,
+        }
 
 
 def _interp(timeline: list[tuple[float, float, float]], t: float) -> float:
@@ -145,7 +149,7 @@ class LineArrivals:
             return
         complete = text.split("\n")[:-1]  # a line without its newline is still being written
         now = time.time()
-        for line in complete[len(self.lines):]:
+        for line in complete[len(self.lines) :]:
             self.lines.append((now, line))
 
     def _run(self) -> None:

@@ -29,8 +29,20 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     a = ap.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="rlbridge-bench-")) / "run"
-    cmd = [sys.executable, "-m", "rlbridge", "train", str(ROOT / "recipes" / "quickstart.yaml"), "--run-dir", str(run_dir),
-           "--set", f"run.steps={a.steps}", "--set", "run.eval_samples=8", *sum((["--set", s] for s in a.sets), [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlbridge",
+        "train",
+        str(ROOT / "recipes" / "quickstart.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"run.steps={a.steps}",
+        "--set",
+        "run.eval_samples=8",
+        *sum((["--set", s] for s in a.sets), []),
+    ]
     t = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     wall = time.perf_counter() - t
@@ -44,9 +56,13 @@ def main() -> None:
         sec = sum(r.get(p, 0.0) for r in timed) / len(timed)
         rows.append({"phase": p.removeprefix("time_"), "seconds": sec, "share": sec / step_s})
     rows.append({"phase": "step", "seconds": step_s, "share": 1.0})
-    result = {"settings": {"steps": a.steps, "sets": a.sets}, "wall_s": wall, "step_s": step_s,
-              "trained_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["time_step"] for r in timed),
-              "sync_bytes": timed[-1].get("sync_bytes")}
+    result = {
+        "settings": {"steps": a.steps, "sets": a.sets},
+        "wall_s": wall,
+        "step_s": step_s,
+        "trained_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["time_step"] for r in timed),
+        "sync_bytes": timed[-1].get("sync_bytes"),
+    }
     report("quickstart_phases", result, rows)
 
 

@@ -16,9 +16,23 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-STEP_MEANS = ("reward_mean", "logprob_diff_mean", "rc_weight_mean", "rc_weight_std", "rc_weight_min", "rc_weight_max",
-              "rc_ess", "rc_clip_high_frac", "rc_masked_token_frac", "rc_log_ppl_diff", "rc_kl_k3", "rc_chi2",
-              "time_step", "time_update", "old_logprobs_s")
+STEP_MEANS = (
+    "reward_mean",
+    "logprob_diff_mean",
+    "rc_weight_mean",
+    "rc_weight_std",
+    "rc_weight_min",
+    "rc_weight_max",
+    "rc_ess",
+    "rc_clip_high_frac",
+    "rc_masked_token_frac",
+    "rc_log_ppl_diff",
+    "rc_kl_k3",
+    "rc_chi2",
+    "time_step",
+    "time_update",
+    "old_logprobs_s",
+)
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:

@@ -29,7 +29,10 @@ def prompts(num: int, max_tokens: int, dtype: str) -> tuple[object, list[list[in
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe
 
-    r = load_recipe(ROOT / "recipes" / "quickstart.yaml", [f"rollout.max_response_tokens={max_tokens}", f"model.dtype={dtype}"])
+    r = load_recipe(
+        ROOT / "recipes" / "quickstart.yaml",
+        [f"rollout.max_response_tokens={max_tokens}", f"model.dtype={dtype}"],
+    )
     model_dir = ensure_model(r.model.path)
     ps = load_dataset(r.data.train, r.data, split="train", seed=r.run.seed)[:num]
     ids, _, _ = encode_prompts(load_tokenizer(model_dir), ps, r.data, r.rollout.max_prompt_tokens)
@@ -59,8 +62,14 @@ def run_engine(engine: str, num: int, n: int, max_tokens: int, dtype: str, repea
         seconds += time.perf_counter() - t
         tokens += sum(len(x) for x in out.response_ids)
     eng.shutdown()
-    return {"engine": engine, "startup_s": startup, "completions": len(ids) * n * repeats, "generated_tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {
+        "engine": engine,
+        "startup_s": startup,
+        "completions": len(ids) * n * repeats,
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def main() -> None:
@@ -82,17 +91,36 @@ def main() -> None:
     rows = []
     for k in range(a.rounds):
         for engine in ("vllm", "hf") if k % 2 == 0 else ("hf", "vllm"):
-            cmd = [sys.executable, __file__, "--engine", engine, "--prompts", str(a.prompts), "--n", str(a.n),
-                   "--max-tokens", str(a.max_tokens), "--dtype", a.dtype, "--repeats", str(a.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--engine",
+                engine,
+                "--prompts",
+                str(a.prompts),
+                "--n",
+                str(a.n),
+                "--max-tokens",
+                str(a.max_tokens),
+                "--dtype",
+                a.dtype,
+                "--repeats",
+                str(a.repeats),
+            ]
             before = round(os.getloadavg()[0], 2)
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
-            rows.append(row | {"round": k + 1, "load_before": before, "load_after": round(os.getloadavg()[0], 2)})
+            rows.append(
+                row | {"round": k + 1, "load_before": before, "load_after": round(os.getloadavg()[0], 2)}
+            )
     mean = {e: statistics.fmean(r["tokens_per_s"] for r in rows if r["engine"] == e) for e in ("vllm", "hf")}
     from bench.common import report
 
-    report("rollout_throughput", {"settings": vars(a) | {"engine": None}, "vllm_over_hf": mean["vllm"] / mean["hf"]},
-           rows)
+    report(
+        "rollout_throughput",
+        {"settings": vars(a) | {"engine": None}, "vllm_over_hf": mean["vllm"] / mean["hf"]},
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--batch", type=int, nargs="+", default=[4, 8, 16], help="prompts per step (x rollout.n=4)")
+    ap.add_argument(
+        "--batch", type=int, nargs="+", default=[4, 8, 16], help="prompts per step (x rollout.n=4)"
+    )
     ap.add_argument("--length", type=int, nargs="+", default=[16, 32, 64], help="max_response_tokens")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
@@ -47,21 +49,48 @@ def main() -> None:
         r = recipe(total, sets)
         print(f"[bench] {sweep}={value}, load {load_average()}", file=sys.stderr, flush=True)
         res = run_rlbridge(total, a.warmup, sets, work, step_prompts(r, total), r.rollout.n)
-        res.update(sweep=sweep, prompts=r.data.batch_size, sequences=r.data.batch_size * r.rollout.n,
-                   max_response_tokens=r.rollout.max_response_tokens)
+        res.update(
+            sweep=sweep,
+            prompts=r.data.batch_size,
+            sequences=r.data.batch_size * r.rollout.n,
+            max_response_tokens=r.rollout.max_response_tokens,
+        )
         runs.append(res)
         ph = res["phases_s"]
-        rows.append({"sweep": sweep, "prompts": res["prompts"], "max_tokens": res["max_response_tokens"],
-                     "step_s": res["step_s"], "generate_s": ph.get("generate"), "update_s": ph.get("update"),
-                     "sync_s": ph.get("sync"), "gen_tokens": res["generated_tokens_per_step"],
-                     "trained_tok_per_s": res["trained_tokens_per_s"], "step_cpu_s": res["step_cpu_s"],
-                     "peak_pss_gib": res["peak_pss_gib"], "load": res["load_avg_during_steps"]})
+        rows.append(
+            {
+                "sweep": sweep,
+                "prompts": res["prompts"],
+                "max_tokens": res["max_response_tokens"],
+                "step_s": res["step_s"],
+                "generate_s": ph.get("generate"),
+                "update_s": ph.get("update"),
+                "sync_s": ph.get("sync"),
+                "gen_tokens": res["generated_tokens_per_step"],
+                "trained_tok_per_s": res["trained_tokens_per_s"],
+                "step_cpu_s": res["step_cpu_s"],
+                "peak_pss_gib": res["peak_pss_gib"],
+                "load": res["load_avg_during_steps"],
+            }
+        )
     rows.sort(key=lambda x: (x["sweep"], x["prompts"], x["max_tokens"]))
     from bench.common import report
 
-    report("scaling", {"settings": {"steps": a.steps, "warmup": a.warmup, "batch": a.batch, "length": a.length,
-                                    "recipe": "recipes/quickstart.yaml + data.val=null"}, "runs": runs}, rows,
-           save=not a.no_save)
+    report(
+        "scaling",
+        {
+            "settings": {
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "batch": a.batch,
+                "length": a.length,
+                "recipe": "recipes/quickstart.yaml + data.val=null",
+            },
+            "runs": runs,
+        },
+        rows,
+        save=not a.no_save,
+    )
 
 
 if __name__ == "__main__":

@@ -61,16 +61,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0),
-    "qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    "smollm2-135m": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     # for checking this script on a machine without a GPU (CPU, gloo; memory columns are 0 there)
-    "tiny": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                 max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    "tiny": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
 }
 GIB = 1024**3
 
@@ -88,7 +121,9 @@ def save_model(name: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def model_flops(model: str, mode: str, batch: int, prompt: int, response: int, lora_params: int) -> dict[str, float]:
+def model_flops(
+    model: str, mode: str, batch: int, prompt: int, response: int, lora_params: int
+) -> dict[str, float]:
     """Model FLOPs of one train_step (the formula in the module docstring)."""
     c = SHAPES[model]
     L, H, h, g, inter, V = (c[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -173,8 +208,12 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
         from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
         engine: Any = MegatronTrainEngine(recipe)
@@ -198,7 +237,9 @@ def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
     ids = torch.randint(0, vocab, (b, p + r), generator=g)
     batch = SeqBatch.from_token_lists(ids[:, :p].tolist(), ids[:, p:].tolist(), pad_id=0)
 
-    def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(
+        logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.response_mask[rows].to(logp.device)
         n = mask.sum().clamp(min=1)
         return -(logp * mask).sum() / n - 1e-3 * (entropy * mask).sum() / n, {}
@@ -268,7 +309,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--peak-reps", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="one extra step under torch.profiler per job")
-    ap.add_argument("--out", default=None, help="Also write the JSON and the table here (default: bench/results/).")
+    ap.add_argument(
+        "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
+    )
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
@@ -283,17 +326,36 @@ def main() -> int:
     peak = measure_peak(args.peak_reps)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    print(f"measured peak: {peak['peak_tflops']:.0f} TFLOP/s ({peak['shape']} {peak['dtype']})", file=sys.stderr)
+    print(
+        f"measured peak: {peak['peak_tflops']:.0f} TFLOP/s ({peak['shape']} {peak['dtype']})", file=sys.stderr
+    )
     work = Path(tempfile.mkdtemp(prefix="trainer_gpu_"))
-    variants = [(e, a) for e in args.engines.split(",") for a in (args.attention.split(",") if e == "megatron" else ["sdpa"])]
+    variants = [
+        (e, a)
+        for e in args.engines.split(",")
+        for a in (args.attention.split(",") if e == "megatron" else ["sdpa"])
+    ]
     specs = []
     for model in args.models.split(","):
         save_model(model, work / model)
         for mode in args.modes.split(","):
             for engine, attention in variants:
-                specs.append({"model": model, "model_dir": str(work / model), "engine": engine, "attention": attention,
-                              "mode": mode, "batch": args.batch, "prompt": args.prompt, "response": args.response,
-                              "micro": args.micro, "warmup": args.warmup, "steps": args.steps, "profile": args.profile})
+                specs.append(
+                    {
+                        "model": model,
+                        "model_dir": str(work / model),
+                        "engine": engine,
+                        "attention": attention,
+                        "mode": mode,
+                        "batch": args.batch,
+                        "prompt": args.prompt,
+                        "response": args.response,
+                        "micro": args.micro,
+                        "warmup": args.warmup,
+                        "steps": args.steps,
+                        "profile": args.profile,
+                    }
+                )
     order = {(s["model"], s["mode"], s["engine"], s["attention"]): i for i, s in enumerate(specs)}
     rows, failures = [], []
     running: list[tuple[subprocess.Popen[str], dict[str, Any], int]] = []
@@ -303,8 +365,13 @@ def main() -> int:
         while specs and free:
             spec, gpu = specs.pop(0), free.pop(0)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONWARNINGS": "ignore"}
-            proc = subprocess.Popen([sys.executable, __file__, "--job", json.dumps(spec)], env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--job", json.dumps(spec)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             running.append((proc, spec, gpu))
         time.sleep(0.5)
         for item in list(running):
@@ -324,7 +391,9 @@ def main() -> int:
                         f.write(json.dumps({"peak": peak, **rows[-1]}) + "\n")
                 print(f"done ({time.perf_counter() - started:.0f} s): {label}", file=sys.stderr, flush=True)
             else:
-                failures.append({k: spec[k] for k in ("model", "engine", "attention", "mode")} | {"log": out[-3000:]})
+                failures.append(
+                    {k: spec[k] for k in ("model", "engine", "attention", "mode")} | {"log": out[-3000:]}
+                )
                 print(f"FAILED: {label}\n{out[-3000:]}", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: order[(r["model"], r["mode"], r["engine"], r["attention"])])
     for r in rows:
@@ -332,14 +401,27 @@ def main() -> int:
     ratios = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
-            got = {f"{r['engine']}_{r['attention']}" if r["engine"] == "megatron" else "hf": r
-                   for r in rows if r["model"] == model and r["mode"] == mode}
-            pairs = [("megatron_sdpa", "megatron_unfused"), ("megatron_sdpa", "hf"), ("megatron_unfused", "hf")]
+            got = {
+                f"{r['engine']}_{r['attention']}" if r["engine"] == "megatron" else "hf": r
+                for r in rows
+                if r["model"] == model and r["mode"] == mode
+            }
+            pairs = [
+                ("megatron_sdpa", "megatron_unfused"),
+                ("megatron_sdpa", "hf"),
+                ("megatron_unfused", "hf"),
+            ]
             for a, b in pairs:
                 if {a, b} <= got.keys():
-                    ratios.append({"model": model, "mode": mode, "compare": f"{a} / {b}",
-                                   "throughput": got[a]["tokens_per_s"] / got[b]["tokens_per_s"],
-                                   "peak_memory": got[a]["peak_gib"] / max(got[b]["peak_gib"], 1e-9)})
+                    ratios.append(
+                        {
+                            "model": model,
+                            "mode": mode,
+                            "compare": f"{a} / {b}",
+                            "throughput": got[a]["tokens_per_s"] / got[b]["tokens_per_s"],
+                            "peak_memory": got[a]["peak_gib"] / max(got[b]["peak_gib"], 1e-9),
+                        }
+                    )
     from bench.common import machine, markdown, report
 
     versions = {}
@@ -351,12 +433,25 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             versions[name] = None
     gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    cols = ["model", "engine", "attention", "mode", "tokens_per_s", "step_ms", "mfu", "achieved_tflops", "peak_gib",
-            "after_build_gib", "trainable_params"]
+    cols = [
+        "model",
+        "engine",
+        "attention",
+        "mode",
+        "tokens_per_s",
+        "step_ms",
+        "mfu",
+        "achieved_tflops",
+        "peak_gib",
+        "after_build_gib",
+        "trainable_params",
+    ]
     table_rows = [{c: r[c] for c in cols} for r in rows]
-    formula = ("full: 6*N*T + 6*V*H*T_out + 3*attn; lora: 4*N*T + 4*V*H*T_out + 3*attn + 6*P_lora*T; "
-               "N = L*(H*(h+2g)*d + h*d*H + 3*H*I), attn = 2*batch*L*h*d*S^2 (causal), T = batch*S, "
-               "T_out = batch*response; MFU = model_flops / step time / peak")
+    formula = (
+        "full: 6*N*T + 6*V*H*T_out + 3*attn; lora: 4*N*T + 4*V*H*T_out + 3*attn + 6*P_lora*T; "
+        "N = L*(H*(h+2g)*d + h*d*H + 3*H*I), attn = 2*batch*L*h*d*S^2 (causal), T = batch*S, "
+        "T_out = batch*response; MFU = model_flops / step time / peak"
+    )
     result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
               "settings": {k: getattr(args, k) for k in
               ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile")},
@@ -365,8 +460,13 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        doc = {"benchmark": "trainer_gpu", "command": " ".join(["python", *sys.argv]), "machine": machine(), **result,
-               "rows": table_rows}
+        doc = {
+            "benchmark": "trainer_gpu",
+            "command": " ".join(["python", *sys.argv]),
+            "machine": machine(),
+            **result,
+            "rows": table_rows,
+        }
         (out / "trainer_gpu.json").write_text(json.dumps(doc, indent=2) + "\n")
         (out / "trainer_gpu.md").write_text(markdown(table_rows) + "\n\n" + markdown(ratios) + "\n")
     print("\n" + markdown(ratios))

@@ -86,7 +86,9 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
     model_dir = ensure_model(r.model.path)
     plan = step_prompts(r, total)
     row_keys = list(plan[0][0][0].row)
-    rows = [{"prompt": render_messages(p, r.data), **p.row, "answer": p.answer} for step in plan for p, _ in step]
+    rows = [
+        {"prompt": render_messages(p, r.data), **p.row, "answer": p.answer} for step in plan for p, _ in step
+    ]
     dataset = datasets.Dataset.from_list(rows)
 
     def reward_fn(name: str) -> Any:
@@ -106,26 +108,69 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
     terms = r.reward.terms
     ro, opt = r.rollout, r.trainer.optim
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=r.run.seed, max_steps=total, use_cpu=True, bf16=False, fp16=False,
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=r.run.seed,
+        max_steps=total,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
         per_device_train_batch_size=r.trainer.micro_batch_size,
         gradient_accumulation_steps=r.data.batch_size * ro.n // r.trainer.micro_batch_size,
-        num_generations=ro.n, max_completion_length=ro.max_response_tokens, shuffle_dataset=False,
-        temperature=ro.temperature, top_p=ro.top_p, top_k=0 if ro.top_k < 0 else ro.top_k,
-        learning_rate=opt.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=opt.weight_decay,
-        adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_epsilon=opt.eps, max_grad_norm=opt.clip_grad,
-        optim="adamw_torch", gradient_checkpointing=False, beta=r.algorithm.kl.coef, loss_type="dapo",
-        scale_rewards="group", epsilon=r.algorithm.clip.low, epsilon_high=r.algorithm.clip.high,
-        num_iterations=1, reward_weights=[t.weight for t in terms], remove_unused_columns=False,
-        dataloader_num_workers=0, log_completions=False,
-        use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2, vllm_max_model_length=512,
+        num_generations=ro.n,
+        max_completion_length=ro.max_response_tokens,
+        shuffle_dataset=False,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=0 if ro.top_k < 0 else ro.top_k,
+        learning_rate=opt.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        max_grad_norm=opt.clip_grad,
+        optim="adamw_torch",
+        gradient_checkpointing=False,
+        beta=r.algorithm.kl.coef,
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=r.algorithm.clip.low,
+        epsilon_high=r.algorithm.clip.high,
+        num_iterations=1,
+        reward_weights=[t.weight for t in terms],
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        log_completions=False,
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.2,
+        vllm_max_model_length=512,
     )
-    lora = LoraConfig(r=r.lora.rank, lora_alpha=r.lora.alpha, lora_dropout=r.lora.dropout,
-                      target_modules=hf_targets(r.lora.targets), task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=r.lora.rank,
+        lora_alpha=r.lora.alpha,
+        lora_dropout=r.lora.dropout,
+        target_modules=hf_targets(r.lora.targets),
+        task_type="CAUSAL_LM",
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, r.model.dtype))
-    record: dict[str, Any] = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                                           "torch": torch.__version__, "peft": peft.__version__},
-                              "step_ends": [], "logs": [], "generations": [], "rewards_s": []}
+    record: dict[str, Any] = {
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "peft": peft.__version__,
+        },
+        "step_ends": [],
+        "logs": [],
+        "generations": [],
+        "rewards_s": [],
+    }
 
     class Timing(TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
@@ -134,21 +179,35 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             record["step_ends"].append(time.time())
 
-        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict[str, Any] | None = None, **k: Any) -> None:
+        def on_log(
+            self, _args: Any, _state: Any, _control: Any, logs: dict[str, Any] | None = None, **k: Any
+        ) -> None:
             record["logs"].append(dict(logs or {}))
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(t.fn) for t in terms], args=args, train_dataset=dataset,
-                          processing_class=load_tokenizer(model_dir), peft_config=lora, callbacks=[Timing()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward_fn(t.fn) for t in terms],
+        args=args,
+        train_dataset=dataset,
+        processing_class=load_tokenizer(model_dir),
+        peft_config=lora,
+        callbacks=[Timing()],
+    )
     record["optimizer"] = args.optim
     generate, rewards = trainer._generate_single_turn, trainer._calculate_rewards
 
     def timed_generate(prompt_ids: list[list[int]], *a: Any, **k: Any) -> Any:
         t = time.time()
         completion_ids, logprobs = generate(prompt_ids, *a, **k)
-        record["generations"].append({"start": t, "seconds": time.time() - t,
-                                      "generated_tokens": sum(len(c) for c in completion_ids),
-                                      "prompt_tokens": sum(len(p) for p in prompt_ids),
-                                      "prompt_ids": [list(map(int, p)) for p in prompt_ids]})
+        record["generations"].append(
+            {
+                "start": t,
+                "seconds": time.time() - t,
+                "generated_tokens": sum(len(c) for c in completion_ids),
+                "prompt_tokens": sum(len(p) for p in prompt_ids),
+                "prompt_ids": [list(map(int, p)) for p in prompt_ids],
+            }
+        )
         return completion_ids, logprobs
 
     def timed_rewards(*a: Any, **k: Any) -> Any:
@@ -184,8 +243,15 @@ def measure(cmd: list[str], log: Path, lines: Path | None = None) -> dict[str, A
             else:
                 rc = proc.wait()
     end = time.time()
-    return {"rc": rc, "start": t0, "end": end, "mem": mem, "arrivals": arrivals.lines if arrivals else [],
-            "load_before": load_before, "load_after": load_average()}
+    return {
+        "rc": rc,
+        "start": t0,
+        "end": end,
+        "mem": mem,
+        "arrivals": arrivals.lines if arrivals else [],
+        "load_before": load_before,
+        "load_after": load_average(),
+    }
 
 
 def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -200,26 +266,46 @@ def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup:
     gen_s = sum(s["generate_s"] for s in timed)
     load = mem.load_between(timed[0]["start"], timed[-1]["end"]) if timed else None
     return {
-        "tool": name, "steps_timed": len(timed), "step_s": seconds / max(len(timed), 1),
-        "step_s_min": min(wall, default=0.0), "step_s_max": max(wall, default=0.0),
+        "tool": name,
+        "steps_timed": len(timed),
+        "step_s": seconds / max(len(timed), 1),
+        "step_s_min": min(wall, default=0.0),
+        "step_s_max": max(wall, default=0.0),
         "step_cpu_s": sum(cpu) / max(len(timed), 1),
-        "generate_s": gen_s / max(len(timed), 1), "rest_s": (seconds - gen_s) / max(len(timed), 1),
+        "generate_s": gen_s / max(len(timed), 1),
+        "rest_s": (seconds - gen_s) / max(len(timed), 1),
         "generated_tokens_per_step": gen_tokens / max(len(timed), 1),
         "generated_tokens_per_s": gen_tokens / seconds if seconds else 0.0,
         "generation_phase_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
         "trained_tokens_per_s": train_tokens / seconds if seconds else 0.0,
         "startup_s": steps[0]["start"] - m["start"] if steps else None,
-        "total_wall_s": m["end"] - m["start"], **mem.result(),
-        "load_avg_during_steps": load, "load_before": m["load_before"], "load_after": m["load_after"],
+        "total_wall_s": m["end"] - m["start"],
+        **mem.result(),
+        "load_avg_during_steps": load,
+        "load_before": m["load_before"],
+        "load_after": m["load_after"],
         "per_step_s": [round(w, 2) for w in wall],
     }
 
 
-def run_rlbridge(total: int, warmup: int, sets: list[str], work: Path, plan: list[list[tuple[Any, list[int]]]],
-                 n: int) -> dict[str, Any]:
+def run_rlbridge(
+    total: int, warmup: int, sets: list[str], work: Path, plan: list[list[tuple[Any, list[int]]]], n: int
+) -> dict[str, Any]:
     run_dir = work / f"rlbridge-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "rlbridge", "train", str(RECIPE), "--run-dir", str(run_dir),
-           "--set", f"run.steps={total}", "--set", "data.val=null", *sum((["--set", s] for s in sets), [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlbridge",
+        "train",
+        str(RECIPE),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"run.steps={total}",
+        "--set",
+        "data.val=null",
+        *sum((["--set", s] for s in sets), []),
+    ]
     m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl")
     if m["rc"] != 0:
         raise SystemExit(f"rlbridge failed (rc {m['rc']}); log: {work / 'rlbridge.log'}")
@@ -230,10 +316,17 @@ def run_rlbridge(total: int, warmup: int, sets: list[str], work: Path, plan: lis
         # the step began when the previous record arrived; the first one, time_step before its arrival
         start = train[i - 1][0] if i else t - rec["time_step"]
         prompt_tokens = sum(len(ids) for _, ids in plan[i]) * n
-        steps.append({"start": start, "end": t, "generated_tokens": rec["tokens"],
-                      "trained_tokens": rec["tokens"] + prompt_tokens, "generate_s": rec.get("time_generate", 0.0),
-                      "phases": {k.removeprefix("time_"): v for k, v in rec.items() if k.startswith("time_")},
-                      "reward_mean": rec.get("reward_mean")})
+        steps.append(
+            {
+                "start": start,
+                "end": t,
+                "generated_tokens": rec["tokens"],
+                "trained_tokens": rec["tokens"] + prompt_tokens,
+                "generate_s": rec.get("time_generate", 0.0),
+                "phases": {k.removeprefix("time_"): v for k, v in rec.items() if k.startswith("time_")},
+                "reward_mean": rec.get("reward_mean"),
+            }
+        )
     out = summarize("rlbridge", m, steps, warmup)
     timed = steps[warmup:]
     phases = sorted({k for s in timed for k in s["phases"]})
@@ -244,8 +337,18 @@ def run_rlbridge(total: int, warmup: int, sets: list[str], work: Path, plan: lis
 
 def run_trl_measured(total: int, warmup: int, sets: list[str], work: Path, use_vllm: bool) -> dict[str, Any]:
     res = work / f"trl-{time.time_ns()}.json"
-    cmd = [sys.executable, __file__, "--child-trl", str(res), "--steps", str(total), "--warmup", "0",
-           *sum((["--set", s] for s in sets), []), *(["--trl-vllm-colocate"] if use_vllm else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child-trl",
+        str(res),
+        "--steps",
+        str(total),
+        "--warmup",
+        "0",
+        *sum((["--set", s] for s in sets), []),
+        *(["--trl-vllm-colocate"] if use_vllm else []),
+    ]
     m = measure(cmd, work / "trl.log")
     if m["rc"] != 0 or not res.exists():
         tail = (work / "trl.log").read_text()[-3000:]
@@ -256,8 +359,15 @@ def run_trl_measured(total: int, warmup: int, sets: list[str], work: Path, use_v
     steps = []
     for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
         g = gens[i] if i < len(gens) else {"generated_tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
-        steps.append({"start": start, "end": end, "generated_tokens": g["generated_tokens"],
-                      "trained_tokens": g["generated_tokens"] + g["prompt_tokens"], "generate_s": g["seconds"]})
+        steps.append(
+            {
+                "start": start,
+                "end": end,
+                "generated_tokens": g["generated_tokens"],
+                "trained_tokens": g["generated_tokens"] + g["prompt_tokens"],
+                "generate_s": g["seconds"],
+            }
+        )
     out = summarize("trl", m, steps, warmup)
     out["versions"], out["optimizer"] = rec["versions"], rec.get("optimizer")
     out["prompt_ids_match_rlbridge"] = rec["prompt_ids_match"]
@@ -309,7 +419,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="runs per tool, alternating the order")
     ap.add_argument("--set", action="append", default=[], dest="sets", help="recipe override for both tools")
-    ap.add_argument("--trl-vllm-colocate", action="store_true", help="TRL with use_vllm=True, vllm_mode=colocate")
+    ap.add_argument(
+        "--trl-vllm-colocate", action="store_true", help="TRL with use_vllm=True, vllm_mode=colocate"
+    )
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--child-trl", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -330,13 +442,20 @@ def main() -> None:
         for tool in order:
             print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
             try:
-                res = (run_rlbridge(total, a.warmup, a.sets, work, plan, r.rollout.n) if tool == "rlbridge"
-                       else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate))
+                res = (
+                    run_rlbridge(total, a.warmup, a.sets, work, plan, r.rollout.n)
+                    if tool == "rlbridge"
+                    else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate)
+                )
             except SystemExit as e:
                 res = {"tool": tool, "failed": True, "error": str(e)}
             res["round"] = k + 1
             runs.append(res)
-            print(f"[bench] {tool}: step_s {res.get('step_s')}, load {load_average()}", file=sys.stderr, flush=True)
+            print(
+                f"[bench] {tool}: step_s {res.get('step_s')}, load {load_average()}",
+                file=sys.stderr,
+                flush=True,
+            )
             finish(a, runs, save=not a.no_save, final=False)  # a partial result survives an interrupted run
     finish(a, runs, save=not a.no_save, final=True)
 
@@ -350,8 +469,14 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
 
     ratios: dict[str, Any] = {}
     if ok["rlbridge"] and ok["trl"]:
-        for key in ("step_s", "step_cpu_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_pss_gib",
-                    "peak_rss_gib"):
+        for key in (
+            "step_s",
+            "step_cpu_s",
+            "generated_tokens_per_s",
+            "trained_tokens_per_s",
+            "peak_pss_gib",
+            "peak_rss_gib",
+        ):
             x, y = mean("rlbridge", key), mean("trl", key)
             ratios[f"{key}_rlbridge_over_trl"] = x / y if x and y else None
         # a load spike on a shared machine can multiply one step's time: the median and the fastest of all the
@@ -359,20 +484,51 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ok}
         for t in ok:
             ratios[f"{t}_step_s_median"], ratios[f"{t}_step_s_min"] = statistics.median(steps[t]), steps[t][0]
-        ratios["step_s_median_rlbridge_over_trl"] = statistics.median(steps["rlbridge"]) / statistics.median(steps["trl"])
+        ratios["step_s_median_rlbridge_over_trl"] = statistics.median(steps["rlbridge"]) / statistics.median(
+            steps["trl"]
+        )
         ratios["step_s_min_rlbridge_over_trl"] = steps["rlbridge"][0] / steps["trl"][0]
         ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
-        ratios["rlbridge_step_faster_median"] = statistics.median(steps["rlbridge"]) < statistics.median(steps["trl"])
-    rows = [{k: x.get(k) for k in ("tool", "round", "step_s", "step_cpu_s", "generate_s", "rest_s",
-                                    "generated_tokens_per_step", "generated_tokens_per_s", "trained_tokens_per_s",
-                                    "peak_rss_gib", "peak_pss_gib", "startup_s", "load_avg_during_steps")}
-            for x in runs]
+        ratios["rlbridge_step_faster_median"] = statistics.median(steps["rlbridge"]) < statistics.median(
+            steps["trl"]
+        )
+    rows = [
+        {
+            k: x.get(k)
+            for k in (
+                "tool",
+                "round",
+                "step_s",
+                "step_cpu_s",
+                "generate_s",
+                "rest_s",
+                "generated_tokens_per_step",
+                "generated_tokens_per_s",
+                "trained_tokens_per_s",
+                "peak_rss_gib",
+                "peak_pss_gib",
+                "startup_s",
+                "load_avg_during_steps",
+            )
+        }
+        for x in runs
+    ]
     from bench.common import report
 
-    result = {"settings": {"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "sets": a.sets,
-                           "trl_vllm_colocate": a.trl_vllm_colocate,
-                           "recipe": "recipes/quickstart.yaml + run.steps, data.val=null"},
-              "complete": final, "ratios": ratios, "differences": DIFFERENCES, "runs": runs}
+    result = {
+        "settings": {
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "rounds": a.rounds,
+            "sets": a.sets,
+            "trl_vllm_colocate": a.trl_vllm_colocate,
+            "recipe": "recipes/quickstart.yaml + run.steps, data.val=null",
+        },
+        "complete": final,
+        "ratios": ratios,
+        "differences": DIFFERENCES,
+        "runs": runs,
+    }
     if final:
         report("trl_grpo", result, rows, save=save)
     elif save:

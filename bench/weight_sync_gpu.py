@@ -213,7 +213,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds (train_step + both syncs)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds")
     ap.add_argument("--job-timeout", type=float, default=300.0, help="seconds per model process")
-    ap.add_argument("--out", default=None, help="Also write the JSON and the table here (default: bench/results/).")
+    ap.add_argument(
+        "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
+    )
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:

@@ -79,8 +79,16 @@ class ExportResult:
 Exporter = Callable[[Recipe, ResumePoint, str, Callable[[str], None]], Exported]
 
 
-def export_hf(source: Path, out: Path, *, merge: bool | None = None, step: int | None = None, force: bool = False,
-              max_shard_size: str | int = DEFAULT_SHARD_SIZE, log: Callable[[str], None] = print) -> ExportResult:
+def export_hf(
+    source: Path,
+    out: Path,
+    *,
+    merge: bool | None = None,
+    step: int | None = None,
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    log: Callable[[str], None] = print,
+) -> ExportResult:
     """Export checkpoint `source` (a run directory: its newest complete checkpoint, or `step`; or a checkpoint
     directory) to `out`. merge: True merged, False adapter-only, None merged (the default under LoRA and the
     only choice under full fine-tuning). See the module docstring."""
@@ -91,13 +99,19 @@ def export_hf(source: Path, out: Path, *, merge: bool | None = None, step: int |
     recipe = _recipe(point)
     kind = "merged" if merge or merge is None else "adapter"
     if kind == "adapter" and not recipe.lora.enabled:
-        raise RlbridgeError(f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
-                            "export it merged")
+        raise RlbridgeError(
+            f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
+            "export it merged"
+        )
     engine = recipe.trainer.engine
     if engine not in EXPORTERS:
-        raise RlbridgeError(f"export-hf of trainer.engine={engine} checkpoints is not implemented yet "
-                            f"(known: {', '.join(EXPORTERS)})")
-    log(f"exporting {point.path} (step {point.step}, {engine} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}")
+        raise RlbridgeError(
+            f"export-hf of trainer.engine={engine} checkpoints is not implemented yet "
+            f"(known: {', '.join(EXPORTERS)})"
+        )
+    log(
+        f"exporting {point.path} (step {point.step}, {engine} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}"
+    )
     exported = EXPORTERS[engine](recipe, point, kind, log)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -118,7 +132,9 @@ def export_hf(source: Path, out: Path, *, merge: bool | None = None, step: int |
     size = sum((out / f).stat().st_size for f in files)
     for note in exported.notes:
         log(note)
-    return ExportResult(out, kind, point.step, point.path, files, size, time.perf_counter() - start, exported.notes)
+    return ExportResult(
+        out, kind, point.step, point.path, files, size, time.perf_counter() - start, exported.notes
+    )
 
 
 # ------------------------------------------------------------------------------------------- exporters
@@ -134,7 +150,9 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
         raise RlbridgeError(f"{point.path} holds no trainable tensors (trainable.safetensors)")
     # an engine for export only: no frozen reference copy (algorithm.kl), no recompute hooks
     algo = recipe.algorithm.model_copy(update={"kl": recipe.algorithm.kl.model_copy(update={"coef": 0.0})})
-    trainer = recipe.trainer.model_copy(update={"recompute": recipe.trainer.recompute.model_copy(update={"granularity": "none"})})
+    trainer = recipe.trainer.model_copy(
+        update={"recompute": recipe.trainer.recompute.model_copy(update={"granularity": "none"})}
+    )
     light = recipe.model_copy(update={"algorithm": algo, "trainer": trainer})
     log(f"loading the base model {recipe.model.path} ({base_dir}) on CPU in {recipe.model.dtype}")
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -181,8 +199,10 @@ def _settle_ties(model: Any, state: dict[str, torch.Tensor], config: dict[str, A
         del state[out_key]
         return []
     _set_tie_flag(config, False)
-    return [f"{out_key} differs from {in_key} after the merge: tie_word_embeddings set to false in config.json and "
-            f"{out_key} written"]
+    return [
+        f"{out_key} differs from {in_key} after the merge: tie_word_embeddings set to false in config.json and "
+        f"{out_key} written"
+    ]
 
 
 def _weight_key(module_name: str | None) -> str:
@@ -214,22 +234,36 @@ def _write_merged(tmp: Path, exported: Exported, max_shard_size: str | int) -> N
     assert exported.base_dir is not None and exported.config is not None
     tensors = exported.weights.tensors
     for f in sorted(exported.base_dir.iterdir()):
-        if f.is_file() and not _is_weight_file(f) and not f.name.startswith(".") \
-                and f.name not in ("config.json", "README.md", "adapter_config.json"):
+        if (
+            f.is_file()
+            and not _is_weight_file(f)
+            and not f.name.startswith(".")
+            and f.name not in ("config.json", "README.md", "adapter_config.json")
+        ):
             shutil.copyfile(f, ckpt.safe_join(tmp, f.name))
     config = dict(exported.config)
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
         config.pop("torch_dtype", None)
-    ckpt.safe_join(tmp, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    ckpt.safe_join(tmp, "config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
     if not ckpt.safe_join(tmp, "generation_config.json").exists():  # the base had none: the config's tokens
         from transformers import GenerationConfig
 
-        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        ids = {
+            k: config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if config.get(k) is not None
+        }
         GenerationConfig(**ids).save_pretrained(tmp)
-    save_torch_state_dict({k: v.detach().contiguous() for k, v in tensors.items()}, tmp,
-                          max_shard_size=max_shard_size, metadata={"format": "pt"})
+    save_torch_state_dict(
+        {k: v.detach().contiguous() for k, v in tensors.items()},
+        tmp,
+        max_shard_size=max_shard_size,
+        metadata={"format": "pt"},
+    )
     for f in tmp.iterdir():  # every name the writer chose stays inside the directory
         ckpt.safe_join(tmp, f.name)
 
@@ -242,25 +276,37 @@ def _write_adapter(tmp: Path, exported: Exported) -> None:
 
 def _write_readme(tmp: Path, recipe: Recipe, point: ResumePoint, kind: str, exported: Exported) -> None:
     r = recipe
-    lora = (f"LoRA rank {r.lora.rank}, alpha {r.lora.alpha}, targets {', '.join(r.lora.targets)} ({r.lora.type})"
-            if r.lora.enabled else "full fine-tuning")
-    what = ("the base model with the adapters merged in (float32 merge, cast to " + r.model.dtype + ")"
-            if kind == "merged" else "a PEFT adapter for the base model")
+    lora = (
+        f"LoRA rank {r.lora.rank}, alpha {r.lora.alpha}, targets {', '.join(r.lora.targets)} ({r.lora.type})"
+        if r.lora.enabled
+        else "full fine-tuning"
+    )
+    what = (
+        "the base model with the adapters merged in (float32 merge, cast to " + r.model.dtype + ")"
+        if kind == "merged"
+        else "a PEFT adapter for the base model"
+    )
     if kind == "merged":
-        load = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n"
-                "# vLLM: LLM(model=\"PATH\")\n```")
+        load = (
+            "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            'model = AutoModelForCausalLM.from_pretrained("PATH")\ntokenizer = AutoTokenizer.from_pretrained("PATH")\n'
+            '# vLLM: LLM(model="PATH")\n```'
+        )
     else:
-        load = ("```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
-                f"base = AutoModelForCausalLM.from_pretrained(\"{exported.base_dir}\")\n"
-                "model = PeftModel.from_pretrained(base, \"PATH\")\n"
-                "# vLLM: LLM(model=BASE, enable_lora=True) and LoRARequest(\"adapter\", 1, \"PATH\")\n```")
-    text = (f"# {r.name}, step {point.step}\n\n"
-            f"Exported by rlbridge from `{point.path}` (step {point.step} of run.steps {r.run.steps}): {what}.\n\n"
-            f"- base model: `{r.model.path}` (`{exported.base_dir}`)\n- training: {r.algorithm.name}, {lora}, "
-            f"trainer.engine {r.trainer.engine}\n- checkpoint created {point.manifest.get('created')}, "
-            f"recipe sha256 {point.manifest.get('recipe_sha256')}\n\n## Load\n\n{load}\n\n"
-            f"## Recipe\n\n```yaml\n{point.recipe_yaml.rstrip()}\n```\n")
+        load = (
+            "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
+            f'base = AutoModelForCausalLM.from_pretrained("{exported.base_dir}")\n'
+            'model = PeftModel.from_pretrained(base, "PATH")\n'
+            '# vLLM: LLM(model=BASE, enable_lora=True) and LoRARequest("adapter", 1, "PATH")\n```'
+        )
+    text = (
+        f"# {r.name}, step {point.step}\n\n"
+        f"Exported by rlbridge from `{point.path}` (step {point.step} of run.steps {r.run.steps}): {what}.\n\n"
+        f"- base model: `{r.model.path}` (`{exported.base_dir}`)\n- training: {r.algorithm.name}, {lora}, "
+        f"trainer.engine {r.trainer.engine}\n- checkpoint created {point.manifest.get('created')}, "
+        f"recipe sha256 {point.manifest.get('recipe_sha256')}\n\n## Load\n\n{load}\n\n"
+        f"## Recipe\n\n```yaml\n{point.recipe_yaml.rstrip()}\n```\n"
+    )
     ckpt.safe_join(tmp, "README.md").write_text(text, encoding="utf-8")
 
 
@@ -278,12 +324,16 @@ def _check_out(out: Path, force: bool) -> None:
         raise RlbridgeError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise RlbridgeError(f"--out {out} is not empty; choose an empty or new directory, or pass --force to "
-                                "replace its contents")
+            raise RlbridgeError(
+                f"--out {out} is not empty; choose an empty or new directory, or pass --force to "
+                "replace its contents"
+            )
         subdirs = [p.name for p in out.iterdir() if p.is_dir() and not p.is_symlink()]
         if subdirs:
-            raise RlbridgeError(f"--out {out} holds directories ({', '.join(sorted(subdirs)[:3])}): --force only "
-                                "replaces a directory of plain files (a previous export); choose another --out")
+            raise RlbridgeError(
+                f"--out {out} holds directories ({', '.join(sorted(subdirs)[:3])}): --force only "
+                "replaces a directory of plain files (a previous export); choose another --out"
+            )
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -41,7 +41,9 @@ class Summary:
     seconds: float
 
 
-def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume: ResumePoint | None = None) -> Summary:
+def train(
+    recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume: ResumePoint | None = None
+) -> Summary:
     """Steps 1..run.steps, or from the step after `resume`'s checkpoint. SIGTERM / Ctrl-C: the current
     phase finishes, a checkpoint is saved, and signals.Interrupted (a KeyboardInterrupt) is raised."""
     start = time.perf_counter()
@@ -53,7 +55,9 @@ def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume:
             saver.eval_before = evaluate(s, step=0)
             first = 1
         else:
-            first = saver.restore(resume) + 1  # the rollout has the checkpoint's weights before any generation
+            first = (
+                saver.restore(resume) + 1
+            )  # the rollout has the checkpoint's weights before any generation
         for step in range(first, recipe.run.steps + 1):
             saver.begin_step(step)
             record = train_step(s, step, stop=stop)
@@ -61,9 +65,16 @@ def train(recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume:
                 saver.abandon(step)  # stopped before the update: saves step - 1, raises Interrupted
             saver.nonfinite = saver.nonfinite + 1 if record.get("skipped") else 0
             if saver.nonfinite > recipe.run.health.max_nonfinite_steps:
-                raise RlbridgeError(f"{saver.nonfinite} steps in a row had non-finite loss or gradients ({record.get('nonfinite')}); "
-                                    "stopping (run.health.max_nonfinite_steps)")
-            if recipe.run.eval_every and step % recipe.run.eval_every == 0 and step < recipe.run.steps and not stop.requested:
+                raise RlbridgeError(
+                    f"{saver.nonfinite} steps in a row had non-finite loss or gradients ({record.get('nonfinite')}); "
+                    "stopping (run.health.max_nonfinite_steps)"
+                )
+            if (
+                recipe.run.eval_every
+                and step % recipe.run.eval_every == 0
+                and step < recipe.run.steps
+                and not stop.requested
+            ):
                 evaluate(s, step)
             if saver.due(step) or stop.requested:
                 saver.save(step)
@@ -93,13 +104,25 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
         if stopping():
             return None
     values = None
-    if r.algorithm.has_critic:  # PPO: the critic's values before the update: GAE's baseline, the value clip's centre
+    if (
+        r.algorithm.has_critic
+    ):  # PPO: the critic's values before the update: GAE's baseline, the value clip's centre
         with timer("values"):
             values = trainer.values(batch)
     kl_ctl = s.kl_control
-    adv = compute_advantages(r.algorithm, r.rollout, rewards, batch.response_mask, logp_bt=rollout_lp, ref_logp_bt=ref,
-                             values_bt=values, kl_coef=None if kl_ctl is None else kl_ctl.coef)
-    if kl_ctl is not None and adv.kl_seq_mean is not None:  # this step's rewards used the coefficient before it moves
+    adv = compute_advantages(
+        r.algorithm,
+        r.rollout,
+        rewards,
+        batch.response_mask,
+        logp_bt=rollout_lp,
+        ref_logp_bt=ref,
+        values_bt=values,
+        kl_coef=None if kl_ctl is None else kl_ctl.coef,
+    )
+    if (
+        kl_ctl is not None and adv.kl_seq_mean is not None
+    ):  # this step's rewards used the coefficient before it moves
         kl_ctl.update(adv.kl_seq_mean, batch.size)
     with timer("update"):
         s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
@@ -108,11 +131,19 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
     check_mismatch(r, m, step)
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()
-    record = {"kind": "train", "step": step, **reward_metrics, **adv.metrics, **m,
-              "kl": m.get("kl_loss", adv.metrics.get("kl_reward")),
-              "tokens": int(batch.response_mask.sum()), "weight_version": s.version,
-              "data_epoch": s.sampler.state()["epoch"], "rollout_sha": rollout_digest(ro),
-              **{f"time_{k}": v for k, v in timer.seconds.items()}}
+    record = {
+        "kind": "train",
+        "step": step,
+        **reward_metrics,
+        **adv.metrics,
+        **m,
+        "kl": m.get("kl_loss", adv.metrics.get("kl_reward")),
+        "tokens": int(batch.response_mask.sum()),
+        "weight_version": s.version,
+        "data_epoch": s.sampler.state()["epoch"],
+        "rollout_sha": rollout_digest(ro),
+        **{f"time_{k}": v for k, v in timer.seconds.items()},
+    }
     record["time_step"] = sum(timer.seconds.values())
     record["tokens_per_s"] = record["tokens"] / max(record["time_step"], 1e-9)
     s.metrics.write(record)
@@ -128,7 +159,9 @@ def rollout_digest(ro: Rollouts) -> str:
     return h.hexdigest()[:16]
 
 
-def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollouts, torch.Tensor, dict[str, float]] | None:
+def collect(
+    s: Session, step: int, timer: Timer, stopping: Any
+) -> tuple[Rollouts, torch.Tensor, dict[str, float]] | None:
     """generate -> reward for one step's prompts, with DAPO's additions when algorithm.name is dapo:
     the soft overlong penalty added to the rewards, and dynamic sampling, which drops the groups whose
     rewards are all equal and refills the batch by generating for further prompts (at most
@@ -145,7 +178,11 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
     while True:
         rows = s.sampler.next_indices(want - have if rounds else want)
         prompts = [s.train_data.prompts[i] for i in rows]
-        seed = rollout_seed(r.run.seed, step) if rounds == 0 else rollout_seed(r.run.seed, step, f"refill{rounds}")
+        seed = (
+            rollout_seed(r.run.seed, step)
+            if rounds == 0
+            else rollout_seed(r.run.seed, step, f"refill{rounds}")
+        )
         with timer("generate"):
             ro = s.generate([s.train_data.ids[i] for i in rows], seed=seed)
         if stopping():
@@ -157,8 +194,12 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
         all_rewards.append(rewards)
         if dapo is not None and dapo.overlong.buffer > 0:
             lengths = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
-            pen = overlong_penalty(lengths, max_len=r.rollout.max_response_tokens, buffer=dapo.overlong.buffer,
-                                   penalty_factor=dapo.overlong.penalty)
+            pen = overlong_penalty(
+                lengths,
+                max_len=r.rollout.max_response_tokens,
+                buffer=dapo.overlong.buffer,
+                penalty_factor=dapo.overlong.penalty,
+            )
             rewards = rewards + pen
             m["overlong_penalty"] = float(pen.mean())
         round_metrics.append((len(ro), m))
@@ -181,26 +222,42 @@ def collect(s: Session, step: int, timer: Timer, stopping: Any) -> tuple[Rollout
     metrics["reward_mean"] = float(raw.mean())
     metrics["reward_std"] = float(raw.std()) if raw.numel() > 1 else 0.0
     if dapo is not None:
-        metrics.update(groups_dropped=float(dropped), refill_rounds=float(rounds), groups_trained=float(min(have, want)),
-                       groups_short=float(max(want - have, 0)))
+        metrics.update(
+            groups_dropped=float(dropped),
+            refill_rounds=float(rounds),
+            groups_trained=float(min(have, want)),
+            groups_short=float(max(want - have, 0)),
+        )
         if have < want:
-            log(f"step {step}: dynamic sampling kept {have} of {want} groups after {rounds} refill rounds "
-                "(algorithm.max_refill_rounds); training on those")
+            log(
+                f"step {step}: dynamic sampling kept {have} of {want} groups after {rounds} refill rounds "
+                "(algorithm.max_refill_rounds); training on those"
+            )
     if have > want:
         ro, rewards = _take(ro, list(range(want * n))), rewards[: want * n]
     return ro, rewards, metrics
 
 
 def _take(ro: Rollouts, idx: list[int]) -> Rollouts:
-    return Rollouts([ro.prompt_ids[i] for i in idx], [ro.response_ids[i] for i in idx],
-                    [ro.response_logprobs[i] for i in idx], [ro.finish_reasons[i] for i in idx], ro.weight_version,
-                    [ro.texts[i] for i in idx] if ro.texts else [])
+    return Rollouts(
+        [ro.prompt_ids[i] for i in idx],
+        [ro.response_ids[i] for i in idx],
+        [ro.response_logprobs[i] for i in idx],
+        [ro.finish_reasons[i] for i in idx],
+        ro.weight_version,
+        [ro.texts[i] for i in idx] if ro.texts else [],
+    )
 
 
 def _cat(items: list[Rollouts]) -> Rollouts:
-    return Rollouts([x for r in items for x in r.prompt_ids], [x for r in items for x in r.response_ids],
-                    [x for r in items for x in r.response_logprobs], [x for r in items for x in r.finish_reasons],
-                    items[-1].weight_version, [x for r in items for x in r.texts])
+    return Rollouts(
+        [x for r in items for x in r.prompt_ids],
+        [x for r in items for x in r.response_ids],
+        [x for r in items for x in r.response_logprobs],
+        [x for r in items for x in r.finish_reasons],
+        items[-1].weight_version,
+        [x for r in items for x in r.texts],
+    )
 
 
 def _merge(items: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
@@ -218,15 +275,21 @@ def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torc
     texts = [p.text for p in prompts for _ in range(n)]
     rows = [p.sample for p in prompts for _ in range(n)]
     res = s.rewards.score(texts, ro.texts, rows)
-    values = torch.tensor([float("nan") if v is None else v for v in res.scores], dtype=torch.float32).view(-1, n)
+    values = torch.tensor([float("nan") if v is None else v for v in res.scores], dtype=torch.float32).view(
+        -1, n
+    )
     group_mean = torch.nanmean(values, dim=1, keepdim=True).nan_to_num(0.0)
     filled = torch.where(values.isnan(), group_mean, values).view(-1)
     first = next(iter(res.terms.values())) if res.terms else res.scores
     correct = [1.0 if (v is not None and v >= 1.0) else 0.0 for v in first]
-    metrics = {"reward_mean": float(filled.mean()), "reward_std": float(filled.std()) if filled.numel() > 1 else 0.0,
-               "accuracy": sum(correct) / max(len(correct), 1), "reward_error": float(res.num_errors),
-               "response_length": sum(len(x) for x in ro.response_ids) / max(len(ro), 1),
-               "clipped_ratio": sum(f == "length" for f in ro.finish_reasons) / max(len(ro), 1)}
+    metrics = {
+        "reward_mean": float(filled.mean()),
+        "reward_std": float(filled.std()) if filled.numel() > 1 else 0.0,
+        "accuracy": sum(correct) / max(len(correct), 1),
+        "reward_error": float(res.num_errors),
+        "response_length": sum(len(x) for x in ro.response_ids) / max(len(ro), 1),
+        "clipped_ratio": sum(f == "length" for f in ro.finish_reasons) / max(len(ro), 1),
+    }
     for line in res.errors[:3]:
         log(f"[red]reward error[/] {line}")
     return filled, metrics
@@ -236,8 +299,10 @@ def check_agreement(r: Recipe, m: dict[str, Any]) -> None:
     limit = r.run.health.max_logprob_diff
     diff = m.get("logprob_diff_mean")
     if limit is not None and diff is not None and diff > limit:
-        raise RlbridgeError(f"trainer and rollout log-probs disagree: mean |diff| {diff:.3g} > run.health.max_logprob_diff {limit} "
-                            "(stale rollout weights or a dtype mismatch; raise the limit or set it to null to continue anyway)")
+        raise RlbridgeError(
+            f"trainer and rollout log-probs disagree: mean |diff| {diff:.3g} > run.health.max_logprob_diff {limit} "
+            "(stale rollout weights or a dtype mismatch; raise the limit or set it to null to continue anyway)"
+        )
 
 
 def check_mismatch(r: Recipe, m: dict[str, Any], step: int) -> None:
@@ -247,8 +312,10 @@ def check_mismatch(r: Recipe, m: dict[str, Any], step: int) -> None:
         return
     text = f"step {step}: rollout and trainer disagree: {'; '.join(problems)}"
     if r.run.health.on_mismatch == "stop":
-        raise RlbridgeError(f"{text} (run.health.on_mismatch: stop; set it to warn to continue, or correct the gap "
-                            "with algorithm.rollout_correction: docs/rollout-correction.md)")
+        raise RlbridgeError(
+            f"{text} (run.health.on_mismatch: stop; set it to warn to continue, or correct the gap "
+            "with algorithm.rollout_correction: docs/rollout-correction.md)"
+        )
     log(f"[yellow]warning[/] {text} (algorithm.rollout_correction corrects it: docs/rollout-correction.md)")
 
 
@@ -262,8 +329,12 @@ def evaluate(s: Session, step: int) -> dict[str, float]:
     ro = s.generate(ids, greedy=True, seed=rollout_seed(s.recipe.run.seed, step, "eval"))
     res = s.rewards.score([p.text for p in prompts], ro.texts, [p.sample for p in prompts])
     first = next(iter(res.terms.values())) if res.terms else res.scores
-    out = {"eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),
-           "eval_format": sum(format_reward(p.text, t, p.sample) for p, t in zip(prompts, ro.texts, strict=True)) / max(k, 1),
-           "eval_reward": sum(v for v in res.scores if v is not None) / max(k, 1), "eval_samples": float(k)}
+    out = {
+        "eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),
+        "eval_format": sum(format_reward(p.text, t, p.sample) for p, t in zip(prompts, ro.texts, strict=True))
+        / max(k, 1),
+        "eval_reward": sum(v for v in res.scores if v is not None) / max(k, 1),
+        "eval_samples": float(k),
+    }
     s.metrics.write({"kind": "eval", "step": step, **out, "time_eval": time.perf_counter() - start})
     return out

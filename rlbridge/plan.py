@@ -124,7 +124,11 @@ def rank_coords(r: Recipe) -> list[RankCoord]:
         in_stage = rank % per_stage
         etp_r = in_stage % etp
         ep_r = (in_stage // etp) % ep
-        out.append(RankCoord(rank, rank // c.gpus_per_node, rank % c.gpus_per_node, dp_r, tp_r, pp_r, cp_r, ep_r, etp_r))
+        out.append(
+            RankCoord(
+                rank, rank // c.gpus_per_node, rank % c.gpus_per_node, dp_r, tp_r, pp_r, cp_r, ep_r, etp_r
+            )
+        )
     return out
 
 
@@ -177,7 +181,9 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     wbytes = DTYPE_BYTES[r.model.dtype]
     layers_per_stage = m.layers / p.pipeline
     mlp = m.mlp_params() / (p.expert * p.expert_tensor if m.is_moe else p.tensor)
-    stage_params = layers_per_stage * (m.attention_params() / p.tensor + mlp) + m.embedding_params() / p.tensor
+    stage_params = (
+        layers_per_stage * (m.attention_params() / p.tensor + mlp) + m.embedding_params() / p.tensor
+    )
     total = m.total_params()
     trainable = lora_params(r, m) if r.lora.enabled else total
 
@@ -209,14 +215,26 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     else:
         peak = max(trainer_total, rollout_total) if r.cluster.colocate else trainer_total
     return Memory(
-        round(weights, 3), round(grads, 3), round(opt, 3), round(act, 3), round(trainer_total, 3),
-        round(rollout_w, 3), round(kv, 3), round(rollout_total, 3), round(peak, 3), capacity,
-        int(trainable), int(total), round(full_total, 3), round(critic, 3),
+        round(weights, 3),
+        round(grads, 3),
+        round(opt, 3),
+        round(act, 3),
+        round(trainer_total, 3),
+        round(rollout_w, 3),
+        round(kv, 3),
+        round(rollout_total, 3),
+        round(peak, 3),
+        capacity,
+        int(trainable),
+        int(total),
+        round(full_total, 3),
+        round(critic, 3),
     )
 
 
-def _critic_gib(r: Recipe, m: ModelInfo, local_share: float,
-                trainer_gib: Callable[[float], tuple[float, float, float]]) -> tuple[float, float]:
+def _critic_gib(
+    r: Recipe, m: ModelInfo, local_share: float, trainer_gib: Callable[[float], tuple[float, float, float]]
+) -> tuple[float, float]:
     """(critic GiB as the recipe trains it, critic GiB under full fine-tuning): the backbone (every weight but
     an untied output layer) plus the value head, in model.dtype; gradients and AdamW state for its adapter
     (the policy's LoRA shapes) or for all of it."""
@@ -248,7 +266,9 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
         act = layers * 2 * s * mb * h + per_layer  # checkpointed inputs + one layer recomputed
     else:
         act = layers * per_layer
-    in_flight = min(p.pipeline, b.micro_batches_per_mini_batch)  # 1F1B keeps up to pp micro-batches on stage 0
+    in_flight = min(
+        p.pipeline, b.micro_batches_per_mini_batch
+    )  # 1F1B keeps up to pp micro-batches on stage 0
     logits = mb * s * m.vocab * 4 / p.tensor
     return act * in_flight + logits
 
@@ -271,8 +291,22 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     if mem is not None and c.device == "cuda" and mem.peak > mem.capacity:
         notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")
     return Plan(
-        world_size=world, device=c.device, dp=dp, tp=tp, pp=pp, cp=cp, ep=p.expert, etp=p.expert_tensor,
-        vpp=p.virtual_pipeline or 1, colocate=c.colocate, bundles_per_node=bundles, rollout_bundles=rollout_bundles,
-        trainer_ranks=rank_coords(r), rollout_engines=max(rollout_gpus // r.rollout.tensor_parallel, 1),
-        rollout_tp=r.rollout.tensor_parallel, batches=b, memory=mem, notes=notes,
+        world_size=world,
+        device=c.device,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=p.expert,
+        etp=p.expert_tensor,
+        vpp=p.virtual_pipeline or 1,
+        colocate=c.colocate,
+        bundles_per_node=bundles,
+        rollout_bundles=rollout_bundles,
+        trainer_ranks=rank_coords(r),
+        rollout_engines=max(rollout_gpus // r.rollout.tensor_parallel, 1),
+        rollout_tp=r.rollout.tensor_parallel,
+        batches=b,
+        memory=mem,
+        notes=notes,
     )

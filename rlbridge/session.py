@@ -74,8 +74,15 @@ StartWorkers = Callable[["Session"], Workers]
 
 
 class Session:
-    def __init__(self, recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *,
-                 start_workers: StartWorkers | None = None) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        plan: Plan,
+        run_dir: Path,
+        model_dir: Path,
+        *,
+        start_workers: StartWorkers | None = None,
+    ) -> None:
         """start_workers: how the trainer and rollout start (default: Ray actors placed as `plan` says;
         tests pass in-process ones, trainer/client.LocalTrainer)."""
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
@@ -89,8 +96,12 @@ class Session:
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.stall = StallWatch(log_plain, hint=f" (the workers' logs: {run_dir / 'logs'})")
         """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps."""
-        self.driver_log = logs.DriverLog(rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}"))
-        self.echo = logs.WarningEcho(lambda name, msg: log(f"{escape(name)}: [yellow]warning[/] {escape(msg)}"))
+        self.driver_log = logs.DriverLog(
+            rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}")
+        )
+        self.echo = logs.WarningEcho(
+            lambda name, msg: log(f"{escape(name)}: [yellow]warning[/] {escape(msg)}")
+        )
         """The workers' own rlbridge warnings, from their log files to the console."""
         self._stack = ExitStack()
         self._start_time = 0.0
@@ -105,7 +116,9 @@ class Session:
         rundir.write_status(self.run_dir, "running")
         try:
             self._start()
-        except BaseException as e:  # a failed start (a worker that died, a start-up timeout) is cleaned up too
+        except (
+            BaseException
+        ) as e:  # a failed start (a worker that died, a start-up timeout) is cleaned up too
             self.__exit__(type(e), e, e.__traceback__)
             raise
         return self
@@ -114,14 +127,26 @@ class Session:
         r, stack = self.recipe, self._stack
         stack.enter_context(self.driver_log)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.train_data = self._encode(load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train")
-        self.val_data = (self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
-                         if r.data.val is not None else None)
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.train_data = self._encode(
+            load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train"
+        )
+        self.val_data = (
+            self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
+            if r.data.val is not None
+            else None
+        )
         self.sampler = PromptSampler(self.train_data.prompts, seed=r.run.seed, shuffle=r.data.shuffle)
-        self.rewards = stack.enter_context(RewardPool(r.reward, log_file=rundir.log_file(self.run_dir, "reward")))
-        self.metrics = MetricsLog(self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name,
-                                  config=r.model_dump(mode="json"))
+        self.rewards = stack.enter_context(
+            RewardPool(r.reward, log_file=rundir.log_file(self.run_dir, "reward"))
+        )
+        self.metrics = MetricsLog(
+            self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name, config=r.model_dump(mode="json")
+        )
         stack.callback(self.metrics.close)
         stack.callback(self._stop_workers)
         workers = self._start_workers(self)
@@ -135,14 +160,18 @@ class Session:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._stack.close()  # workers and Ray, metrics, reward workers, the driver's log: in reverse order of start
-        rundir.write_status(self.run_dir, rundir.exit_state(exc_type), error=None if exc is None else str(exc)[:2000])
+        rundir.write_status(
+            self.run_dir, rundir.exit_state(exc_type), error=None if exc is None else str(exc)[:2000]
+        )
 
     def _encode(self, prompts: list[Any], key: str) -> Encoded:
         r = self.recipe
         ids, kept, filtered = encode_prompts(self.tokenizer, prompts, r.data, r.rollout.max_prompt_tokens)
         if filtered:
-            log(f"{key}: {filtered} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens "
-                f"{r.rollout.max_prompt_tokens} and were left out")
+            log(
+                f"{key}: {filtered} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens "
+                f"{r.rollout.max_prompt_tokens} and were left out"
+            )
         return Encoded(kept, ids)
 
     def _start_ray_workers(self) -> Workers:
@@ -152,7 +181,12 @@ class Session:
         bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
         if r.cluster.address:
             rc.check_nodes(r.cluster)
-        self._pg = rc.reserve(bundles, timeout_s=r.cluster.placement_timeout_s, log=log_plain, fail_fast=r.cluster.address is None)
+        self._pg = rc.reserve(
+            bundles,
+            timeout_s=r.cluster.placement_timeout_s,
+            log=log_plain,
+            fail_fast=r.cluster.address is None,
+        )
         place = self._placement(len(bundles) - len(plan.rollout_bundles))
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
@@ -163,19 +197,37 @@ class Session:
         multi_rank = engine_kind(r).multi_rank
         trainer: rc.Worker | TrainerGroup | None = None
         if not multi_rank:
-            trainer = rc.start_worker(TrainerRole, "trainer", self._pg, place.slots[0], num_cpus=share, num_gpus=gpu * share,
-                                      log_file=rundir.log_file(self.run_dir, "trainer"), echo=self.echo,
-                                      args=(r, str(self.model_dir)), kwargs={"num_threads": threads},
-                                      node=self._node(place, 0))
+            trainer = rc.start_worker(
+                TrainerRole,
+                "trainer",
+                self._pg,
+                place.slots[0],
+                num_cpus=share,
+                num_gpus=gpu * share,
+                log_file=rundir.log_file(self.run_dir, "trainer"),
+                echo=self.echo,
+                args=(r, str(self.model_dir)),
+                kwargs={"num_threads": threads},
+                node=self._node(place, 0),
+            )
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.submit("rlbridge_started")))
         rollout_cls = _rollout_class(r)
         rollout_bundle = place.slots[0] if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
-        rollout = rc.start_worker(rollout_cls, "rollout", self._pg, rollout_bundle, num_cpus=share, num_gpus=gpu * share,
-                                  log_file=rundir.log_file(self.run_dir, "rollout"), echo=self.echo,
-                                  args=(str(self.model_dir), r.rollout, r.model), kwargs=_rollout_kwargs(r, threads),
-                                  node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place))
+        rollout = rc.start_worker(
+            rollout_cls,
+            "rollout",
+            self._pg,
+            rollout_bundle,
+            num_cpus=share,
+            num_gpus=gpu * share,
+            log_file=rundir.log_file(self.run_dir, "rollout"),
+            echo=self.echo,
+            args=(str(self.model_dir), r.rollout, r.model),
+            kwargs=_rollout_kwargs(r, threads),
+            node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
+        )
         self.rollout = rollout
         self._announced.append(rollout)
         starting.append((rollout, rollout.submit("rlbridge_started")))
@@ -183,16 +235,28 @@ class Session:
         memory = RolloutMemory(rollout.call, enabled=colocated_gpu)
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
-            trainer, joins = start_trainer_group(r, self._pg, self.model_dir, num_cpus=share, num_gpus=gpu * share,
-                                                 run_dir=self.run_dir, log=log_plain, echo=self.echo,
-                                                 slots=place.slots, nodes=[self._node(place, i) for i in range(r.world_size)])
+            trainer, joins = start_trainer_group(
+                r,
+                self._pg,
+                self.model_dir,
+                num_cpus=share,
+                num_gpus=gpu * share,
+                run_dir=self.run_dir,
+                log=log_plain,
+                echo=self.echo,
+                slots=place.slots,
+                nodes=[self._node(place, i) for i in range(r.world_size)],
+            )
             client = self.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
-        answers = rc.wait_started(starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain,
-                                  on_ready=self._started)
+        answers = rc.wait_started(
+            starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
+        )
         if isinstance(trainer, TrainerGroup):
-            log(f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)")
-            trainer.formed(answers[-len(joins):], log_plain)
+            log(
+                f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)"
+            )
+            trainer.formed(answers[-len(joins) :], log_plain)
         return Workers(client, rollout, memory)
 
     def _placement(self, num_trainer: int) -> rc.Placement:
@@ -203,12 +267,20 @@ class Session:
         self._multi_node = bool(c.address) or len({n.id for n in place.nodes + place.rollout_nodes}) > 1
         if self._multi_node:
             for line in place.describe():
-                log_plain(f"placement: {line}" + (" (and the rollout)" if line.startswith("node 0:") and c.colocate else ""))
+                log_plain(
+                    f"placement: {line}"
+                    + (" (and the rollout)" if line.startswith("node 0:") and c.colocate else "")
+                )
             counts = [place.node_of_slot.count(j) for j in range(len(place.nodes))]
             if c.address and counts != [c.gpus_per_node] * c.nodes:
-                log("[yellow]warning[/] " + escape(f"Ray placed the trainer's devices {counts} per node, not the plan's "
-                                                   f"cluster.nodes {c.nodes} x gpus_per_node {c.gpus_per_node}: the nodes' "
-                                                   "free resources differ from the recipe's"))
+                log(
+                    "[yellow]warning[/] "
+                    + escape(
+                        f"Ray placed the trainer's devices {counts} per node, not the plan's "
+                        f"cluster.nodes {c.nodes} x gpus_per_node {c.gpus_per_node}: the nodes' "
+                        "free resources differ from the recipe's"
+                    )
+                )
         return place
 
     def _node(self, place: rc.Placement, device: int) -> rc.NodeInfo | None:
@@ -224,8 +296,14 @@ class Session:
         if not any(worker is w for w in self._announced):
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
-        phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]})
-        what = "vLLM engine up" if worker is self.rollout and self.recipe.rollout.engine == "vllm" else "model loaded"
+        phases = logs.describe_phases(
+            {"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]}
+        )
+        what = (
+            "vLLM engine up"
+            if worker is self.rollout and self.recipe.rollout.engine == "vllm"
+            else "model loaded"
+        )
         log_plain(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
@@ -236,13 +314,21 @@ class Session:
 
     def sampling(self, *, greedy: bool = False) -> SamplingCfg:
         ro = self.recipe.rollout
-        return SamplingCfg(n=1 if greedy else ro.n, temperature=0.0 if greedy else ro.temperature, top_p=ro.top_p,
-                           top_k=ro.top_k, max_tokens=ro.max_response_tokens, greedy=greedy)
+        return SamplingCfg(
+            n=1 if greedy else ro.n,
+            temperature=0.0 if greedy else ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            max_tokens=ro.max_response_tokens,
+            greedy=greedy,
+        )
 
     def generate(self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None) -> Rollouts:
         """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
         assert self.rollout is not None
-        return self.rollout.call("generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed)
+        return self.rollout.call(
+            "generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
+        )
 
     def sync_weights(self, *, version: int | None = None) -> int:
         """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved. The weights get

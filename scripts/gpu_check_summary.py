@@ -29,12 +29,22 @@ def read_junit(path: Path) -> list[dict[str, Any]]:
             node = case.find(tag)
             if node is not None:
                 outcome = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[tag]
-                message = (node.get("message") or node.text or "").strip().splitlines()[0][:160] if (node.get("message") or node.text) else ""
+                message = (
+                    (node.get("message") or node.text or "").strip().splitlines()[0][:160]
+                    if (node.get("message") or node.text)
+                    else ""
+                )
                 break
         name = case.get("name", "?")
         module = (case.get("classname") or "").rsplit(".", 1)[-1]
-        rows.append({"test": f"{module}::{name}", "outcome": outcome, "seconds": float(case.get("time") or 0.0),
-                     "message": message})
+        rows.append(
+            {
+                "test": f"{module}::{name}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0.0),
+                "message": message,
+            }
+        )
     return rows
 
 
@@ -43,7 +53,11 @@ def read_figures(paths: list[Path]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for path in paths:
         for line in path.read_text(errors="replace").splitlines():
-            text = line[line.index(PREFIX) + len(PREFIX):] if PREFIX in line else (line if path.suffix == ".jsonl" else "")
+            text = (
+                line[line.index(PREFIX) + len(PREFIX) :]
+                if PREFIX in line
+                else (line if path.suffix == ".jsonl" else "")
+            )
             text = text.strip()
             if not text or text in seen:
                 continue
@@ -96,10 +110,18 @@ def main() -> int:
         counts: dict[str, int] = {}
         for t in tests:
             counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-        lines += ["## Tests", "", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) +
-                  f"; {sum(t['seconds'] for t in tests):.0f} s in all", "",
-                  "| test | outcome | s | message |", "|---|---|---|---|"]
-        lines += [f"| `{t['test']}` | {t['outcome']} | {t['seconds']:.1f} | {fmt(t['message'])} |" for t in tests]
+        lines += [
+            "## Tests",
+            "",
+            ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+            + f"; {sum(t['seconds'] for t in tests):.0f} s in all",
+            "",
+            "| test | outcome | s | message |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{t['test']}` | {t['outcome']} | {t['seconds']:.1f} | {fmt(t['message'])} |" for t in tests
+        ]
         lines.append("")
     else:
         lines += ["No junit xml found (pytest cut off before it wrote its report?).", ""]

@@ -97,8 +97,9 @@ def keep_mask(cfg: RolloutCorrectionCfg, log_w_bt: Tensor, mask_bt: Tensor) -> T
     return keep
 
 
-def loss_factor(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt: Tensor,
-                mask_bt: Tensor) -> Tensor | None:
+def loss_factor(
+    cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt: Tensor, mask_bt: Tensor
+) -> Tensor | None:
     """[b, t] detached factor for the per-token policy loss (see the module docstring), in the trainer's dtype;
     0 on padding. None when the section changes nothing (weights none, no band, no rejection): the loss is then
     exactly today's."""
@@ -114,8 +115,9 @@ def loss_factor(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp
     return torch.where(keep, factor, 0.0).to(trainer_logp_bt.dtype)
 
 
-def metrics(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt: Tensor,
-            mask_bt: Tensor) -> dict[str, float]:
+def metrics(
+    cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt: Tensor, mask_bt: Tensor
+) -> dict[str, float]:
     """The mismatch in numbers (float64, over the valid tokens; every value 0.0 on a batch without any):
 
     rc_weight_mean / _std / _min / _max   raw importance weights (before truncation and masks) of the units of
@@ -150,7 +152,8 @@ def metrics(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt:
         "rc_weight_max": float(u.max()),
         "rc_ess": float(u.sum() ** 2 / (n * (u * u).sum())),
         "rc_clip_high_frac": float((u > cfg.clamp_high).to(F64).mean())
-        if cfg.weights != "none" and cfg.clamp_high is not None else 0.0,
+        if cfg.weights != "none" and cfg.clamp_high is not None
+        else 0.0,
     }
     low_frac = high_frac = 0.0
     if cfg.mask_band is not None:
@@ -181,9 +184,21 @@ def metrics(cfg: RolloutCorrectionCfg, trainer_logp_bt: Tensor, rollout_logp_bt:
 
 
 METRIC_KEYS = (
-    "rc_weight_mean", "rc_weight_std", "rc_weight_min", "rc_weight_max", "rc_ess", "rc_clip_high_frac",
-    "rc_mask_low_frac", "rc_mask_high_frac", "rc_masked_token_frac", "rc_masked_seq_frac", "rc_trainer_log_ppl",
-    "rc_rollout_log_ppl", "rc_log_ppl_diff", "rc_kl_k3", "rc_chi2",
+    "rc_weight_mean",
+    "rc_weight_std",
+    "rc_weight_min",
+    "rc_weight_max",
+    "rc_ess",
+    "rc_clip_high_frac",
+    "rc_mask_low_frac",
+    "rc_mask_high_frac",
+    "rc_masked_token_frac",
+    "rc_masked_seq_frac",
+    "rc_trainer_log_ppl",
+    "rc_rollout_log_ppl",
+    "rc_log_ppl_diff",
+    "rc_kl_k3",
+    "rc_chi2",
 )
 
 
@@ -196,5 +211,7 @@ def health_problems(health: HealthCfg, m: Mapping[str, object]) -> list[str]:
     if isinstance(mean, (int, float)) and not low <= mean <= high:
         out.append(f"mean importance weight {mean:.3g} is outside run.health.is_weight_range [{low}, {high}]")
     if isinstance(ess, (int, float)) and ess < health.min_ess:
-        out.append(f"effective sample size {ess:.3g} of the importance weights is under run.health.min_ess {health.min_ess}")
+        out.append(
+            f"effective sample size {ess:.3g} of the importance weights is under run.health.min_ess {health.min_ess}"
+        )
     return out

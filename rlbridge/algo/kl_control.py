@@ -48,4 +48,6 @@ def kl_controller(algo: AlgorithmCfg) -> AdaptiveKlController | None:
     target = getattr(algo, "adaptive_kl_target", None)
     if target is None:
         return None
-    return AdaptiveKlController(coef=algo.kl.coef, target=float(target), horizon=int(algo.adaptive_kl_horizon))  # type: ignore[union-attr]  # adaptive_kl_target is set: the algorithm is PPO
+    return AdaptiveKlController(
+        coef=algo.kl.coef, target=float(target), horizon=int(algo.adaptive_kl_horizon)
+    )  # type: ignore[union-attr]  # adaptive_kl_target is set: the algorithm is PPO

@@ -158,19 +158,19 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate, with asymmetric clip (DAPO clip-higher), dual clip and GSPO.
 
-    Per token, with ``ratio = exp(logp - old_logp)`` and ``A = adv``:
-    ``l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``,
-    tokens with ``A < 0`` get ``min(l, -A * c)`` (the loss of a very off-policy token is capped).
-    ``level="sequence"`` is GSPO: the ratio is ``s_i = exp(mean_t(logp - old_logp))`` over the valid
-    tokens of sequence i, used per token in the straight-through form ``sg[s_i] * exp(logp_t -
-    sg[logp_t])`` so gradients flow per token (the GSPO paper's objective is ``agg="seq-mean-token-mean"``).
-``weight_bt`` (detached, e.g. the rollout correction's importance weights, ``rlbridge.algo.correction``)
-multiplies the per-token loss after both clips, before aggregation; the metrics do not see it.
+        Per token, with ``ratio = exp(logp - old_logp)`` and ``A = adv``:
+        ``l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``,
+        tokens with ``A < 0`` get ``min(l, -A * c)`` (the loss of a very off-policy token is capped).
+        ``level="sequence"`` is GSPO: the ratio is ``s_i = exp(mean_t(logp - old_logp))`` over the valid
+        tokens of sequence i, used per token in the straight-through form ``sg[s_i] * exp(logp_t -
+        sg[logp_t])`` so gradients flow per token (the GSPO paper's objective is ``agg="seq-mean-token-mean"``).
+    ``weight_bt`` (detached, e.g. the rollout correction's importance weights, ``rlbridge.algo.correction``)
+    multiplies the per-token loss after both clips, before aggregation; the metrics do not see it.
 
-    Metrics (over valid tokens): ``clip_frac`` (the clipped term is chosen, i.e. the clip zeroes the
-    gradient), ``dual_clip_frac`` (the dual-clip cap is active), ``approx_kl`` (mean of the k2 estimate
-    ``0.5 * (logp - old_logp)**2`` at token level, >= 0), ``ratio_min`` / ``ratio_max`` / ``ratio_mean``
-    of the ratio used in the loss.
+        Metrics (over valid tokens): ``clip_frac`` (the clipped term is chosen, i.e. the clip zeroes the
+        gradient), ``dual_clip_frac`` (the dual-clip cap is active), ``approx_kl`` (mean of the k2 estimate
+        ``0.5 * (logp - old_logp)**2`` at token level, >= 0), ``ratio_min`` / ``ratio_max`` / ``ratio_mean``
+        of the ratio used in the loss.
     """
     _check_clip(clip_low, clip_high, dual_clip)
     mask = as_bool_mask(mask_bt)

@@ -52,15 +52,21 @@ def compute_advantages(
     current value)."""
     n = rollout.n
     metrics: dict[str, float] = {}
-    rewards_b = rewards_b.to(torch.float32 if values_bt is None else values_bt.dtype)  # PPO: the critic's dtype
+    rewards_b = rewards_b.to(
+        torch.float32 if values_bt is None else values_bt.dtype
+    )  # PPO: the critic's dtype
     token_rewards_bt: Tensor | None = None
     kl_seq: float | None = None
     if algo.kl.where == "reward" and algo.kl.coef > 0:
         if logp_bt is None or ref_logp_bt is None:
             raise ValueError("kl.where == reward needs policy and reference log-probs")
         coef = algo.kl.coef if kl_coef is None else kl_coef
-        token_rewards_bt, kl_mean = L.kl_in_reward(rewards_b, logp_bt, ref_logp_bt, mask_bt, coef, algo.kl.estimator)
-        kl_seq = float(A.masked_sum(L.kl_estimate(logp_bt, ref_logp_bt, algo.kl.estimator), mask_bt, dim=1).mean())
+        token_rewards_bt, kl_mean = L.kl_in_reward(
+            rewards_b, logp_bt, ref_logp_bt, mask_bt, coef, algo.kl.estimator
+        )
+        kl_seq = float(
+            A.masked_sum(L.kl_estimate(logp_bt, ref_logp_bt, algo.kl.estimator), mask_bt, dim=1).mean()
+        )
         metrics["kl_reward"] = float(kl_mean)
         metrics["kl_coef"] = float(coef)
         metrics["kl_seq"] = kl_seq
@@ -81,14 +87,18 @@ def compute_advantages(
     elif algo.name == "rloo":
         adv_b = A.rloo_advantages(rewards_b, n)
     elif algo.name == "reinforce_pp":
-        adv_bt = A.reinforce_pp_advantages(rewards_b, mask_bt, group_size=n, baseline=getattr(algo, "baseline", False))
+        adv_bt = A.reinforce_pp_advantages(
+            rewards_b, mask_bt, group_size=n, baseline=getattr(algo, "baseline", False)
+        )
         return StepAdvantages(adv_bt, None, metrics, kl_seq_mean=kl_seq)
     else:
         raise NotImplementedError(f"algorithm {algo.name!r} has no advantage estimator here")
     return StepAdvantages(A.expand_to_tokens(adv_b, mask_bt), None, metrics, kl_seq_mean=kl_seq)
 
 
-def ppo_advantages(algo: PpoCfg, token_rewards_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -> StepAdvantages:
+def ppo_advantages(
+    algo: PpoCfg, token_rewards_bt: Tensor, values_bt: Tensor, mask_bt: Tensor
+) -> StepAdvantages:
     """GAE (advantages.gae, gamma / lam from the recipe) over token rewards, then whitened.
 
     Convention (the same as advantages.gae): `values_bt[:, t]` is V(s_t), the value of the state *before*
@@ -109,8 +119,9 @@ def ppo_advantages(algo: PpoCfg, token_rewards_bt: Tensor, values_bt: Tensor, ma
         "value_mean": float(A.masked_mean(values.double(), mask)),
         "return_mean": float(A.masked_mean(returns_bt.double(), mask)),
     }
-    return StepAdvantages(A.masked_whiten(adv_bt, mask), token_rewards_bt, metrics, old_values_bt=values,
-                          returns_bt=returns_bt)
+    return StepAdvantages(
+        A.masked_whiten(adv_bt, mask), token_rewards_bt, metrics, old_values_bt=values, returns_bt=returns_bt
+    )
 
 
 def explained_variance(returns_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -> float:
@@ -123,8 +134,9 @@ def explained_variance(returns_bt: Tensor, values_bt: Tensor, mask_bt: Tensor) -
     return 1.0 - float(A.masked_var(r - v, mask_bt)) / var_r
 
 
-def make_value_loss_fn(critic: CriticCfg, old_values_bt: Tensor, returns_bt: Tensor, mask_bt: Tensor, *,
-                       micro_scale: float = 1.0) -> ValueLossFn:
+def make_value_loss_fn(
+    critic: CriticCfg, old_values_bt: Tensor, returns_bt: Tensor, mask_bt: Tensor, *, micro_scale: float = 1.0
+) -> ValueLossFn:
     """Critic loss closure over the rows of one mini-batch: `loss_coef * 0.5 * token-mean (V - R)^2`, with the
     PPO value clip around the old values when critic.value_clip is set (losses.value_loss). As make_loss_fn,
     each micro-batch returns its share of the mini-batch's token-mean (times `micro_scale`), so gradient
@@ -136,10 +148,19 @@ def make_value_loss_fn(critic: CriticCfg, old_values_bt: Tensor, returns_bt: Ten
     def loss_fn(values_bt: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
         dev = values_bt.device
         mask = mask_bt[rows].to(dev)
-        loss, m = L.value_loss(values_bt, old_values_bt[rows].to(dev), returns_bt[rows].to(dev), mask,
-                               clip=critic.value_clip, agg="token-mean")
+        loss, m = L.value_loss(
+            values_bt,
+            old_values_bt[rows].to(dev),
+            returns_bt[rows].to(dev),
+            mask,
+            clip=critic.value_clip,
+            agg="token-mean",
+        )
         share = mask.sum().to(values_bt.dtype) / total.to(values_bt.dtype)
-        return critic.loss_coef * loss * share * micro_scale, {"vf_loss": float(loss.detach()), "vf_clip_frac": m["vf_clip_frac"]}
+        return critic.loss_coef * loss * share * micro_scale, {
+            "vf_loss": float(loss.detach()),
+            "vf_clip_frac": m["vf_clip_frac"],
+        }
 
     return loss_fn
 
@@ -165,8 +186,14 @@ class LossInputs:
     """The rollout engine's log-probs of the same tokens, for the trainer-vs-rollout agreement metric."""
 
 
-def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float, micro_scale: float = 1.0,
-                 record: Callable[[Tensor, Tensor], None] | None = None) -> LossFn:
+def make_loss_fn(
+    algo: AlgorithmCfg,
+    inputs: LossInputs,
+    *,
+    norm_constant: float,
+    micro_scale: float = 1.0,
+    record: Callable[[Tensor, Tensor], None] | None = None,
+) -> LossFn:
     """Loss closure for TrainEngine.train_step.
 
     For micro-batch rows `rows`, it returns the micro-batch's share of the mini-batch loss:
@@ -187,7 +214,11 @@ def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float
     def loss_fn(logp_bt: Tensor, entropy_bt: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
         mask = inputs.mask_bt[rows].to(logp_bt.device)
         old = logp_bt.detach() if inputs.old_logp_bt is None else inputs.old_logp_bt[rows].to(logp_bt.device)
-        ref = inputs.ref_logp_bt[rows].to(logp_bt.device) if kl_in_loss and inputs.ref_logp_bt is not None else None
+        ref = (
+            inputs.ref_logp_bt[rows].to(logp_bt.device)
+            if kl_in_loss and inputs.ref_logp_bt is not None
+            else None
+        )
         rollout = None if inputs.rollout_logp_bt is None else inputs.rollout_logp_bt[rows].to(logp_bt.device)
         trainer = logp_bt.detach() if inputs.old_logp_bt is None or rc.bypass else old
         factor = None if rollout is None else C.loss_factor(rc, trainer, rollout, mask)
@@ -199,7 +230,9 @@ def make_loss_fn(algo: AlgorithmCfg, inputs: LossInputs, *, norm_constant: float
             entropy_bt=entropy_bt, entropy_coef=algo.entropy_coef, weight_bt=factor,
         )  # fmt: skip
         if algo.loss_agg == "seq-mean-token-sum-norm":
-            loss = loss * (mask.shape[1] / norm_constant)  # the constant is max_response_tokens, not the padded width
+            loss = loss * (
+                mask.shape[1] / norm_constant
+            )  # the constant is max_response_tokens, not the padded width
         share = _norm_count(mask, algo.loss_agg).to(logp_bt.dtype) / total.to(logp_bt.dtype)
         if rollout is not None:
             diff = (logp_bt.detach() - rollout).abs()

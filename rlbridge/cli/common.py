@@ -15,7 +15,9 @@ from rlbridge.errors import RecipeError, RlbridgeError
 RecipeArg = typer.Argument(..., help="Recipe YAML file.", show_default=False)
 SetOpt = typer.Option([], "--set", help="Override a key: --set rollout.n=8 (repeatable; YAML scalar values).")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
-NoModelOpt = typer.Option(False, "--no-model-checks", help="Skip the checks that read the model's config.json.")
+NoModelOpt = typer.Option(
+    False, "--no-model-checks", help="Skip the checks that read the model's config.json."
+)
 
 
 @contextmanager

@@ -12,7 +12,12 @@ from rlbridge.recipe import validate_recipe
 
 
 @example("rlbridge plan recipes/qwen2.5-7b-grpo-lora.yaml --json")
-def plan(recipe: Path = RecipeArg, set_: list[str] = SetOpt, as_json: bool = JsonOpt, no_model_checks: bool = NoModelOpt) -> None:
+def plan(
+    recipe: Path = RecipeArg,
+    set_: list[str] = SetOpt,
+    as_json: bool = JsonOpt,
+    no_model_checks: bool = NoModelOpt,
+) -> None:
     """Print the execution plan of a (valid) recipe. Pure arithmetic: no GPU, under a second."""
     with user_errors(as_json):
         valid = validate_recipe(recipe, set_, model_checks=not no_model_checks)

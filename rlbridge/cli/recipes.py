@@ -20,9 +20,15 @@ def _complete_names(incomplete: str) -> list[str]:
     return [r.name for r in sh.shipped() if r.name.startswith(incomplete)]
 
 
-NameArg = typer.Argument(..., help="Recipe name, as `rlbridge recipes list` shows it (e.g. quickstart).", show_default=False,
-                         autocompletion=_complete_names)
-DestArg = typer.Argument(..., help="File to write, or a directory (the recipe keeps its name there).", show_default=False)
+NameArg = typer.Argument(
+    ...,
+    help="Recipe name, as `rlbridge recipes list` shows it (e.g. quickstart).",
+    show_default=False,
+    autocompletion=_complete_names,
+)
+DestArg = typer.Argument(
+    ..., help="File to write, or a directory (the recipe keeps its name there).", show_default=False
+)
 ForceOpt = typer.Option(False, "--force", help="Overwrite an existing file.")
 
 
@@ -40,9 +46,15 @@ def list_recipes(as_json: bool = JsonOpt) -> None:
     """The shipped recipes, each with what it does."""
     recipes = sh.shipped()
     if as_json:
-        print(json.dumps([{"name": r.name, "description": r.description, "run": r.run} for r in recipes], indent=2))
+        print(
+            json.dumps(
+                [{"name": r.name, "description": r.description, "run": r.run} for r in recipes], indent=2
+            )
+        )
         return
-    t = Table(title="shipped recipes (rlbridge recipes copy NAME DEST to start from one)", title_justify="left")
+    t = Table(
+        title="shipped recipes (rlbridge recipes copy NAME DEST to start from one)", title_justify="left"
+    )
     t.add_column("name", no_wrap=True, style="bold")
     t.add_column("what")
     for r in recipes:

@@ -66,10 +66,20 @@ def plan_full(p: Plan) -> None:
         t = Table(title="memory per device (GiB, estimate)", title_justify="left")
         for col in ("phase", "weights", "grads", "optimizer", "activations", "KV cache", "total"):
             t.add_column(col, justify="right")
-        t.add_row("train", _gib(m.weights), _gib(m.gradients), _gib(m.optimizer), _gib(m.activations), "-", _gib(m.trainer_total))
+        t.add_row(
+            "train",
+            _gib(m.weights),
+            _gib(m.gradients),
+            _gib(m.optimizer),
+            _gib(m.activations),
+            "-",
+            _gib(m.trainer_total),
+        )
         if m.critic:
             t.add_row("  incl. PPO critic", "", "", "", "", "-", _gib(m.critic))
-        t.add_row("rollout", _gib(m.rollout_weights), "-", "-", "-", _gib(m.rollout_kv_cache), _gib(m.rollout_total))
+        t.add_row(
+            "rollout", _gib(m.rollout_weights), "-", "-", "-", _gib(m.rollout_kv_cache), _gib(m.rollout_total)
+        )
         if m.trainable_params < m.total_params:
             t.add_row("train, full FT", "", "", "", "", "-", _gib(m.full_ft_trainer_total))
         out.print(t)
@@ -83,7 +93,10 @@ def plan_full(p: Plan) -> None:
     if len(p.trainer_ranks) > len(shown):
         out.print(f"... {len(p.trainer_ranks) - len(shown)} more ranks (see --json)")
     bundles = ", ".join(f"node {i}: {len(b)} x {b[0] if b else {}}" for i, b in enumerate(p.bundles_per_node))
-    out.print(f"[bold]Ray bundles[/] {bundles}" + (f"; rollout: {len(p.rollout_bundles)} separate" if p.rollout_bundles else ""))
+    out.print(
+        f"[bold]Ray bundles[/] {bundles}"
+        + (f"; rollout: {len(p.rollout_bundles)} separate" if p.rollout_bundles else "")
+    )
 
 
 def print_summary(s: Any) -> None:

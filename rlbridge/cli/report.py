@@ -9,7 +9,9 @@ import typer
 from rlbridge.cli import render
 from rlbridge.cli.common import example, user_errors
 
-RunDirArg = typer.Argument(..., help="Run directory (the one `rlbridge train` printed).", exists=True, file_okay=False)
+RunDirArg = typer.Argument(
+    ..., help="Run directory (the one `rlbridge train` printed).", exists=True, file_okay=False
+)
 OutOpt = typer.Option(None, "--out", help="Output directory (default: RUN_DIR/report).")
 
 

@@ -17,14 +17,19 @@ if TYPE_CHECKING:
     from rlbridge.run.resume import ResumePoint
 
 
-@example("rlbridge train recipes/quickstart.yaml --set run.steps=20\n\n"
-         "    rlbridge train --smoke recipes/qwen2.5-7b-grpo-lora.yaml --set model.path=DIR_WITH_CONFIG_JSON")
+@example(
+    "rlbridge train recipes/quickstart.yaml --set run.steps=20\n\n"
+    "    rlbridge train --smoke recipes/qwen2.5-7b-grpo-lora.yaml --set model.path=DIR_WITH_CONFIG_JSON"
+)
 def train(
     recipe: Path = RecipeArg,
     set_: list[str] = SetOpt,
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Run directory (default: run.dir or runs/<name>-<time>)."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run directory (default: run.dir or runs/<name>-<time>)."
+    ),
     smoke: bool = typer.Option(
-        False, "--smoke",
+        False,
+        "--smoke",
         help="Check a megatron recipe's wiring on this machine's CPUs first: its model shrunk to a few random "
         "layers (same architecture and parallel layout; only config.json is read), one CPU worker per GPU, "
         "hf rollouts, 2 steps. Prints every change it makes.",
@@ -58,14 +63,19 @@ def resume(
             prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
         except UnsafeResumeError as e:
             n = len(e.issues)
-            render.issues_table(e.issues, f"cannot resume {run_dir}: {n} recipe change{'s' if n != 1 else ''} since "
-                                "the checkpoint would change what the run computes")
+            render.issues_table(
+                e.issues,
+                f"cannot resume {run_dir}: {n} recipe change{'s' if n != 1 else ''} since "
+                "the checkpoint would change what the run computes",
+            )
             raise typer.Exit(2) from None
     point, steps = prep.point, prep.valid.recipe.run.steps
     render.out.print(f"resuming {run_dir} from {point.path} (step {point.step} of {steps})")
     if point.step >= steps:
-        render.out.print(f"nothing to do: the checkpoint is at step {point.step} and run.steps is {steps} "
-                         f"(continue further with --set run.steps=N)")
+        render.out.print(
+            f"nothing to do: the checkpoint is at step {point.step} and run.steps is {steps} "
+            f"(continue further with --set run.steps=N)"
+        )
         return
     run(prep.valid, run_dir, resume=point)
 
@@ -111,8 +121,9 @@ def resume_hint(run_dir: Path) -> Iterator[None]:
         last = next((i for i in reversed(ckpt.list_checkpoints(run_dir, hashes=False)) if i.complete), None)
         if last is None:
             raise
-        raise RlbridgeError(f"{e}\nthe run stops; resume from {last.path} (step {last.step}) with: "
-                            f"{resume_command(run_dir)}") from None
+        raise RlbridgeError(
+            f"{e}\nthe run stops; resume from {last.path} (step {last.step}) with: {resume_command(run_dir)}"
+        ) from None
 
 
 @contextmanager

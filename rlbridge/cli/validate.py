@@ -15,7 +15,10 @@ from rlbridge.recipe import validate_recipe as _validate
 
 @example("rlbridge validate-recipe recipes/quickstart.yaml --set rollout.n=8")
 def validate_recipe(
-    recipe: Path = RecipeArg, set_: list[str] = SetOpt, as_json: bool = JsonOpt, no_model_checks: bool = NoModelOpt
+    recipe: Path = RecipeArg,
+    set_: list[str] = SetOpt,
+    as_json: bool = JsonOpt,
+    no_model_checks: bool = NoModelOpt,
 ) -> None:
     """Check a recipe against the schema, the model's config.json and the cluster shape. Exit 0 valid, 2 invalid."""
     with user_errors(as_json):

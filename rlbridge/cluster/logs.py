@@ -122,7 +122,9 @@ def vllm_phases(text: str) -> dict[str, float]:
 
 def describe_phases(phases: dict[str, float]) -> str:
     """'load 3.1 s, compile 33 s, CUDA graphs 12 s' (phases in the order vLLM runs them)."""
-    return ", ".join(f"{name} {secs:.1f} s" if secs < 10 else f"{name} {secs:.0f} s" for name, secs in phases.items())
+    return ", ".join(
+        f"{name} {secs:.1f} s" if secs < 10 else f"{name} {secs:.0f} s" for name, secs in phases.items()
+    )
 
 
 def stage(lines: list[str]) -> str | None:
@@ -150,8 +152,14 @@ def show_own_warnings(show: Callable[[str], None]) -> Callable[[], None]:
     and `warnings.warn` calls made from its modules (other warnings go on as before). Returns the undo."""
     own, handler, previous = logging.getLogger("rlbridge"), _Show(show), warnings.showwarning
 
-    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                    file: Any = None, line: str | None = None) -> None:
+    def showwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         if filename.startswith(_PACKAGE_DIR):
             show(f"{category.__name__}: {message}")
         else:
@@ -211,7 +219,7 @@ class WarningEcho:
         done = data.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
         self._offsets[path] = offset + done
         for line in data[:done].decode("utf-8", errors="replace").splitlines():
-            if line.startswith(OWN_WARNING) and (msg := line[len(OWN_WARNING):].strip()) not in self._shown:
+            if line.startswith(OWN_WARNING) and (msg := line[len(OWN_WARNING) :].strip()) not in self._shown:
                 self._shown.add(msg)
                 self.show(name, msg)
 
@@ -241,7 +249,9 @@ class DriverLog:
         self._root = root.level, list(root.handlers)
         root.handlers = [self.handler]
         root.setLevel(logging.INFO)
-        logging.lastResort = self.handler  # for loggers without handlers that do not propagate (ray.init leaves "ray" so)
+        logging.lastResort = (
+            self.handler
+        )  # for loggers without handlers that do not propagate (ray.init leaves "ray" so)
         logging.captureWarnings(True)
         self._undo = show_own_warnings(self.show)  # after captureWarnings: its hook gets the others
         self.apply()
@@ -273,5 +283,8 @@ class DriverLog:
 
 
 def _to_terminal(h: logging.Handler) -> bool:
-    return isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and \
-        h.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    return (
+        isinstance(h, logging.StreamHandler)
+        and not isinstance(h, logging.FileHandler)
+        and h.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    )

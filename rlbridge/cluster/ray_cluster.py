@@ -49,8 +49,14 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
     if ray.is_initialized():
         return
     start = time.monotonic()
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))}
-    env_vars.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # into the rollout's log file: its load/compile/graph times
+    env_vars = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))
+    }
+    env_vars.setdefault(
+        "VLLM_LOGGING_LEVEL", "INFO"
+    )  # into the rollout's log file: its load/compile/graph times
     env_vars.setdefault("TQDM_DISABLE", "1")  # no progress bar per weight reload (libraries that honour it)
     env = {"env_vars": env_vars}
     if cfg.address:
@@ -59,14 +65,24 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
         try:
             ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RlbridgeError(f"cannot join the Ray cluster at cluster.address {cfg.address}: {_tail(str(e), 3)}") from None
+            raise RlbridgeError(
+                f"cannot join the Ray cluster at cluster.address {cfg.address}: {_tail(str(e), 3)}"
+            ) from None
     else:
-        needed_cpu = sum(b.get("CPU", 0) for node in plan.bundles_per_node for b in node) + sum(b.get("CPU", 0) for b in plan.rollout_bundles)
+        needed_cpu = sum(b.get("CPU", 0) for node in plan.bundles_per_node for b in node) + sum(
+            b.get("CPU", 0) for b in plan.rollout_bundles
+        )
         gpus = None
         if cfg.device == "cpu":
             gpus = 0
-        ray.init(num_cpus=max(int(needed_cpu), os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
-                 runtime_env=env, log_to_driver=False, configure_logging=False)
+        ray.init(
+            num_cpus=max(int(needed_cpu), os.cpu_count() or 1),
+            num_gpus=gpus,
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     log(f"ray {'connected' if cfg.address else 'started'} ({time.monotonic() - start:.1f} s)")
 
 
@@ -75,14 +91,18 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
     what to do (ray.init would retry for a minute and end in a traceback)."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise RlbridgeError(f"cluster.address {address!r} is not HOST:PORT (the head's `ray start --head --port PORT`)")
+        raise RlbridgeError(
+            f"cluster.address {address!r} is not HOST:PORT (the head's `ray start --head --port PORT`)"
+        )
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as e:
-        raise RlbridgeError(f"no Ray cluster at cluster.address {address}: {e.strerror or e}. Start one with "
-                            f"`ray start --head --port {port}` on {host} (and `ray start --address={address}` on the other "
-                            "nodes), or fix cluster.address (null starts a local one)") from None
+        raise RlbridgeError(
+            f"no Ray cluster at cluster.address {address}: {e.strerror or e}. Start one with "
+            f"`ray start --head --port {port}` on {host} (and `ray start --address={address}` on the other "
+            "nodes), or fix cluster.address (null starts a local one)"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -100,8 +120,16 @@ class NodeInfo:
 
 def alive_nodes() -> list[NodeInfo]:
     """The cluster's alive nodes, the head first."""
-    found = [NodeInfo(str(n["NodeID"]), str(n["NodeManagerAddress"]), "node:__internal_head__" in n["Resources"],
-                      {k: float(v) for k, v in n["Resources"].items()}) for n in ray.nodes() if n["Alive"]]
+    found = [
+        NodeInfo(
+            str(n["NodeID"]),
+            str(n["NodeManagerAddress"]),
+            "node:__internal_head__" in n["Resources"],
+            {k: float(v) for k, v in n["Resources"].items()},
+        )
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
     return sorted(found, key=lambda n: not n.head)
 
 
@@ -115,17 +143,22 @@ def check_nodes(cfg: ClusterCfg) -> list[NodeInfo]:
         raise RlbridgeError(
             f"cluster.nodes is {cfg.nodes} but the Ray cluster at {cfg.address} has {len(nodes)} alive node"
             f"{'s' if len(nodes) != 1 else ''} ({listing}): start the missing ones with `ray start --address={cfg.address}` "
-            f"on each host, or set cluster.nodes: {len(nodes)}")
-    by_size = sorted(nodes, key=lambda n: -n.resources.get(unit, 0))[:cfg.nodes]
+            f"on each host, or set cluster.nodes: {len(nodes)}"
+        )
+    by_size = sorted(nodes, key=lambda n: -n.resources.get(unit, 0))[: cfg.nodes]
     short = [n for n in by_size if n.resources.get(unit, 0) < cfg.gpus_per_node]
     if short:
-        lacks = "; ".join(f"{n.label()} has {n.resources.get(unit, 0):g} {unit}, {cfg.gpus_per_node - n.resources.get(unit, 0):g} "
-                          "short" for n in short)
+        lacks = "; ".join(
+            f"{n.label()} has {n.resources.get(unit, 0):g} {unit}, {cfg.gpus_per_node - n.resources.get(unit, 0):g} "
+            "short"
+            for n in short
+        )
         flag = "--num-gpus" if unit == "GPU" else "--num-cpus"
         raise RlbridgeError(
             f"the plan needs {cfg.nodes} nodes with {cfg.gpus_per_node} {unit} each (cluster.nodes x cluster.gpus_per_node) "
             f"but the Ray cluster at {cfg.address} has too few: {lacks} (all nodes: {listing}). Start the nodes with "
-            f"`ray start ... {flag} {cfg.gpus_per_node}`, or lower cluster.gpus_per_node / cluster.nodes")
+            f"`ray start ... {flag} {cfg.gpus_per_node}`, or lower cluster.gpus_per_node / cluster.nodes"
+        )
     return nodes
 
 
@@ -136,11 +169,16 @@ def _missing(bundles: list[dict[str, float]]) -> str:
             need[k] = need.get(k, 0) + v
     have = ray.available_resources()
     total = ray.cluster_resources()
-    parts = [f"{k}: need {v:g}, available {have.get(k, 0):g} of {total.get(k, 0):g}" for k, v in sorted(need.items())]
+    parts = [
+        f"{k}: need {v:g}, available {have.get(k, 0):g} of {total.get(k, 0):g}"
+        for k, v in sorted(need.items())
+    ]
     return "; ".join(parts)
 
 
-def reserve(bundles: list[dict[str, float]], *, timeout_s: float, log: Log, fail_fast: bool = True) -> PlacementGroup:
+def reserve(
+    bundles: list[dict[str, float]], *, timeout_s: float, log: Log, fail_fast: bool = True
+) -> PlacementGroup:
     """Create a placement group and wait for it, saying what it waits for.
 
     fail_fast: a plan larger than the whole cluster fails at once (a local cluster cannot grow; an
@@ -148,8 +186,10 @@ def reserve(bundles: list[dict[str, float]], *, timeout_s: float, log: Log, fail
     total = ray.cluster_resources()
     for key in {k for b in bundles for k in b}:
         if fail_fast and sum(b.get(key, 0) for b in bundles) > total.get(key, 0):
-            raise RlbridgeError(f"the cluster can never satisfy the plan: {_missing(bundles)} "
-                                "(check cluster.nodes / cluster.gpus_per_node, or cluster.address)")
+            raise RlbridgeError(
+                f"the cluster can never satisfy the plan: {_missing(bundles)} "
+                "(check cluster.nodes / cluster.gpus_per_node, or cluster.address)"
+            )
     pg = placement_group(bundles, strategy="PACK")
     start = time.monotonic()
     while True:
@@ -160,8 +200,10 @@ def reserve(bundles: list[dict[str, float]], *, timeout_s: float, log: Log, fail
         if waited > timeout_s:
             msg = _missing(bundles)
             remove_placement_group(pg)
-            raise RlbridgeError(f"gave up after {waited:.0f} s waiting for Ray resources: {msg} "
-                                "(cluster.placement_timeout_s sets the wait)")
+            raise RlbridgeError(
+                f"gave up after {waited:.0f} s waiting for Ray resources: {msg} "
+                "(cluster.placement_timeout_s sets the wait)"
+            )
         log(f"waiting for Ray resources ({waited:.0f} s): {_missing(bundles)}")
 
 
@@ -179,8 +221,10 @@ class Placement:
     """The nodes of a separate rollout's bundles (after the trainer's), in bundle order; empty when colocated."""
 
     def describe(self) -> list[str]:
-        lines = [f"node {j}: {n.label()}: trainer devices {', '.join(str(i) for i, k in enumerate(self.node_of_slot) if k == j)}"
-                 for j, n in enumerate(self.nodes)]
+        lines = [
+            f"node {j}: {n.label()}: trainer devices {', '.join(str(i) for i, k in enumerate(self.node_of_slot) if k == j)}"
+            for j, n in enumerate(self.nodes)
+        ]
         return lines + [f"rollout device {i}: {n.label()}" for i, n in enumerate(self.rollout_nodes)]
 
 
@@ -194,7 +238,9 @@ def placement(pg: PlacementGroup, num_trainer: int) -> Placement:
     def node(nid: str) -> NodeInfo:
         return info.get(nid, NodeInfo(nid, "?", False, {}))
 
-    return Placement(slots, [node(nid) for nid in order], node_of_slot, [node(nid) for nid in node_ids[num_trainer:]])
+    return Placement(
+        slots, [node(nid) for nid in order], node_of_slot, [node(nid) for nid in node_ids[num_trainer:]]
+    )
 
 
 def by_node(node_ids: list[str]) -> tuple[list[int], list[str], list[int]]:
@@ -221,8 +267,14 @@ class Worker:
     """One Ray actor with error translation: calls return results or raise RlbridgeError naming the worker
     and its log file."""
 
-    def __init__(self, name: str, handle: Any, log_file: Path | None = None, echo: logs.WarningEcho | None = None,
-                 node: NodeInfo | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        handle: Any,
+        log_file: Path | None = None,
+        echo: logs.WarningEcho | None = None,
+        node: NodeInfo | None = None,
+    ) -> None:
         self.name = name
         self.node = node
         """Where it runs, on a cluster of several nodes: named when it dies."""
@@ -246,13 +298,21 @@ class Worker:
             cause = e.cause if isinstance(e.cause, BaseException) else None
             if isinstance(cause, RlbridgeError):
                 raise type(cause)(f"{self.name}: {cause}") from None
-            raise RlbridgeError(f"{self.name} worker failed: {cause!r}{self._where()}\n{_tail(str(e))}") from None
+            raise RlbridgeError(
+                f"{self.name} worker failed: {cause!r}{self._where()}\n{_tail(str(e))}"
+            ) from None
         except RayActorError as e:
             if e.actor_init_failed:  # its constructor raised: Ray's message holds the traceback
-                raise RlbridgeError(f"{self.name} worker failed while starting{self._where()}:\n{_tail(str(e))}") from None
-            raise RlbridgeError(f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}") from None
+                raise RlbridgeError(
+                    f"{self.name} worker failed while starting{self._where()}:\n{_tail(str(e))}"
+                ) from None
+            raise RlbridgeError(
+                f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}"
+            ) from None
         except GetTimeoutError:
-            raise RlbridgeError(f"{self.name} worker did not answer within {timeout} s{self._where()}") from None
+            raise RlbridgeError(
+                f"{self.name} worker did not answer within {timeout} s{self._where()}"
+            ) from None
         if self.echo is not None and self.log_file is not None:
             self.echo.check(self.log_file, self.name)
         return answer
@@ -261,7 +321,9 @@ class Worker:
         if self.node is None:
             return ""
         gone = not node_alive(self.node.id, settle_s=NODE_SETTLE_S)
-        return f" on node {self.node.label()}" + (", which is no longer alive (its host or raylet stopped)" if gone else "")
+        return f" on node {self.node.label()}" + (
+            ", which is no longer alive (its host or raylet stopped)" if gone else ""
+        )
 
     def _where(self) -> str:
         return f" (its log: {self.log_file})" if self.log_file else ""
@@ -283,16 +345,35 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def start_worker(cls: type, name: str, pg: PlacementGroup, bundle: int, *, num_cpus: float, num_gpus: float,
-                 log_file: Path, echo: logs.WarningEcho | None = None, args: tuple[Any, ...] = (),
-                 kwargs: dict[str, Any] | None = None, node: NodeInfo | None = None) -> Worker:
+def start_worker(
+    cls: type,
+    name: str,
+    pg: PlacementGroup,
+    bundle: int,
+    *,
+    num_cpus: float,
+    num_gpus: float,
+    log_file: Path,
+    echo: logs.WarningEcho | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    node: NodeInfo | None = None,
+) -> Worker:
     """An actor of `cls` whose output goes to `log_file` (its rlbridge warnings: echoed by `echo`);
     `Worker.submit("rlbridge_started")` answers once its constructor has finished (see `_logged`)."""
     actor: Any = ray.remote(_logged(cls)).options(
-        name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
+        name=None,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=0,
+        max_concurrency=1,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        ),
     )
-    return Worker(name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo, node)
+    return Worker(
+        name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo, node
+    )
 
 
 @functools.cache
@@ -310,14 +391,31 @@ def _logged(cls: Any) -> type:
         self._rlbridge_startup_s = time.monotonic() - start
 
     def rlbridge_started(self: Any) -> dict[str, Any]:
-        return {"seconds": self._rlbridge_startup_s, "phases": logs.vllm_phases(logs.read_from(*self._rlbridge_log))}
+        return {
+            "seconds": self._rlbridge_startup_s,
+            "phases": logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
+        }
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "rlbridge_started": rlbridge_started,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__init__": __init__,
+            "rlbridge_started": rlbridge_started,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
 
 
-def wait_started(starting: list[tuple[Worker, Any]], *, timeout_s: float, log: Log,
-                 on_ready: Callable[[Worker, Any], None], heartbeat_s: float = HEARTBEAT_S) -> list[Any]:
+def wait_started(
+    starting: list[tuple[Worker, Any]],
+    *,
+    timeout_s: float,
+    log: Log,
+    on_ready: Callable[[Worker, Any], None],
+    heartbeat_s: float = HEARTBEAT_S,
+) -> list[Any]:
     """Wait for each worker's start-up call (`rlbridge_started`, or a call that needs the started worker),
     calling on_ready(worker, answer) as each answers. Every heartbeat_s a line per worker still starting, with the
     last line of its log; past timeout_s an error naming the worker, what its log shows and the key to raise.
@@ -340,7 +438,10 @@ def wait_started(starting: list[tuple[Worker, Any]], *, timeout_s: float, log: L
             beat += heartbeat_s
             for w in late:
                 line = logs.last_line(w.log_file) if w.log_file else None
-                log(f"{w.name}: still starting ({waited:.0f} s); " + (f"its log: {line}" if line else "nothing in its log yet"))
+                log(
+                    f"{w.name}: still starting ({waited:.0f} s); "
+                    + (f"its log: {line}" if line else "nothing in its log yet")
+                )
     return results
 
 
@@ -350,12 +451,18 @@ def startup_timeout_message(late: list[Worker], waited: float) -> str:
     for w in late:
         phase = logs.stage(logs.tail(w.log_file, 5)) if w.log_file else None
         last = logs.last_line(w.log_file, 300) if w.log_file else None
-        shows = (f"its log {w.log_file} ends with: {last}" if last
-                 else f"its log {w.log_file} is empty: has its Ray worker process started?")
+        shows = (
+            f"its log {w.log_file} ends with: {last}"
+            if last
+            else f"its log {w.log_file} is empty: has its Ray worker process started?"
+        )
         parts.append(f"{w.name} ({phase + '; ' if phase else ''}{shows})")
-    return (f"gave up after {waited:.0f} s waiting for the workers to start: " + "; ".join(parts) +
-            ". A cold start on GPUs (downloads, torch.compile, CUDA graphs) can take many minutes: if the log shows "
-            "progress, raise cluster.startup_timeout_s")
+    return (
+        f"gave up after {waited:.0f} s waiting for the workers to start: "
+        + "; ".join(parts)
+        + ". A cold start on GPUs (downloads, torch.compile, CUDA graphs) can take many minutes: if the log shows "
+        "progress, raise cluster.startup_timeout_s"
+    )
 
 
 def node_ip() -> str:

@@ -31,7 +31,8 @@ def _distinct_problems(cfg: ArithmeticCfg, seed: int, needed: int) -> list[Probl
         raise RlbridgeError(
             f"data.arithmetic.num_train: {needed} problems (num_train + num_val) requested but digits="
             f"{cfg.digits} with ops {ops} has only {capacity} distinct ones; lower num_train/num_val or raise "
-            "data.arithmetic.digits")
+            "data.arithmetic.digits"
+        )
     rng = random.Random(f"rlbridge-arithmetic-{seed}")
     if capacity <= 4 * needed:  # small space: shuffle all of it rather than reject-sample
         every = [(a, op, b) for op in ops for a in values for b in values]
@@ -50,6 +51,8 @@ def _distinct_problems(cfg: ArithmeticCfg, seed: int, needed: int) -> list[Probl
 def arithmetic_rows(cfg: ArithmeticCfg, *, split: Literal["train", "val"], seed: int) -> list[dict[str, Any]]:
     """Rows {question, answer, a, op, b} of one split; the same (cfg, seed) always gives the same rows."""
     problems = _distinct_problems(cfg, seed, cfg.num_train + cfg.num_val)
-    chosen = problems[: cfg.num_train] if split == "train" else problems[cfg.num_train:]
-    return [{"question": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b)), "a": a, "op": op, "b": b}
-            for a, op, b in chosen]
+    chosen = problems[: cfg.num_train] if split == "train" else problems[cfg.num_train :]
+    return [
+        {"question": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b)), "a": a, "op": op, "b": b}
+        for a, op, b in chosen
+    ]

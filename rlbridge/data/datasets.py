@@ -69,37 +69,52 @@ def load_dataset(cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int)
     return prompts
 
 
-def read_dataset(cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int) -> tuple[list[Prompt], Skipped]:
+def read_dataset(
+    cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int
+) -> tuple[list[Prompt], Skipped]:
     """The usable prompts of one split (at most cfg.limit) and the rows skipped on the way."""
     key = f"data.{split}"
     if cfg.path.startswith("builtin:"):
         return _builtin_prompts(cfg, data_cfg, split=split, seed=seed), Skipped()
     path = Path(cfg.path).expanduser()
     if path.suffix not in (".jsonl", ".parquet"):
-        raise RlbridgeError(f"{key}.path: unsupported format {path.suffix or '(none)'!r} ({cfg.path}); use .jsonl or .parquet")
+        raise RlbridgeError(
+            f"{key}.path: unsupported format {path.suffix or '(none)'!r} ({cfg.path}); use .jsonl or .parquet"
+        )
     if not path.is_file():
-        raise RlbridgeError(f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)")
+        raise RlbridgeError(
+            f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
+        )
     rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path, cfg, key)
     prompts, skipped = _collect(rows, cfg, key)
     if not prompts:
         why = str(skipped) if skipped.count else "the file has no rows"
-        raise RlbridgeError(f"{key}.path: no usable row in {cfg.path} with {key}.prompt_key={cfg.prompt_key!r} and "
-                            f"{key}.answer_key={cfg.answer_key!r}: {why}")
+        raise RlbridgeError(
+            f"{key}.path: no usable row in {cfg.path} with {key}.prompt_key={cfg.prompt_key!r} and "
+            f"{key}.answer_key={cfg.answer_key!r}: {why}"
+        )
     return prompts, skipped
 
 
 def _builtin_prompts(cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int) -> list[Prompt]:
     key = f"data.{split}"
     if cfg.path != "builtin:arithmetic":
-        raise RlbridgeError(f"{key}.path: unknown builtin dataset {cfg.path!r}; the builtin is builtin:arithmetic")
+        raise RlbridgeError(
+            f"{key}.path: unknown builtin dataset {cfg.path!r}; the builtin is builtin:arithmetic"
+        )
     if (cfg.prompt_key, cfg.answer_key) != ("question", "answer"):
-        log.warning("%s.prompt_key / answer_key are ignored for builtin:arithmetic (its rows have question, "
-                    "answer, a, op, b)", key)
+        log.warning(
+            "%s.prompt_key / answer_key are ignored for builtin:arithmetic (its rows have question, "
+            "answer, a, op, b)",
+            key,
+        )
     rows = arithmetic_rows(data_cfg.arithmetic, split=split, seed=seed)[: cfg.limit]
     return [Prompt(text=r["question"], answer=r["answer"], row=r) for r in rows]
 
 
-def _collect(rows: Iterator[tuple[str, Any, str | None]], cfg: DatasetCfg, key: str) -> tuple[list[Prompt], Skipped]:
+def _collect(
+    rows: Iterator[tuple[str, Any, str | None]], cfg: DatasetCfg, key: str
+) -> tuple[list[Prompt], Skipped]:
     prompts: list[Prompt] = []
     skipped = Skipped()
     for where, row, problem in rows:
@@ -159,7 +174,9 @@ def _parquet_rows(path: Path, cfg: DatasetCfg, key: str) -> Iterator[tuple[str, 
     columns = file.schema_arrow.names
     for name, which in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
         if name not in columns:
-            raise RlbridgeError(f"{key}.{which}: column {name!r} not in {cfg.path} (columns: {', '.join(columns)})")
+            raise RlbridgeError(
+                f"{key}.{which}: column {name!r} not in {cfg.path} (columns: {', '.join(columns)})"
+            )
     number = 0
     for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
         for row in batch.to_pylist():
@@ -179,10 +196,14 @@ def render_messages(prompt: Prompt, data_cfg: DataCfg) -> list[dict[str, str]]:
     try:
         user = data_cfg.template.format_map(fields)
     except KeyError as e:
-        raise RlbridgeError(f"data.template names the field {e} but the row has only {', '.join(sorted(fields))}") from e
+        raise RlbridgeError(
+            f"data.template names the field {e} but the row has only {', '.join(sorted(fields))}"
+        ) from e
     except (IndexError, ValueError, AttributeError) as e:
-        raise RlbridgeError(f"data.template {data_cfg.template!r} is not a valid format string: {e}; "
-                            "use {prompt} and {field} placeholders (double braces for literal ones)") from e
+        raise RlbridgeError(
+            f"data.template {data_cfg.template!r} is not a valid format string: {e}; "
+            "use {prompt} and {field} placeholders (double braces for literal ones)"
+        ) from e
     messages = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
     return [*messages, {"role": "user", "content": user}]
 
@@ -191,16 +212,19 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     try:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except ValueError as e:  # transformers: "Cannot use chat template functions because ... not set"
-        raise RlbridgeError(f"data.chat_template: the tokenizer cannot apply a chat template ({e}); "
-                            "set data.chat_template: false to encode the plain text") from e
+        raise RlbridgeError(
+            f"data.chat_template: the tokenizer cannot apply a chat template ({e}); "
+            "set data.chat_template: false to encode the plain text"
+        ) from e
     ids = out["input_ids"] if isinstance(out, Mapping) else out  # transformers 5 may return a BatchEncoding
     if len(ids) and isinstance(ids[0], list | tuple):
         ids = ids[0]
     return [int(t) for t in ids]
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], data_cfg: DataCfg,
-                   max_prompt_tokens: int) -> tuple[list[list[int]], list[Prompt], int]:
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[Prompt], data_cfg: DataCfg, max_prompt_tokens: int
+) -> tuple[list[list[int]], list[Prompt], int]:
     """Token ids of each prompt (chat template with the generation prompt, or the plain text with the
     system prompt and a blank line in front), dropping those longer than max_prompt_tokens.
 
@@ -224,7 +248,12 @@ def fingerprint(prompts: Sequence[Prompt]) -> str:
     """A short hash of the prompts and answers, to refuse resuming on different data."""
     digest = hashlib.sha256()
     for p in prompts:
-        digest.update(p.text.encode("utf-8", "surrogatepass") + b"\0" + p.answer.encode("utf-8", "surrogatepass") + b"\0")
+        digest.update(
+            p.text.encode("utf-8", "surrogatepass")
+            + b"\0"
+            + p.answer.encode("utf-8", "surrogatepass")
+            + b"\0"
+        )
     return digest.hexdigest()[:16]
 
 
@@ -259,7 +288,7 @@ class PromptSampler:
         batch: list[int] = []
         while len(batch) < batch_size:
             order = self.order(self.epoch)
-            take = order[self.index: self.index + batch_size - len(batch)]
+            take = order[self.index : self.index + batch_size - len(batch)]
             batch.extend(take)
             self.index += len(take)
             if self.index == len(order):
@@ -272,25 +301,44 @@ class PromptSampler:
 
     def state(self) -> dict[str, Any]:
         """JSON-able position: resume with `load_state`."""
-        return {"seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch, "index": self.index,
-                "size": len(self.prompts), "fingerprint": self._fingerprint}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "index": self.index,
+            "size": len(self.prompts),
+            "fingerprint": self._fingerprint,
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Continue from `state` (from `state()`); refuses a state recorded on different data."""
         size = state.get("size")
         if size != len(self.prompts):
-            raise RlbridgeError(f"the checkpoint's data position is for {size} prompts but the dataset now has "
-                                f"{len(self.prompts)}; resuming would not reproduce the data order. Restore "
-                                "data.train.path and data.train.limit of the original run")
+            raise RlbridgeError(
+                f"the checkpoint's data position is for {size} prompts but the dataset now has "
+                f"{len(self.prompts)}; resuming would not reproduce the data order. Restore "
+                "data.train.path and data.train.limit of the original run"
+            )
         if state.get("fingerprint", self._fingerprint) != self._fingerprint:
-            raise RlbridgeError("the checkpoint's data position is for different prompts (same count, different "
-                                "content); restore the original data.train.path file to resume")
-        if not (isinstance(state.get("epoch"), int) and isinstance(state.get("index"), int)
-                and state["epoch"] >= 0 and 0 <= state["index"] <= size):
+            raise RlbridgeError(
+                "the checkpoint's data position is for different prompts (same count, different "
+                "content); restore the original data.train.path file to resume"
+            )
+        if not (
+            isinstance(state.get("epoch"), int)
+            and isinstance(state.get("index"), int)
+            and state["epoch"] >= 0
+            and 0 <= state["index"] <= size
+        ):
             raise RlbridgeError(f"invalid data position in the checkpoint: {dict(state)}")
         if (state.get("seed", self.seed), state.get("shuffle", self.shuffle)) != (self.seed, self.shuffle):
-            log.warning("data order follows the checkpoint (seed %s, shuffle %s), not run.seed %s / data.shuffle %s",
-                        state.get("seed"), state.get("shuffle"), self.seed, self.shuffle)
+            log.warning(
+                "data order follows the checkpoint (seed %s, shuffle %s), not run.seed %s / data.shuffle %s",
+                state.get("seed"),
+                state.get("shuffle"),
+                self.seed,
+                self.shuffle,
+            )
         self.seed, self.shuffle = state.get("seed", self.seed), state.get("shuffle", self.shuffle)
         self.epoch, self.index = state["epoch"], state["index"]
         self._order_epoch = -1

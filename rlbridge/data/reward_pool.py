@@ -74,7 +74,9 @@ def _call(fn: RewardFn, prompt: str, completion: str, sample: dict[str, Any]) ->
     try:
         value = fn(prompt, completion, sample)
         if not isinstance(value, numbers.Real):
-            raise TypeError(f"reward function returned {type(value).__name__} {str(value)[:100]!r}, not a float")
+            raise TypeError(
+                f"reward function returned {type(value).__name__} {str(value)[:100]!r}, not a float"
+            )
         if not math.isfinite(value := float(value)):
             raise ValueError(f"reward function returned {value}, not a finite number")
         return value, None
@@ -120,7 +122,9 @@ class _Worker:
 class RewardPool:
     """Scores batches with the recipe's reward terms; a context manager owning the worker processes."""
 
-    def __init__(self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0, log_file: Path | None = None) -> None:
+    def __init__(
+        self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0, log_file: Path | None = None
+    ) -> None:
         self.cfg = cfg
         self.log_file = log_file
         if log_file is not None:
@@ -143,12 +147,22 @@ class RewardPool:
     # ------------------------------------------------------------------------------------ workers
     def _spawn(self) -> _Worker:
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
         with open(self.log_file or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=out, start_new_session=True, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env=env,
+            )
         theirs.close()  # so the worker's death reads as EOF here
         conn = Connection(ours.detach())
         conn.send(([p or os.getcwd() for p in sys.path], self._user_specs))
@@ -219,21 +233,29 @@ class RewardPool:
                 self._kill(w)
                 why = payload or (
                     f"not ready within {self._startup_timeout_s}s (does importing the reward module hang?)"
-                    if kind == "timeout" else f"the worker exited with code {w.proc.returncode}; check that "
-                    f"`{sys.executable} -c 'import rlbridge.data.reward_pool'` works")
+                    if kind == "timeout"
+                    else f"the worker exited with code {w.proc.returncode}; check that "
+                    f"`{sys.executable} -c 'import rlbridge.data.reward_pool'` works"
+                )
                 raise RlbridgeError(f"reward worker failed to start:\n{why}")
             w.ready = True
         elif kind == "done" and w.task is not None:
             out[w.task], w.task = payload, None
         elif kind == "timeout":
-            self._replace(w, f"TimeoutError: reward function ran past reward.timeout_s={self.cfg.timeout_s}s", out)
+            self._replace(
+                w, f"TimeoutError: reward function ran past reward.timeout_s={self.cfg.timeout_s}s", out
+            )
         else:
             try:
                 code: int | str = w.proc.wait(5)
             except subprocess.TimeoutExpired:
                 code = "unknown (it closed its socket)"
-            self._replace(w, f"reward worker process exited with code {code} while scoring "
-                             "(os._exit, a signal or a crash in the reward function)", out)
+            self._replace(
+                w,
+                f"reward worker process exited with code {code} while scoring "
+                "(os._exit, a signal or a crash in the reward function)",
+                out,
+            )
 
     def _replace(self, w: _Worker, error: str | None, out: list[list[Outcome] | None]) -> None:
         if error is not None and w.task is not None:
@@ -252,10 +274,14 @@ class RewardPool:
         return done
 
     # ------------------------------------------------------------------------------------ scoring
-    def score(self, prompts: list[str], completions: list[str], samples: list[dict[str, Any]]) -> RewardResult:
+    def score(
+        self, prompts: list[str], completions: list[str], samples: list[dict[str, Any]]
+    ) -> RewardResult:
         """Weighted reward per sample; raises RewardBudgetExceeded once the run's errors pass the budget."""
         if not len(prompts) == len(completions) == len(samples):
-            raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples")
+            raise ValueError(
+                f"{len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples"
+            )
         tasks = list(zip(prompts, completions, samples, strict=True))
         result = _combine(self.terms, self._evaluate(tasks), len(tasks))
         self.total_errors += result.num_errors
@@ -264,7 +290,8 @@ class RewardPool:
                 f"{self.total_errors} reward errors so far exceed reward.error_budget={self.cfg.error_budget} "
                 f"({result.num_errors} of {len(tasks)} samples failed in this step). "
                 "Fix the reward function, or raise reward.error_budget / reward.timeout_s. "
-                f"Last failure: {result.last_traceback}")
+                f"Last failure: {result.last_traceback}"
+            )
         return result
 
     def _evaluate(self, tasks: list[Task]) -> list[list[Outcome]]:
@@ -272,15 +299,20 @@ class RewardPool:
         if not tasks:
             return [[] for _ in self.terms]
         user_columns = iter(zip(*self._run_user(tasks), strict=True)) if self._user_specs else iter(())
-        return [[_call(BUILTINS[t.fn], *task) for task in tasks] if t.fn in BUILTINS else list(next(user_columns))
-                for t in self.terms]
+        return [
+            [_call(BUILTINS[t.fn], *task) for task in tasks] if t.fn in BUILTINS else list(next(user_columns))
+            for t in self.terms
+        ]
 
 
 def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples: int) -> RewardResult:
     fns = [t.fn for t in terms]
     names = [fn if fns.count(fn) == 1 else f"{fn}#{j}" for j, fn in enumerate(fns)]
-    result = RewardResult(scores=[], num_errors=0,
-                          terms={name: [v for v, _ in column] for name, column in zip(names, per_term, strict=True)})
+    result = RewardResult(
+        scores=[],
+        num_errors=0,
+        terms={name: [v for v, _ in column] for name, column in zip(names, per_term, strict=True)},
+    )
     for i in range(num_samples):
         outcomes = [column[i] for column in per_term]
         failed = [(fn, err) for fn, (_, err) in zip(fns, outcomes, strict=True) if err is not None]
@@ -291,5 +323,7 @@ def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples
             result.last_traceback = f"{fn} on sample {i}:\n{err}"
             result.scores.append(None)
         else:
-            result.scores.append(sum(t.weight * v for t, (v, _) in zip(terms, outcomes, strict=True) if v is not None))
+            result.scores.append(
+                sum(t.weight * v for t, (v, _) in zip(terms, outcomes, strict=True) if v is not None)
+            )
     return result

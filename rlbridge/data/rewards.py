@@ -95,7 +95,7 @@ def extract_answer(completion: str) -> Fraction | None:
     if boxed and (value := _first_number(boxed[-1])) is not None:
         return value
     said = list(_ANSWER_IS.finditer(completion))
-    if said and (value := _first_number(completion[said[-1].end():])) is not None:
+    if said and (value := _first_number(completion[said[-1].end() :])) is not None:
         return value
     return last_number(completion)
 

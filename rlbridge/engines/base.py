@@ -94,7 +94,9 @@ class Critic(Protocol):
         """[b, R] values V(s_t) of the response tokens, no gradients."""
         ...
 
-    def train_step(self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int) -> dict[str, Any]: ...
+    def train_step(
+        self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int
+    ) -> dict[str, Any]: ...
 
     def trainable_state(self) -> dict[str, torch.Tensor]: ...
 
@@ -105,7 +107,9 @@ class Critic(Protocol):
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
 
-def load_named(params: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor], what: str) -> None:
+def load_named(
+    params: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor], what: str
+) -> None:
     """Copy `tensors` into the named parameters in place (checkpoint restore of an engine's or a critic's
     trainable state); the names must match exactly, else an error naming `what` and the first mismatches."""
     params = list(params)

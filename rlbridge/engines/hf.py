@@ -395,7 +395,11 @@ class HFTrainEngine:
     def optimizer_state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """AdamW state as named tensors (`<param>:step|exp_avg|exp_avg_sq`) and a JSON-able dict (schedule
         position, hyper-parameters, the names with state). No pickle anywhere."""
-        return adamw_state(self.optimizer, self._trainable, {"step": self.num_optimizer_steps, "total_steps": self.total_steps})
+        return adamw_state(
+            self.optimizer,
+            self._trainable,
+            {"step": self.num_optimizer_steps, "total_steps": self.total_steps},
+        )
 
     def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         load_adamw_state(self.optimizer, self._trainable, tensors, meta)

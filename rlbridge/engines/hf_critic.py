@@ -48,7 +48,9 @@ class HFCritic:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "lm_head.weight not used": the backbone is all the critic needs
         try:
-            backbone: PreTrainedModel = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, recipe.model.dtype))
+            backbone: PreTrainedModel = AutoModel.from_pretrained(
+                model_dir, dtype=getattr(torch, recipe.model.dtype)
+            )
         finally:
             hf_logging.set_verbosity(verbosity)
         nn.Module.to(backbone, self.device)
@@ -65,13 +67,23 @@ class HFCritic:
         self.master = MasterWeights([(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
         self._trainable = self.master.named
         optim = recipe.trainer.optim
-        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
-                                           betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self._trainable],
+            lr=recipe.algorithm.critic.lr,  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
 
     def _apply_lora(self, backbone: PreTrainedModel) -> nn.Module:
         cfg = self.recipe.lora
-        config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
-                            target_modules=hf_targets(cfg.targets), use_dora=cfg.type == "dora")
+        config = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
+            target_modules=hf_targets(cfg.targets),
+            use_dora=cfg.type == "dora",
+        )
         # float32 adapters on a bfloat16 / float16 backbone (peft's default, stated), as the policy's
         return get_peft_model(backbone, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
 
@@ -86,8 +98,12 @@ class HFCritic:
     # ------------------------------------------------------------------------------ values
     def _values(self, sub: SeqBatch) -> Tensor:
         """[b, R] float32 values V(s_t) of the response tokens from hidden states P - 1 .. P + R - 2."""
-        out = self.module["backbone"](input_ids=sub.input_ids, attention_mask=sub.attention_mask,
-                                      position_ids=sub.position_ids, use_cache=False)
+        out = self.module["backbone"](
+            input_ids=sub.input_ids,
+            attention_mask=sub.attention_mask,
+            position_ids=sub.position_ids,
+            use_cache=False,
+        )
         p, r = sub.prompt_width, sub.response_width
         hidden = out.last_hidden_state[:, p - 1 : p + r - 1]
         return self.module["value_head"](hidden.float()).squeeze(-1)
@@ -153,4 +169,3 @@ class HFCritic:
     def load_optimizer_state(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         load_adamw_state(self.optimizer, self._trainable, tensors, meta)
         self.num_optimizer_steps = int(meta["scheduler"]["step"])
-

@@ -55,7 +55,9 @@ def adamw_state(
 
 
 def load_adamw_state(
-    optimizer: torch.optim.Optimizer, trainable: list[tuple[str, nn.Parameter]], tensors: dict[str, Tensor],
+    optimizer: torch.optim.Optimizer,
+    trainable: list[tuple[str, nn.Parameter]],
+    tensors: dict[str, Tensor],
     meta: dict[str, Any],
 ) -> None:
     """Inverse of adamw_state (the hyper-parameters stay the recipe's)."""

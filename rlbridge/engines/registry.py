@@ -56,7 +56,9 @@ def _megatron_critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
 
 ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind("hf", multi_rank=False, build=_hf_engine, build_critic=_hf_critic),
-    "megatron": EngineKind("megatron", multi_rank=True, build=_megatron_engine, build_critic=_megatron_critic),
+    "megatron": EngineKind(
+        "megatron", multi_rank=True, build=_megatron_engine, build_critic=_megatron_critic
+    ),
 }
 
 

@@ -40,7 +40,9 @@ class StallWatch:
     how long it has run, again after each further such stretch. Only a warning; the run goes on. A phase's
     first run (warm-up included) has nothing to compare with and is not watched."""
 
-    def __init__(self, warn: Callable[[str], None], *, hint: str = "", factor: float = 5.0, floor_s: float = 60.0) -> None:
+    def __init__(
+        self, warn: Callable[[str], None], *, hint: str = "", factor: float = 5.0, floor_s: float = 60.0
+    ) -> None:
         self.warn, self.hint, self.factor, self.floor_s = warn, hint, factor, floor_s
         self.history: dict[str, deque[float]] = {}
 
@@ -57,8 +59,12 @@ class StallWatch:
         limit, done = self.limit(phase), threading.Event()
         start = time.perf_counter()
         if limit is not None:
-            threading.Thread(target=self._watch, args=(phase, *limit, start, done), daemon=True,
-                             name=f"rlbridge-stall-{phase}").start()
+            threading.Thread(
+                target=self._watch,
+                args=(phase, *limit, start, done),
+                daemon=True,
+                name=f"rlbridge-stall-{phase}",
+            ).start()
         try:
             yield
         finally:
@@ -68,8 +74,10 @@ class StallWatch:
     def _watch(self, phase: str, usual: float, limit: float, start: float, done: threading.Event) -> None:
         waited = limit
         while not done.wait(max(0.0, start + waited - time.perf_counter())):
-            self.warn(f"{phase} is slow: running for {waited:.0f} s, {waited / max(usual, 1e-9):.0f}x its median "
-                      f"of {usual:.1f} s in earlier steps{self.hint}")
+            self.warn(
+                f"{phase} is slow: running for {waited:.0f} s, {waited / max(usual, 1e-9):.0f}x its median "
+                f"of {usual:.1f} s in earlier steps{self.hint}"
+            )
             waited += limit
 
 
@@ -136,8 +144,15 @@ def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] |
 class MetricsLog:
     """Fans every record out to metrics.jsonl (always) and the loggers the recipe selects."""
 
-    def __init__(self, run_dir: Path, loggers: Sequence[str], total_steps: int, *, name: str = "",
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        loggers: Sequence[str],
+        total_steps: int,
+        *,
+        name: str = "",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
         if "console" in loggers:
@@ -154,7 +169,9 @@ class MetricsLog:
             try:
                 sink.write(record)
             except Exception as e:  # a logger never stops a run: the jsonl file has every step
-                console.print(f"[yellow]warning[/] the {key} logger failed and is turned off for this run: {e!r}")
+                console.print(
+                    f"[yellow]warning[/] the {key} logger failed and is turned off for this run: {e!r}"
+                )
                 self.sinks.pop(key)
 
     def close(self) -> None:
@@ -172,15 +189,32 @@ def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str
 
 def _line(r: dict[str, Any], total: int) -> str:
     if r.get("kind") == "checkpoint":
-        return (f"[bold green]saved[/] step {r['step']}: {r.get('path')} ({r.get('checkpoint_bytes', 0) / 1e6:.1f} MB "
-                f"in {r.get('time_save', 0):.2f} s)")
+        return (
+            f"[bold green]saved[/] step {r['step']}: {r.get('path')} ({r.get('checkpoint_bytes', 0) / 1e6:.1f} MB "
+            f"in {r.get('time_save', 0):.2f} s)"
+        )
     if r.get("kind") == "eval":
-        return (f"[bold cyan]eval[/] step {r['step']}: accuracy {r.get('eval_accuracy', 0):.1%}, "
-                f"format {r.get('eval_format', 0):.1%}, reward {r.get('eval_reward', 0):.3f} on {r.get('eval_samples', 0)} prompts")
-    phases = " ".join(f"{k.removeprefix('time_')} {v:.1f}" for k, v in r.items() if k.startswith("time_") and k != "time_step")
-    parts = [f"[bold]step {r['step']}/{total}[/]", _fmt(r, "reward_mean", "reward"), _fmt(r, "accuracy", "acc", ".2f"),
-             _fmt(r, "kl", "kl", ".4f"), _fmt(r, "entropy", "ent", ".2f"), _fmt(r, "grad_norm", "|g|", ".3f"),
-             _fmt(r, "logprob_diff_mean", "lp-diff", ".1e"), _fmt(r, "rc_ess", "ess", ".2f"), _fmt(r, "time_step", "", ".1f") + "s", f"[dim]({phases})[/]"]
+        return (
+            f"[bold cyan]eval[/] step {r['step']}: accuracy {r.get('eval_accuracy', 0):.1%}, "
+            f"format {r.get('eval_format', 0):.1%}, reward {r.get('eval_reward', 0):.3f} on {r.get('eval_samples', 0)} prompts"
+        )
+    phases = " ".join(
+        f"{k.removeprefix('time_')} {v:.1f}"
+        for k, v in r.items()
+        if k.startswith("time_") and k != "time_step"
+    )
+    parts = [
+        f"[bold]step {r['step']}/{total}[/]",
+        _fmt(r, "reward_mean", "reward"),
+        _fmt(r, "accuracy", "acc", ".2f"),
+        _fmt(r, "kl", "kl", ".4f"),
+        _fmt(r, "entropy", "ent", ".2f"),
+        _fmt(r, "grad_norm", "|g|", ".3f"),
+        _fmt(r, "logprob_diff_mean", "lp-diff", ".1e"),
+        _fmt(r, "rc_ess", "ess", ".2f"),
+        _fmt(r, "time_step", "", ".1f") + "s",
+        f"[dim]({phases})[/]",
+    ]
     if r.get("reward_error"):
         parts.append(f"[red]reward errors {r['reward_error']}[/]")
     return "  ".join(p for p in parts if p)

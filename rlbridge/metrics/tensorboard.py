@@ -26,7 +26,9 @@ class TensorBoardSink:
 
     def write(self, record: dict[str, Any]) -> None:
         values = [Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(record).items()]
-        self._writer.add_event(Event(wall_time=time.time(), step=int(record.get("step", 0)), summary=Summary(value=values)))
+        self._writer.add_event(
+            Event(wall_time=time.time(), step=int(record.get("step", 0)), summary=Summary(value=values))
+        )
         self._writer.flush()
 
     def close(self) -> None:

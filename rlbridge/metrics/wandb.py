@@ -43,10 +43,16 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else _new_id()
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "rlbridge"), name=name, id=run_id, resume="allow",
-            config=config, dir=str(logs_dir), mode=mode(),  # type: ignore[arg-type]  # wandb's stubs type mode as a Literal; mode() returns one of its values
-            settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                                    x_disable_stats=True),
+            project=os.environ.get("WANDB_PROJECT", "rlbridge"),
+            name=name,
+            id=run_id,
+            resume="allow",
+            config=config,
+            dir=str(logs_dir),
+            mode=mode(),  # type: ignore[arg-type]  # wandb's stubs type mode as a Literal; mode() returns one of its values
+            settings=wandb.Settings(
+                console="off", silent=True, disable_git=True, save_code=False, x_disable_stats=True
+            ),
         )
 
     def write(self, record: dict[str, Any]) -> None:
@@ -72,8 +78,8 @@ def _chunks(data: bytes) -> Iterator[bytes]:
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        body, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        body, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == _FULL:
             yield body
         elif kind == _FIRST:
@@ -103,8 +109,11 @@ def read_records(run_dir: Path) -> list[Any]:
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
     """The rows `run.log` got, in order: [{'_step': .., 'train/reward_mean': .., ...}]."""
-    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            for rec in read_records(run_dir) if rec.WhichOneof("record_type") == "history"]
+    return [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+        for rec in read_records(run_dir)
+        if rec.WhichOneof("record_type") == "history"
+    ]
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:

@@ -100,7 +100,9 @@ class ModelInfo:
             vocab = int(cfg["vocab_size"])
         except (KeyError, TypeError, ValueError) as e:
             raise RlbridgeError(f"config.json lacks a usable {e} field") from None
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        experts = int(
+            cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+        )
         archs = cfg.get("architectures") or ["?"]
         return cls(
             architecture=str(archs[0]),

@@ -31,7 +31,11 @@ CHAT_TEMPLATE = (
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table (what the tokenizers ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -58,13 +62,19 @@ def save_byte_tokenizer(out_dir: Path, *, model_max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_random_model(config: dict[str, Any], out_dir: Path, *, seed: int = 0, logit_scale: float = 2.5) -> Path:
+def build_random_model(
+    config: dict[str, Any], out_dir: Path, *, seed: int = 0, logit_scale: float = 2.5
+) -> Path:
     """Write a float32 random model of `config` (a config.json mapping; vocabulary and special-token ids
     are replaced by the byte tokenizer's) with that tokenizer into `out_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    cfg = {k: v for k, v in config.items() if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")}
+    cfg = {
+        k: v
+        for k, v in config.items()
+        if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")
+    }
     cfg.update(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     hf_config.architectures = list(config.get("architectures") or []) or None
@@ -72,7 +82,9 @@ def build_random_model(config: dict[str, Any], out_dir: Path, *, seed: int = 0, 
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):  # HF initializes biases to 0: draw them, so a bias lost in a conversion shows
+            if name.endswith(
+                ".bias"
+            ):  # HF initializes biases to 0: draw them, so a bias lost in a conversion shows
                 param.normal_(0.0, 0.1)
         if not hf_config.tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(logit_scale)

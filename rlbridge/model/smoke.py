@@ -37,7 +37,11 @@ HEAD_DIM = 32
 STEPS = 2
 RESPONSE_TOKENS = 16
 LENGTH_WEIGHT = 0.001
-CPU_ONLY_KEYS = ("trainer.parallel.sequence_parallel", "trainer.distributed_optimizer", "trainer.parallel.context")
+CPU_ONLY_KEYS = (
+    "trainer.parallel.sequence_parallel",
+    "trainer.distributed_optimizer",
+    "trainer.parallel.context",
+)
 """Recipe keys whose CPU-only validation issues the smoke run fixes itself (by turning them off)."""
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -58,8 +62,10 @@ def read_config(recipe: Recipe) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as e:
-        raise RlbridgeError(f"--smoke needs the model's config.json ({path}): {e}; point model.path at a "
-                            "directory that holds it (the weights are not needed)") from None
+        raise RlbridgeError(
+            f"--smoke needs the model's config.json ({path}): {e}; point model.path at a "
+            "directory that holds it (the weights are not needed)"
+        ) from None
 
 
 def shrink_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
@@ -72,14 +78,26 @@ def shrink_config(config: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     per_stage = max(rc.num_layers or 1, 1) if rc.granularity == "full" else 1
     if stages * per_stage < 2:
         per_stage = 2
-    heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    heads, kv = (
+        int(config["num_attention_heads"]),
+        int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+    )
     new_kv = p.tensor if kv < heads else max(p.tensor, 2)
     group = min(heads // kv, 4) if kv < heads else 1
     new_heads = new_kv * group
     hidden = new_heads * HEAD_DIM
-    out = {k: v for k, v in config.items() if k not in ("layer_types", "torch_dtype", "dtype", "quantization_config")}
-    out.update(num_hidden_layers=stages * per_stage, num_attention_heads=new_heads, num_key_value_heads=new_kv,
-               hidden_size=hidden, intermediate_size=2 * hidden)
+    out = {
+        k: v
+        for k, v in config.items()
+        if k not in ("layer_types", "torch_dtype", "dtype", "quantization_config")
+    }
+    out.update(
+        num_hidden_layers=stages * per_stage,
+        num_attention_heads=new_heads,
+        num_key_value_heads=new_kv,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+    )
     if "head_dim" in config:
         out["head_dim"] = HEAD_DIM
     for key in _EXPERT_KEYS:
@@ -105,7 +123,9 @@ def _small_batch(recipe: Recipe, dp: int) -> tuple[int, int]:
 
 def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
     if recipe.trainer.engine != "megatron":
-        raise RlbridgeError("--smoke checks megatron recipes (trainer.engine: megatron); an hf recipe runs on CPU as is")
+        raise RlbridgeError(
+            "--smoke checks megatron recipes (trainer.engine: megatron); an hf recipe runs on CPU as is"
+        )
     r, p = recipe, recipe.trainer.parallel
     plan = SmokePlan(shrink_config(config, recipe))
     c = plan.config
@@ -116,42 +136,66 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
         if note:
             plan.notes.append(note)
 
-    plan.notes.append(f"model: {config.get('architectures', ['?'])[0]} shrunk to {c['num_hidden_layers']} layers, hidden "
-                      f"{c['hidden_size']}, {c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads of "
-                      f"{HEAD_DIM}, byte vocabulary, random float32 weights")
+    plan.notes.append(
+        f"model: {config.get('architectures', ['?'])[0]} shrunk to {c['num_hidden_layers']} layers, hidden "
+        f"{c['hidden_size']}, {c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads of "
+        f"{HEAD_DIM}, byte vocabulary, random float32 weights"
+    )
     setting("model.dtype", "float32")
-    setting("cluster.device", "cpu", f"cluster: {world} CPU worker processes (gloo) in place of {world} GPUs"
-            + (f" on {r.cluster.nodes} nodes" if r.cluster.nodes > 1 else ""))
+    setting(
+        "cluster.device",
+        "cpu",
+        f"cluster: {world} CPU worker processes (gloo) in place of {world} GPUs"
+        + (f" on {r.cluster.nodes} nodes" if r.cluster.nodes > 1 else ""),
+    )
     setting("cluster.nodes", 1)
     setting("cluster.gpus_per_node", world)
     setting("cluster.address", None)
     setting("cluster.collective_timeout_s", 600)
     cp = p.context
     if p.sequence_parallel:
-        setting("trainer.parallel.sequence_parallel", False,
-                "trainer.parallel.sequence_parallel turned off: it needs reduce-scatter, which gloo (CPU) lacks")
+        setting(
+            "trainer.parallel.sequence_parallel",
+            False,
+            "trainer.parallel.sequence_parallel turned off: it needs reduce-scatter, which gloo (CPU) lacks",
+        )
     if r.trainer.distributed_optimizer:
-        setting("trainer.distributed_optimizer", False,
-                "trainer.distributed_optimizer turned off: it needs reduce-scatter, which gloo (CPU) lacks")
+        setting(
+            "trainer.distributed_optimizer",
+            False,
+            "trainer.distributed_optimizer turned off: it needs reduce-scatter, which gloo (CPU) lacks",
+        )
     if p.context > 1:
         cp = 1
-        setting("trainer.parallel.context", 1,
-                f"trainer.parallel.context {p.context} -> 1: context parallel needs Transformer Engine's attention; "
-                "its ranks become data-parallel ranks")
+        setting(
+            "trainer.parallel.context",
+            1,
+            f"trainer.parallel.context {p.context} -> 1: context parallel needs Transformer Engine's attention; "
+            "its ranks become data-parallel ranks",
+        )
     if r.trainer.grad_reduce_dtype != "float32":
         setting("trainer.grad_reduce_dtype", "float32")
-    setting("rollout.engine", "hf", f"rollout: hf engine in place of {r.rollout.engine} (same weight-sync export)"
-            if r.rollout.engine != "hf" else None)
+    setting(
+        "rollout.engine",
+        "hf",
+        f"rollout: hf engine in place of {r.rollout.engine} (same weight-sync export)"
+        if r.rollout.engine != "hf"
+        else None,
+    )
     setting("rollout.tensor_parallel", 1)
     setting("rollout.max_response_tokens", RESPONSE_TOKENS)
-    max_prompt = min(r.rollout.max_prompt_tokens, int(c.get("max_position_embeddings") or 2048) - RESPONSE_TOKENS)
+    max_prompt = min(
+        r.rollout.max_prompt_tokens, int(c.get("max_position_embeddings") or 2048) - RESPONSE_TOKENS
+    )
     setting("rollout.max_prompt_tokens", max_prompt)
     dp = max(world // (p.tensor * p.pipeline * cp), 1)
     batch, mini = _small_batch(r, dp)
     setting("data.batch_size", batch)
     setting("data.mini_batch_size", mini)
-    plan.notes.append(f"batch: {batch} prompts x n {r.rollout.n} per step ({batch // mini} mini-batch(es)), responses of "
-                      f"at most {RESPONSE_TOKENS} tokens, {STEPS} steps")
+    plan.notes.append(
+        f"batch: {batch} prompts x n {r.rollout.n} per step ({batch // mini} mini-batch(es)), responses of "
+        f"at most {RESPONSE_TOKENS} tokens, {STEPS} steps"
+    )
     setting("run.steps", STEPS)
     setting("run.eval_every", 0)
     setting("run.eval_samples", 2)
@@ -159,9 +203,12 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
     setting("run.dir", None)
     terms = [t.model_dump() for t in r.reward.resolved_terms()] + [{"fn": "length", "weight": LENGTH_WEIGHT}]
     setting("reward.fn", None)
-    setting("reward.terms", terms,
-            f"reward: + {LENGTH_WEIGHT} x length, so the random model has a learning signal and the gradient "
-            "path (grad_norm > 0, every trainable tensor changes) is checked")
+    setting(
+        "reward.terms",
+        terms,
+        f"reward: + {LENGTH_WEIGHT} x length, so the random model has a learning signal and the gradient "
+        "path (grad_norm > 0, every trainable tensor changes) is checked",
+    )
     return plan
 
 
@@ -170,7 +217,9 @@ def build_smoke_model(config: dict[str, Any], *, seed: int, progress: Any = prin
     from rlbridge.model.cache import MARKER
     from rlbridge.model.random_weights import build_random_model
 
-    key = hashlib.sha256(json.dumps({"config": config, "seed": seed}, sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps({"config": config, "seed": seed}, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
     target = cache_dir() / "smoke" / f"{config.get('model_type', 'model')}-{key}"
     if (target / MARKER).is_file():
         return target
@@ -179,7 +228,7 @@ def build_smoke_model(config: dict[str, Any], *, seed: int, progress: Any = prin
     tmp = Path(tempfile.mkdtemp(prefix=".smoke-", dir=target.parent))
     try:
         build_random_model(config, tmp, seed=seed)
-        (tmp / MARKER).write_text("{\"source\": \"smoke\"}\n", encoding="utf-8")
+        (tmp / MARKER).write_text('{"source": "smoke"}\n', encoding="utf-8")
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

@@ -26,12 +26,16 @@ class ValidRecipe:
     """Read from the model's config.json (None with --no-model-checks)."""
 
 
-def validate_recipe(path: str | Path, overrides: Sequence[str] = (), *, model_checks: bool = True) -> ValidRecipe:
+def validate_recipe(
+    path: str | Path, overrides: Sequence[str] = (), *, model_checks: bool = True
+) -> ValidRecipe:
     data, source = load_recipe_data(path, overrides)
     try:
         recipe = build_recipe(data, source)
     except RecipeError as e:
-        raise RecipeError(e.issues + _checks_despite_schema_errors(data, source, e.issues, model_checks)) from None
+        raise RecipeError(
+            e.issues + _checks_despite_schema_errors(data, source, e.issues, model_checks)
+        ) from None
     issues, info = run_checks(recipe, model_checks=model_checks)
     if issues:
         raise RecipeError([_located(i, source) for i in issues])

@@ -52,7 +52,7 @@ def _sub_model(tp: Any) -> tuple[type[BaseModel] | None, str]:
 def _bounds(meta: list[Any]) -> list[str]:
     out = []
     for m in meta:
-        for item in (m.metadata if isinstance(m, FieldInfo) else [m]):
+        for item in m.metadata if isinstance(m, FieldInfo) else [m]:
             out += [f"{_BOUNDS[k]} {getattr(item, k)}" for k in _BOUNDS if getattr(item, k, None) is not None]
     return out
 
@@ -114,7 +114,9 @@ def _table(model: type[BaseModel], prefix: str, skip: Iterable[str] = ()) -> lis
             rows.append(f"| `{prefix}{name}` | section \\| null | `null` | {(doc + ' ' + _doc(f)).strip()} |")
             continue
         if sub and how == "list":
-            rows.append(f"| `{prefix}{name}` | list of sections \\| null | {_default(f)} | {_doc(f)} Keys of each: `{prefix}{name}[]` below. |")
+            rows.append(
+                f"| `{prefix}{name}` | list of sections \\| null | {_default(f)} | {_doc(f)} Keys of each: `{prefix}{name}[]` below. |"
+            )
             continue
         rows.append(f"| `{prefix}{name}` | {_type(f)} | {_default(f)} | {_doc(f)} |")
     return rows if len(rows) > 2 else []
@@ -145,30 +147,46 @@ def _algorithms() -> list[str]:
         annotation = get_args(annotation)[0]
     variants: list[type[BaseModel]] = list(get_args(annotation))
     base = typing.cast(type[BaseModel], variants[0].__mro__[1])  # the shared base of every algorithm
-    out = ["## `algorithm`", "",
-           "One of the algorithms below, chosen by `algorithm.name` (default `grpo`); each accepts only its own keys "
-           "(PPO-only keys cannot appear under GRPO). Keys shared by every algorithm:", "",
-           *_table(base, "algorithm."), ""]
+    out = [
+        "## `algorithm`",
+        "",
+        "One of the algorithms below, chosen by `algorithm.name` (default `grpo`); each accepts only its own keys "
+        "(PPO-only keys cannot appear under GRPO). Keys shared by every algorithm:",
+        "",
+        *_table(base, "algorithm."),
+        "",
+    ]
     for sub_name, f in base.model_fields.items():
         sub, _ = _sub_model(f.annotation)
         if sub:
             out += _section(sub, f"algorithm.{sub_name}", 3)
     for v in variants:
         name = _variant_name(v)
-        own = [n for n, f in v.model_fields.items()
-               if n != "name" and (n not in base.model_fields or f.default != base.model_fields[n].default)]
+        own = [
+            n
+            for n, f in v.model_fields.items()
+            if n != "name" and (n not in base.model_fields or f.default != base.model_fields[n].default)
+        ]
         out += [f"### `algorithm.name: {name}`", ""]
         rows = ["| key | type | default | |", "|---|---|---|---|"]
         for n in own:
             fv = v.model_fields[n]
             sub, _ = _sub_model(fv.annotation)
             if sub and n in base.model_fields:
-                changed = {k: val for k, val in fv.get_default(call_default_factory=True).model_dump().items()
-                           if val != sub().model_dump()[k]}
-                rows.append(f"| `algorithm.{n}` | section | " + ", ".join(f"`{k}: {val}`" for k, val in changed.items()) +
-                            f" | {name}'s defaults |")
+                changed = {
+                    k: val
+                    for k, val in fv.get_default(call_default_factory=True).model_dump().items()
+                    if val != sub().model_dump()[k]
+                }
+                rows.append(
+                    f"| `algorithm.{n}` | section | "
+                    + ", ".join(f"`{k}: {val}`" for k, val in changed.items())
+                    + f" | {name}'s defaults |"
+                )
             elif not sub:
-                rows.append(f"| `algorithm.{n}` | {_type(fv)} | {_default(fv)} | {_doc(fv) or f'{name} default'} |")
+                rows.append(
+                    f"| `algorithm.{n}` | {_type(fv)} | {_default(fv)} | {_doc(fv) or f'{name} default'} |"
+                )
         out += (rows if len(rows) > 2 else ["Only the shared keys."]) + [""]
         for n in own:
             sub, _ = _sub_model(v.model_fields[n].annotation)

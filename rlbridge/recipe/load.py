@@ -41,7 +41,9 @@ class Source:
 
 
 # ------------------------------------------------------------------------------------------- YAML
-def _line_map(node: yaml.Node, prefix: str, out: dict[str, int], issues: list[RecipeIssue], file: str) -> None:
+def _line_map(
+    node: yaml.Node, prefix: str, out: dict[str, int], issues: list[RecipeIssue], file: str
+) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
@@ -49,8 +51,12 @@ def _line_map(node: yaml.Node, prefix: str, out: dict[str, int], issues: list[Re
             dotted = f"{prefix}.{key}" if prefix else key
             if key in seen:
                 issues.append(
-                    RecipeIssue(dotted, "duplicate key (the later value would silently win)",
-                                where=f"{file}:{key_node.start_mark.line + 1}", fix="keep one of them")
+                    RecipeIssue(
+                        dotted,
+                        "duplicate key (the later value would silently win)",
+                        where=f"{file}:{key_node.start_mark.line + 1}",
+                        fix="keep one of them",
+                    )
                 )
             seen.add(key)
             out[dotted] = key_node.start_mark.line + 1
@@ -74,7 +80,11 @@ def parse_yaml(text: str, file: str) -> tuple[Any, Source, list[RecipeIssue]]:
         where = f"{file}:{mark.line + 1}" if mark is not None else file
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         fix = "plain YAML only: remove the tag" if "tag" in str(problem) else "fix the YAML syntax"
-        return None, Source(file), [RecipeIssue("<file>", f"cannot parse YAML: {problem}", where=where, fix=fix)]
+        return (
+            None,
+            Source(file),
+            [RecipeIssue("<file>", f"cannot parse YAML: {problem}", where=where, fix=fix)],
+        )
     except RecursionError:
         return None, Source(file), [RecipeIssue("<file>", "YAML nested too deeply", where=file)]
     if node is not None:
@@ -87,11 +97,15 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise RecipeError([RecipeIssue("--set", f"cannot read override {item!r}", fix="write --set a.b=value")])
+        raise RecipeError(
+            [RecipeIssue("--set", f"cannot read override {item!r}", fix="write --set a.b=value")]
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise RecipeError([RecipeIssue(key, f"cannot parse override value {raw!r}: {e}", where="--set")]) from None
+        raise RecipeError(
+            [RecipeIssue(key, f"cannot parse override value {raw!r}: {e}", where="--set")]
+        ) from None
     return key, value
 
 
@@ -117,7 +131,11 @@ def _model_at(loc: Sequence[Any], data: Any) -> type[BaseModel] | None:
     model: type[BaseModel] | None = Recipe
     for part in loc:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return model if model is not None and isinstance(part, str) and part not in model.model_fields else None
+            return (
+                model
+                if model is not None and isinstance(part, str) and part not in model.model_fields
+                else None
+            )
         data = data.get(part) if isinstance(data, dict) else None
         model = _section_type(model.model_fields[part].annotation, data)
     return model
@@ -172,10 +190,18 @@ def issues_from_validation(err: ValidationError, data: Any, source: Source) -> l
             fix = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(allowed)}"
             issues.append(RecipeIssue(key, "unknown key", fix=fix, where=source.where(key)))
         elif kind == "missing":
-            issues.append(RecipeIssue(key, "required key is missing", fix=f"add {key}", where=source.where(key)))
+            issues.append(
+                RecipeIssue(key, "required key is missing", fix=f"add {key}", where=source.where(key))
+            )
         elif kind == "union_tag_invalid":
-            issues.append(RecipeIssue(key + ".name", f"unknown algorithm {_short(e['input'].get('name') if isinstance(e['input'], dict) else e['input'])}",
-                                      fix=f"choose one of: {', '.join(sorted(_ALGO_TAGS))}", where=source.where(key)))
+            issues.append(
+                RecipeIssue(
+                    key + ".name",
+                    f"unknown algorithm {_short(e['input'].get('name') if isinstance(e['input'], dict) else e['input'])}",
+                    fix=f"choose one of: {', '.join(sorted(_ALGO_TAGS))}",
+                    where=source.where(key),
+                )
+            )
         else:
             msg = e["msg"].removeprefix("Value error, ")
             issues.append(RecipeIssue(key, msg, value=_short(e.get("input")), where=source.where(key)))
@@ -189,16 +215,35 @@ def load_recipe_data(path: str | Path, overrides: Sequence[str] = ()) -> tuple[d
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError([RecipeIssue("<file>", f"recipe file not found: {path}", fix="check the path")]) from None
+        raise RecipeError(
+            [RecipeIssue("<file>", f"recipe file not found: {path}", fix="check the path")]
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError([RecipeIssue("<file>", f"cannot read recipe file {path}: {e}")]) from None
     data, source, issues = parse_yaml(text, str(path))
     if issues and data is None:
         raise RecipeError(issues)
     if data is None:
-        raise RecipeError([RecipeIssue("<file>", "the recipe is empty", where=str(path), fix="start from a shipped recipe: rlbridge recipes copy quickstart recipe.yaml")])
+        raise RecipeError(
+            [
+                RecipeIssue(
+                    "<file>",
+                    "the recipe is empty",
+                    where=str(path),
+                    fix="start from a shipped recipe: rlbridge recipes copy quickstart recipe.yaml",
+                )
+            ]
+        )
     if not isinstance(data, dict):
-        raise RecipeError([RecipeIssue("<file>", f"the recipe must be a mapping of sections, got {type(data).__name__}", where=str(path))])
+        raise RecipeError(
+            [
+                RecipeIssue(
+                    "<file>",
+                    f"the recipe must be a mapping of sections, got {type(data).__name__}",
+                    where=str(path),
+                )
+            ]
+        )
     data, overridden = apply_overrides(data, overrides)
     if issues:
         raise RecipeError(issues)

@@ -36,7 +36,7 @@ class Shipped:
             words.append(line.lstrip("#").strip())
         text = " ".join(words)
         end = text.find(". ")
-        return text if end < 0 else text[:end + 1]
+        return text if end < 0 else text[: end + 1]
 
     @property
     def run(self) -> str:
@@ -55,9 +55,14 @@ def _root() -> Traversable:
 def shipped() -> list[Shipped]:
     root = _root()
     if not root.is_dir():
-        raise RlbridgeError("this installation has no shipped recipes (rlbridge/recipes is missing): reinstall rlbridge")
-    found = [Shipped(f.name.removesuffix(".yaml"), f.read_text(encoding="utf-8")) for f in root.iterdir()
-             if f.name.endswith(".yaml")]
+        raise RlbridgeError(
+            "this installation has no shipped recipes (rlbridge/recipes is missing): reinstall rlbridge"
+        )
+    found = [
+        Shipped(f.name.removesuffix(".yaml"), f.read_text(encoding="utf-8"))
+        for f in root.iterdir()
+        if f.name.endswith(".yaml")
+    ]
     return sorted(found, key=lambda s: s.name)
 
 
@@ -70,7 +75,9 @@ def find(name: str) -> Shipped:
     names = [s.name for s in all_]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise UnknownRecipe(f"no shipped recipe named {name!r}: {hint}see `rlbridge recipes list` ({', '.join(names)})")
+    raise UnknownRecipe(
+        f"no shipped recipe named {name!r}: {hint}see `rlbridge recipes list` ({', '.join(names)})"
+    )
 
 
 def for_copy(recipe: Shipped, dest: str) -> str:

@@ -71,7 +71,10 @@ def _line(ax: Any, run: RunData, key: str, label: str, *, missing: str, color: s
 
 def _save(fig: Any, run: RunData, title: str, path: Path) -> Path:
     name = run.get("name", run.run_dir.name)
-    fig.suptitle(f"{name}: {title}  ({run.status.state}, step {run.steps_done}/{run.steps_planned or '?'})", fontsize=10)
+    fig.suptitle(
+        f"{name}: {title}  ({run.status.state}, step {run.steps_done}/{run.steps_planned or '?'})",
+        fontsize=10,
+    )
     from matplotlib.ticker import MaxNLocator
 
     for ax in fig.axes:
@@ -87,8 +90,14 @@ def _reward(run: RunData, path: Path) -> Path:
     if _line(top, run, "reward_mean", "reward (mean)", missing="no training step logged yet"):
         sx, std = _series(run.train, "reward_std")
         if sx == xs and _has(std):
-            top.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)],
-                             alpha=0.2, color="C0", label="± std")
+            top.fill_between(
+                xs,
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+                alpha=0.2,
+                color="C0",
+                label="± std",
+            )
         top.legend(loc="best", fontsize=8)
     ax_x, acc = _series(run.train, "accuracy")
     ex, eacc = _series(run.evals, "eval_accuracy")
@@ -97,7 +106,14 @@ def _reward(run: RunData, path: Path) -> Path:
         _empty(bottom, "no accuracy logged yet")
     else:
         if _has(acc):
-            bottom.plot(ax_x, acc, color="C1", marker="o" if len(ax_x) < 40 else None, markersize=3, label="train accuracy (sampled)")
+            bottom.plot(
+                ax_x,
+                acc,
+                color="C1",
+                marker="o" if len(ax_x) < 40 else None,
+                markersize=3,
+                label="train accuracy (sampled)",
+            )
         if _has(eacc):
             bottom.plot(ex, eacc, "o--", color="C2", markersize=7, label="eval accuracy (greedy)")
         if _has(efmt):
@@ -120,10 +136,19 @@ def _grad_norm(run: RunData, path: Path) -> Path:
     if _line(ax, run, "grad_norm", "grad norm", missing="no gradient norm logged yet"):
         clip = run.get("trainer.optim.clip_grad")
         if isinstance(clip, (int, float)):
-            ax.axhline(clip, color="0.5", linestyle="--", linewidth=1, label=f"trainer.optim.clip_grad {clip}")
+            ax.axhline(
+                clip, color="0.5", linestyle="--", linewidth=1, label=f"trainer.optim.clip_grad {clip}"
+            )
         skipped = [int(r["step"]) for r in run.train if r.get("skipped")]
         if skipped:
-            ax.scatter(skipped, [0.0] * len(skipped), marker="x", color="C3", label="skipped step (non-finite)", zorder=3)
+            ax.scatter(
+                skipped,
+                [0.0] * len(skipped),
+                marker="x",
+                color="C3",
+                label="skipped step (non-finite)",
+                zorder=3,
+            )
         ax.legend(loc="best", fontsize=8)
     return _save(fig, run, PLOTS["grad_norm.png"], path)
 
@@ -145,7 +170,10 @@ def _step_time(run: RunData, path: Path) -> Path:
         _empty(ax, "no step timed yet")
         return _save(fig, run, PLOTS["step_time.png"], path)
     steps = [int(r["step"]) for r in run.train]
-    values = [[float(r.get(k) or 0.0) if isinstance(r.get(k), (int, float)) else 0.0 for r in run.train] for k in keys]
+    values = [
+        [float(r.get(k) or 0.0) if isinstance(r.get(k), (int, float)) else 0.0 for r in run.train]
+        for k in keys
+    ]
     labels = [k.removeprefix("time_") for k in keys]
     if len(steps) <= BAR_LIMIT:
         bottom = [0.0] * len(steps)
@@ -167,5 +195,7 @@ def draw_plots(run: RunData, out: Path) -> list[Path]:
         _single(run, out / "entropy.png", "entropy", "entropy (nats/token)", "no entropy logged yet"),
         _grad_norm(run, out / "grad_norm.png"),
         _step_time(run, out / "step_time.png"),
-        _single(run, out / "tokens_per_s.png", "tokens_per_s", "response tokens / s", "no throughput logged yet"),
+        _single(
+            run, out / "tokens_per_s.png", "tokens_per_s", "response tokens / s", "no throughput logged yet"
+        ),
     ]

@@ -94,7 +94,13 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 def _ago(seconds: float) -> str:
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.1f} h ago"
+    return (
+        f"{seconds:.0f} s ago"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min ago"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h ago"
+    )
 
 
 def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[str, Any]]) -> Status:
@@ -114,7 +120,9 @@ def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[s
             if host == socket.gethostname() and isinstance(pid, int):
                 if pid_alive(pid, python_only=True):
                     return Status("running", f"{progress}, process {pid}")
-                return Status("crashed", f"process {pid} ended at {progress} without writing a final status (killed?)")
+                return Status(
+                    "crashed", f"process {pid} ended at {progress} without writing a final status (killed?)"
+                )
             seen = f", metrics written {_ago(last_write)}" if last_write is not None else ""
             return Status("running", f"{progress} on host {host} (not checked from here{seen})")
     # no status.json (a run from before it existed, or a copied metrics file): infer from the files
@@ -122,7 +130,9 @@ def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[s
     if planned is not None and done >= planned and (final_eval or not evals):
         return Status("finished", f"{done} steps (inferred: no {STATUS_FILE})")
     if last_write is not None and last_write < RECENT_S:
-        return Status("running", f"{progress}, metrics written {_ago(last_write)} (inferred: no {STATUS_FILE})")
+        return Status(
+            "running", f"{progress}, metrics written {_ago(last_write)} (inferred: no {STATUS_FILE})"
+        )
     return Status("incomplete", f"{progress} and no {STATUS_FILE}: stopped early or still starting")
 
 
@@ -139,7 +149,9 @@ def read_run(run_dir: Path) -> RunData:
         raise RlbridgeError(f"{run_dir} is not a directory")
     recipe_file, metrics_file = run_dir / "recipe.yaml", run_dir / "metrics.jsonl"
     if not recipe_file.is_file() and not metrics_file.is_file():
-        raise RlbridgeError(f"{run_dir} holds no run (neither recipe.yaml nor metrics.jsonl): pass the directory `rlbridge train` printed")
+        raise RlbridgeError(
+            f"{run_dir} holds no run (neither recipe.yaml nor metrics.jsonl): pass the directory `rlbridge train` printed"
+        )
     recipe: dict[str, Any] = {}
     if recipe_file.is_file():
         loaded = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))

@@ -33,30 +33,61 @@ def _num(v: Any, spec: str) -> str:
 
 
 def _values(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(int(r["step"]), float(r[key])) for r in records
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(float(r[key]))]
+    return [
+        (int(r["step"]), float(r[key]))
+        for r in records
+        if isinstance(r.get(key), (int, float))
+        and not isinstance(r.get(key), bool)
+        and math.isfinite(float(r[key]))
+    ]
 
 
 def _overview(run: RunData) -> list[str]:
     lora = run.get("lora.rank", 0)
     trainer = f"{run.get('trainer.engine', '?')}, " + (
-        f"LoRA rank {lora} ({', '.join(run.get('lora.targets', []) or [])}, {run.get('lora.type', 'lora')})" if lora else "full fine-tuning")
+        f"LoRA rank {lora} ({', '.join(run.get('lora.targets', []) or [])}, {run.get('lora.type', 'lora')})"
+        if lora
+        else "full fine-tuning"
+    )
     kl = run.get("algorithm.kl.coef")
     rows = [
         ("status", f"**{run.status.state}**: {run.status.detail}"),
-        ("steps", f"{run.steps_done} done of {run.steps_planned if run.steps_planned is not None else '?'} planned"),
+        (
+            "steps",
+            f"{run.steps_done} done of {run.steps_planned if run.steps_planned is not None else '?'} planned",
+        ),
         ("model", f"`{run.get('model.path', '?')}` ({run.get('model.dtype', '?')})"),
-        ("algorithm", f"{run.get('algorithm.name', '?')}" + (f", KL coef {kl} ({run.get('algorithm.kl.estimator')}, in the {run.get('algorithm.kl.where')})" if kl else ", no KL term")),
+        (
+            "algorithm",
+            f"{run.get('algorithm.name', '?')}"
+            + (
+                f", KL coef {kl} ({run.get('algorithm.kl.estimator')}, in the {run.get('algorithm.kl.where')})"
+                if kl
+                else ", no KL term"
+            ),
+        ),
         ("trainer", trainer),
-        ("rollout", f"{run.get('rollout.engine', '?')}, n {run.get('rollout.n', '?')}, weight sync {run.get('rollout.weight_sync', '?')}"),
-        ("batch", f"{run.get('data.batch_size', '?')} prompts/step, learning rate {run.get('trainer.optim.lr', '?')}"),
-        ("cluster", f"{run.get('cluster.nodes', '?')} node(s) x {run.get('cluster.gpus_per_node', '?')} {run.get('cluster.device', '?')} device(s)"),
+        (
+            "rollout",
+            f"{run.get('rollout.engine', '?')}, n {run.get('rollout.n', '?')}, weight sync {run.get('rollout.weight_sync', '?')}",
+        ),
+        (
+            "batch",
+            f"{run.get('data.batch_size', '?')} prompts/step, learning rate {run.get('trainer.optim.lr', '?')}",
+        ),
+        (
+            "cluster",
+            f"{run.get('cluster.nodes', '?')} node(s) x {run.get('cluster.gpus_per_node', '?')} {run.get('cluster.device', '?')} device(s)",
+        ),
         ("checkpoints", ", ".join(f"step {s}" for s in run.checkpoints[-5:]) if run.checkpoints else "none"),
         ("run directory", f"`{run.run_dir}`"),
     ]
     lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     if run.bad_lines:
-        lines += ["", f"{run.bad_lines} unreadable line(s) of metrics.jsonl skipped (a write in progress, or a writer that was killed)."]
+        lines += [
+            "",
+            f"{run.bad_lines} unreadable line(s) of metrics.jsonl skipped (a write in progress, or a writer that was killed).",
+        ]
     return lines
 
 
@@ -64,7 +95,9 @@ def _evaluation(run: RunData) -> list[str]:
     if not run.evals:
         return ["No evaluation logged (no `data.val`, or the run stopped before the first one)."]
     samples = run.evals[-1].get("eval_samples")
-    head = f"Greedy completions of {int(samples)} held-out prompts." if isinstance(samples, (int, float)) else ""
+    head = (
+        f"Greedy completions of {int(samples)} held-out prompts." if isinstance(samples, (int, float)) else ""
+    )
     lines = [head, "", "| metric | first | last | best | change |", "|---|---|---|---|---|"]
     for key, label in EVAL_METRICS:
         vals = _values(run.evals, key)
@@ -74,7 +107,9 @@ def _evaluation(run: RunData) -> list[str]:
         (s0, v0), (s1, v1) = vals[0], vals[-1]
         sb, vb = max(vals, key=lambda sv: sv[1])
         change = f"{(v1 - v0) * 100:+.1f} pts" if spec == ".1%" else f"{v1 - v0:+.3f}"
-        lines.append(f"| {label} | {format(v0, spec)} (step {s0}) | {format(v1, spec)} (step {s1}) | {format(vb, spec)} (step {sb}) | {change} |")
+        lines.append(
+            f"| {label} | {format(v0, spec)} (step {s0}) | {format(v1, spec)} (step {s1}) | {format(vb, spec)} (step {sb}) | {change} |"
+        )
     return lines
 
 
@@ -82,14 +117,18 @@ def _training(run: RunData) -> list[str]:
     if not run.train:
         return ["No training step logged yet."]
     window = min(10, len(run.train))
-    lines = [f"| metric | first (step {run.train[0]['step']}) | last (step {run.train[-1]['step']}) | mean of last {window} |",
-             "|---|---|---|---|"]
+    lines = [
+        f"| metric | first (step {run.train[0]['step']}) | last (step {run.train[-1]['step']}) | mean of last {window} |",
+        "|---|---|---|---|",
+    ]
     for key, label, spec in TRAIN_METRICS:
         vals = [v for _, v in _values(run.train, key)]
         if not vals:
             continue
         recent = [v for _, v in _values(run.train[-window:], key)]
-        lines.append(f"| {label} | {_num(vals[0], spec)} | {_num(vals[-1], spec)} | {_num(sum(recent) / len(recent), spec) if recent else '-'} |")
+        lines.append(
+            f"| {label} | {_num(vals[0], spec)} | {_num(vals[-1], spec)} | {_num(sum(recent) / len(recent), spec) if recent else '-'} |"
+        )
     skipped = sum(1 for r in run.train if r.get("skipped"))
     errors = sum(float(r.get("reward_error") or 0) for r in run.train)
     notes = []
@@ -108,20 +147,45 @@ def _timing(run: RunData) -> list[str]:
     means = {k: sum(float(r.get(k) or 0.0) for r in run.train) / n for k in keys}
     total = sum(means.values()) or 1e-9
     lines = [f"Mean over {n} step(s), seconds.", "", "| phase | mean s | share |", "|---|---|---|"]
-    lines += [f"| {k.removeprefix('time_')} | {v:.2f} | {v / total:.0%} |" for k, v in sorted(means.items(), key=lambda kv: -kv[1])]
+    lines += [
+        f"| {k.removeprefix('time_')} | {v:.2f} | {v / total:.0%} |"
+        for k, v in sorted(means.items(), key=lambda kv: -kv[1])
+    ]
     lines.append(f"| **step** | **{total:.2f}** | |")
     evals = _values(run.evals, "time_eval")
     if evals:
-        lines += ["", f"An evaluation took {sum(v for _, v in evals) / len(evals):.1f} s on average ({len(evals)} evaluations)."]
+        lines += [
+            "",
+            f"An evaluation took {sum(v for _, v in evals) / len(evals):.1f} s on average ({len(evals)} evaluations).",
+        ]
     return lines
 
 
 def summary(run: RunData, plots: list[str], out_dir: Path) -> str:
     name = run.get("name", run.run_dir.name)
     made = time.strftime("%Y-%m-%d %H:%M")
-    parts = [f"# Run report: {name}", "", f"Made by `rlbridge report` on {made}.", "",
-             *_overview(run), "", "## Evaluation", "", *_evaluation(run), "", "## Training", "", *_training(run), "",
-             "## Time per step", "", *_timing(run), "", "## Plots", ""]
+    parts = [
+        f"# Run report: {name}",
+        "",
+        f"Made by `rlbridge report` on {made}.",
+        "",
+        *_overview(run),
+        "",
+        "## Evaluation",
+        "",
+        *_evaluation(run),
+        "",
+        "## Training",
+        "",
+        *_training(run),
+        "",
+        "## Time per step",
+        "",
+        *_timing(run),
+        "",
+        "## Plots",
+        "",
+    ]
     for p in plots:
         title = PLOTS.get(p, p)
         parts += [f"### {title[0].upper() + title[1:]}", "", f"![{title}]({p})", ""]

@@ -37,7 +37,12 @@ class RolloutEngine(Protocol):
     weight_version: int
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingCfg,
+        *,
+        expect_version: int,
+        seed: int | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed the
         sampling RNG first (same seed, prompts and weights -> same tokens); None continues the RNG."""

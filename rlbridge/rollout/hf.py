@@ -58,7 +58,12 @@ class HFRollout:
     # ---------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingCfg,
+        *,
+        expect_version: int,
+        seed: int | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. Sampling draws from
         torch's RNG seeded with `seed`, or (None) with the engine seed + the number of earlier calls."""

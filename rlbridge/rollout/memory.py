@@ -33,7 +33,9 @@ class RolloutMemory:
 
     def _move(self, expected: RolloutState, new: RolloutState, method: str, *args: Any) -> None:
         if self.state is not expected:
-            raise RuntimeError(f"rollout memory: {method}{args} from state {self.state.value}, expected {expected.value}")
+            raise RuntimeError(
+                f"rollout memory: {method}{args} from state {self.state.value}, expected {expected.value}"
+            )
         if self.enabled:
             self._call(method, *args)
         self.state = new

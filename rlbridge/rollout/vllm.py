@@ -228,8 +228,12 @@ class VllmRollout:
         for key, value in engine_env(rollout_cfg, os.environ).items():
             os.environ[key] = value  # read by vLLM when the engine is built (the engine core runs in-process)
         if os.environ.setdefault(INPROC_ENV, "0") != "0":
-            log.warning("%s=%s: vLLM's engine core runs in its own process and sampling is not reproducible "
-                        "(a resumed run will not repeat the uninterrupted one)", INPROC_ENV, os.environ[INPROC_ENV])
+            log.warning(
+                "%s=%s: vLLM's engine core runs in its own process and sampling is not reproducible "
+                "(a resumed run will not repeat the uninterrupted one)",
+                INPROC_ENV,
+                os.environ[INPROC_ENV],
+            )
         start = time.perf_counter()
         self._llm: Any = LLM(**self._kwargs)
         self.startup_s = time.perf_counter() - start
@@ -242,7 +246,12 @@ class VllmRollout:
 
     # ---------------------------------------------------------------------------------------- generate
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingCfg,
+        *,
+        expect_version: int,
+        seed: int | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed every
         worker's sampling RNG first (see the module docstring); None continues it."""
@@ -307,11 +316,15 @@ class VllmRollout:
     def _load_merged(self, weights: WeightExport) -> None:
         import torch
 
-        new_dir = Path(weights.path) if weights.path else write_merged(
-            weights,
-            ram_tempdir("rlbridge-merged-"),
-            base_dir=self._model_dir,
-            dtype=getattr(torch, self._dtype),
+        new_dir = (
+            Path(weights.path)
+            if weights.path
+            else write_merged(
+                weights,
+                ram_tempdir("rlbridge-merged-"),
+                base_dir=self._model_dir,
+                dtype=getattr(torch, self._dtype),
+            )
         )
         try:
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
@@ -337,7 +350,9 @@ class VllmRollout:
             raise ValueError(
                 f"adapter rank {rank} exceeds rollout.max_lora_rank={self._kwargs['max_lora_rank']}"
             )
-        new_dir = Path(weights.path) if weights.path else write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+        new_dir = (
+            Path(weights.path) if weights.path else write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+        )
         self._lora_ids += 1
         request = LoRARequest(lora_name=f"v{version}", lora_int_id=self._lora_ids, lora_path=str(new_dir))
         try:

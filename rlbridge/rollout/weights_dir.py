@@ -55,14 +55,17 @@ def sweep_stale(base: Path) -> list[str]:
         if not m or not path.is_dir() or path.is_symlink():
             continue
         try:
-            stale = not pid_alive(int(m.group(1))) if m.group(1) else time.time() - path.stat().st_mtime > _UNOWNED_AGE_S
+            stale = (
+                not pid_alive(int(m.group(1)))
+                if m.group(1)
+                else time.time() - path.stat().st_mtime > _UNOWNED_AGE_S
+            )
         except OSError:
             continue
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
-
 
     return True
 

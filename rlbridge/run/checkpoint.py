@@ -55,8 +55,18 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 RECIPE = "recipe.yaml"
 TENSOR_SUFFIX = ".safetensors"
-VERSIONED_PACKAGES = ("torch", "transformers", "peft", "vllm", "megatron-core", "megatron-bridge", "ray",
-                      "safetensors", "numpy", "rlbridge")
+VERSIONED_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "vllm",
+    "megatron-core",
+    "megatron-bridge",
+    "ray",
+    "safetensors",
+    "numpy",
+    "rlbridge",
+)
 """Distributions whose versions go into the manifest (looked up, never imported)."""
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
@@ -93,9 +103,16 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def save_checkpoint(run_dir: Path, step: int, *, tensors: Mapping[str, Mapping[str, torch.Tensor]],
-                    state: Mapping[str, Any], recipe_yaml: str, keep: int,
-                    log_fn: Callable[[str], None] = log.info) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    state: Mapping[str, Any],
+    recipe_yaml: str,
+    keep: int,
+    log_fn: Callable[[str], None] = log.info,
+) -> Path:
     """Write `checkpoints/step_XXXXXX` atomically and apply retention; returns its path.
 
     `tensors` maps a group name to its tensors, each group written as `<group>.safetensors`. Raises
@@ -142,7 +159,9 @@ def _is_disk_full(e: BaseException) -> bool:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     text = str(e)
     return type(e).__name__ == "SafetensorError" and any(
-        s in text for s in (f"os error {errno.ENOSPC})", f"os error {errno.EDQUOT})", "No space left on device"))
+        s in text
+        for s in (f"os error {errno.ENOSPC})", f"os error {errno.EDQUOT})", "No space left on device")
+    )
 
 
 def _disk_full_message(root: Path, step: int, e: BaseException) -> str:
@@ -151,10 +170,15 @@ def _disk_full_message(root: Path, step: int, e: BaseException) -> str:
     except OSError:
         free = "free space unknown"
     done = [i.step for i in list_checkpoints(root.parent, hashes=False) if i.complete]
-    kept = f"the newest complete checkpoint, {step_dir_name(done[-1])}, is untouched" if done else \
-        "there is no earlier complete checkpoint"
-    return (f"disk full: no space left on the device of {root} while saving checkpoint step {step} "
-            f"({getattr(e, 'strerror', None) or e}; {free}). The partial save was removed, nothing of step {step} was kept; {kept}")
+    kept = (
+        f"the newest complete checkpoint, {step_dir_name(done[-1])}, is untouched"
+        if done
+        else "there is no earlier complete checkpoint"
+    )
+    return (
+        f"disk full: no space left on the device of {root} while saving checkpoint step {step} "
+        f"({getattr(e, 'strerror', None) or e}; {free}). The partial save was removed, nothing of step {step} was kept; {kept}"
+    )
 
 
 def _check_groups(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
@@ -174,9 +198,13 @@ def _check_finite(step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]]) 
                 count = int((~torch.isfinite(t)).sum())
                 bad.append(f"{group}/{name} ({count} of {t.numel()} values NaN/inf)")
     if bad:
-        shown = ", ".join(bad[:_NUM_NAMED]) + (f" and {len(bad) - _NUM_NAMED} more" if len(bad) > _NUM_NAMED else "")
-        raise RlbridgeError(f"refusing to save checkpoint step {step}: non-finite values in {len(bad)} "
-                            f"tensor(s): {shown}. Nothing was written; earlier checkpoints are untouched")
+        shown = ", ".join(bad[:_NUM_NAMED]) + (
+            f" and {len(bad) - _NUM_NAMED} more" if len(bad) > _NUM_NAMED else ""
+        )
+        raise RlbridgeError(
+            f"refusing to save checkpoint step {step}: non-finite values in {len(bad)} "
+            f"tensor(s): {shown}. Nothing was written; earlier checkpoints are untouched"
+        )
 
 
 def _prepare(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -196,8 +224,9 @@ def _prepare(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _manifest(tmp: Path, step: int) -> dict[str, Any]:
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+    }
     return {
         "format": FORMAT,
         "step": step,
@@ -367,8 +396,11 @@ def list_checkpoints(run_dir: Path, *, hashes: bool = True) -> list[CheckpointIn
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    infos = [CheckpointInfo(int(m.group(1)), p, verify_checkpoint(p, hashes=hashes))
-             for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    infos = [
+        CheckpointInfo(int(m.group(1)), p, verify_checkpoint(p, hashes=hashes))
+        for p in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()
+    ]
     return sorted(infos, key=lambda i: i.step)
 
 
@@ -388,11 +420,19 @@ def load_checkpoint(path: Path) -> Loaded:
     if problem:
         raise RlbridgeError(f"checkpoint {path} is not complete: {problem}")
     manifest, _ = _read_manifest(path)
-    tensors = {name[: -len(TENSOR_SUFFIX)]: load_file(str(path / name))
-               for name in sorted(manifest["files"]) if name.endswith(TENSOR_SUFFIX)}
-    return Loaded(path=path, step=manifest["step"], tensors=tensors,
-                  state=json.loads((path / STATE).read_text(encoding="utf-8")), manifest=manifest,
-                  recipe_yaml=(path / RECIPE).read_text(encoding="utf-8"))
+    tensors = {
+        name[: -len(TENSOR_SUFFIX)]: load_file(str(path / name))
+        for name in sorted(manifest["files"])
+        if name.endswith(TENSOR_SUFFIX)
+    }
+    return Loaded(
+        path=path,
+        step=manifest["step"],
+        tensors=tensors,
+        state=json.loads((path / STATE).read_text(encoding="utf-8")),
+        manifest=manifest,
+        recipe_yaml=(path / RECIPE).read_text(encoding="utf-8"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -400,8 +440,14 @@ def safe_join(root: Path, rel: str) -> Path:
     """`root / rel`, refusing a `rel` that is empty, absolute, contains `..`, or resolves (through
     symlinks) outside `root`."""
     pure = PurePosixPath(rel)
-    if not rel or "\x00" in rel or pure.is_absolute() or rel.startswith("\\") or ".." in pure.parts \
-            or re.match(r"[A-Za-z]:", rel):
+    if (
+        not rel
+        or "\x00" in rel
+        or pure.is_absolute()
+        or rel.startswith("\\")
+        or ".." in pure.parts
+        or re.match(r"[A-Za-z]:", rel)
+    ):
         raise RlbridgeError(f"refusing path {rel!r}: it must be relative and stay inside {root}")
     path = Path(root) / rel
     base = Path(root).resolve()

@@ -31,7 +31,9 @@ def resolved_yaml(recipe: Recipe) -> str:
 def create(run_dir: Path, recipe: Recipe, plan: Plan) -> Path:
     """A new run directory; refuses one that already holds a run (use `rlbridge resume` for that)."""
     if (run_dir / "recipe.yaml").exists():
-        raise RlbridgeError(f"{run_dir} already holds a run: continue it with `rlbridge resume {run_dir}` or choose another --run-dir")
+        raise RlbridgeError(
+            f"{run_dir} already holds a run: continue it with `rlbridge resume {run_dir}` or choose another --run-dir"
+        )
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "recipe.yaml").write_text(resolved_yaml(recipe), encoding="utf-8")

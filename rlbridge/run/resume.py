@@ -91,15 +91,19 @@ class Checkpointer:
         self.eval_before = dict(state.get("eval_before") or {})
         if s.kl_control is not None:
             if not state.get("kl_control"):
-                raise RlbridgeError(f"{point.path}: no adaptive KL state, which algorithm.adaptive_kl_target needs")
+                raise RlbridgeError(
+                    f"{point.path}: no adaptive KL state, which algorithm.adaptive_kl_target needs"
+                )
             s.kl_control.load_state(state["kl_control"])
         version = int(state["weight_version"])
         start = time.perf_counter()
         s.sync_weights(version=version)  # the same weights keep their version number
         self.last_step, self.last_path = point.step, str(point.path)
-        self.log(f"restored step {point.step} from {point.path}: trainer weights + optimizer, data position "
-                 f"(epoch {s.sampler.epoch}, index {s.sampler.index}), RNG; rollout weights v{version} synced "
-                 f"in {time.perf_counter() - start:.1f} s")
+        self.log(
+            f"restored step {point.step} from {point.path}: trainer weights + optimizer, data position "
+            f"(epoch {s.sampler.epoch}, index {s.sampler.index}), RNG; rollout weights v{version} synced "
+            f"in {time.perf_counter() - start:.1f} s"
+        )
         return point.step
 
     # ------------------------------------------------------------------ the loop's calls
@@ -119,29 +123,48 @@ class Checkpointer:
         every = self.s.recipe.run.save_every
         return bool(every) and step % every == 0
 
-    def save(self, step: int, *, data: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> None:
+    def save(
+        self, step: int, *, data: dict[str, Any] | None = None, rng: dict[str, Any] | None = None
+    ) -> None:
         """Checkpoint `step` (once; nothing when checkpoints are off). The trainer writes it in its process."""
         if self.problem or self.last_step == step:
             return
         s, r = self.s, self.s.recipe
-        state = {"format": STATE_FORMAT, "step": step, "weight_version": s.version,
-                 "data": data if data is not None else s.sampler.state(),
-                 "rng": rng if rng is not None else rng_state(),
-                 "nonfinite_streak": self.nonfinite, "eval_before": self.eval_before,
-                 "rollout_seed": "sha256(run.seed, step)",
-                 "kl_control": s.kl_control.state() if s.kl_control is not None else None}
+        state = {
+            "format": STATE_FORMAT,
+            "step": step,
+            "weight_version": s.version,
+            "data": data if data is not None else s.sampler.state(),
+            "rng": rng if rng is not None else rng_state(),
+            "nonfinite_streak": self.nonfinite,
+            "eval_before": self.eval_before,
+            "rollout_seed": "sha256(run.seed, step)",
+            "kl_control": s.kl_control.state() if s.kl_control is not None else None,
+        }
         try:
-            info = s.started_trainer().save_checkpoint(str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep)
+            info = s.started_trainer().save_checkpoint(
+                str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
+            )
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
-            hint = (f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
-                    f"{resume_command(s.run_dir)}" if self.last_path else
-                    "the run stops; no checkpoint was written yet, nothing to resume from")
+            hint = (
+                f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
+                f"{resume_command(s.run_dir)}"
+                if self.last_path
+                else "the run stops; no checkpoint was written yet, nothing to resume from"
+            )
             raise RlbridgeError(f"saving checkpoint step {step} failed: {e}\n{hint}") from e
         for note in info["notes"]:
             self.log(note)
         self.last_step, self.last_path = step, info["path"]
-        s.metrics.write({"kind": "checkpoint", "step": step, "time_save": info["seconds"],
-                         "checkpoint_bytes": info["bytes"], "path": os.path.relpath(info["path"], s.run_dir)})
+        s.metrics.write(
+            {
+                "kind": "checkpoint",
+                "step": step,
+                "time_save": info["seconds"],
+                "checkpoint_bytes": info["bytes"],
+                "path": os.path.relpath(info["path"], s.run_dir),
+            }
+        )
 
     def interrupt(self, step: int, **state: Any) -> NoReturn:
         """Save `step` (when it is not saved yet) and raise Interrupted with the resume hint."""
@@ -153,8 +176,10 @@ class Checkpointer:
             why = f" ({self.problem})" if self.problem else ""
             msg = f"stopped by {sig} before any checkpoint was written{why}; nothing to resume from"
         else:
-            msg = (f"stopped by {sig} after step {step}; checkpoint {self.last_path}\n"
-                   f"resume with: {resume_command(run)}")
+            msg = (
+                f"stopped by {sig} after step {step}; checkpoint {self.last_path}\n"
+                f"resume with: {resume_command(run)}"
+            )
         raise Interrupted(sig, step, self.last_path, msg)
 
 
@@ -181,37 +206,49 @@ class ResumePlan:
     dropped_records: int
 
 
-def find_checkpoint(source: Path, *, step: int | None = None,
-                    log: Callable[[str], None] = print) -> ResumePoint:
+def find_checkpoint(
+    source: Path, *, step: int | None = None, log: Callable[[str], None] = print
+) -> ResumePoint:
     """The checkpoint of `source`: a checkpoint directory itself, or a run directory's newest complete one
     (each newer broken one reported through `log` with its reason), or its step `step`."""
     source = Path(source)
-    if (source / ckpt.MANIFEST).is_file() or (source.name.startswith("step_") and source.parent.name == ckpt.CHECKPOINTS):
+    if (source / ckpt.MANIFEST).is_file() or (
+        source.name.startswith("step_") and source.parent.name == ckpt.CHECKPOINTS
+    ):
         if step is not None and not source.name.endswith(f"{step:06d}"):
-            raise RlbridgeError(f"{source} is a checkpoint directory; --step {step} applies to a run directory")
+            raise RlbridgeError(
+                f"{source} is a checkpoint directory; --step {step} applies to a run directory"
+            )
         info = ckpt.CheckpointInfo(0, source, ckpt.verify_checkpoint(source))
     elif step is not None:
         path = source / ckpt.CHECKPOINTS / ckpt.step_dir_name(step)
         info = ckpt.CheckpointInfo(step, path, ckpt.verify_checkpoint(path))
         if not path.exists():
             have = [i.step for i in ckpt.list_checkpoints(source, hashes=False)]
-            raise RlbridgeError(f"no checkpoint of step {step} in {source / ckpt.CHECKPOINTS} (steps there: {have or 'none'})")
+            raise RlbridgeError(
+                f"no checkpoint of step {step} in {source / ckpt.CHECKPOINTS} (steps there: {have or 'none'})"
+            )
     else:
         found = ckpt.latest_complete(source, log=log)
         if found is None:
             if not (source / ckpt.CHECKPOINTS).is_dir() and not (source / "recipe.yaml").is_file():
                 raise RlbridgeError(f"{source} is neither a run directory nor a checkpoint")
-            raise RlbridgeError(f"no complete checkpoint in {source / ckpt.CHECKPOINTS}: nothing to resume or export "
-                                "(a run writes one every run.save_every steps, at the end, and on SIGTERM / Ctrl-C)")
+            raise RlbridgeError(
+                f"no complete checkpoint in {source / ckpt.CHECKPOINTS}: nothing to resume or export "
+                "(a run writes one every run.save_every steps, at the end, and on SIGTERM / Ctrl-C)"
+            )
         info = found
     if info.problem:
         raise RlbridgeError(f"checkpoint {info.path} is not complete: {info.problem}")
     manifest = json.loads((info.path / ckpt.MANIFEST).read_text(encoding="utf-8"))
-    return ResumePoint(info.path, int(manifest["step"]), (info.path / ckpt.RECIPE).read_text(encoding="utf-8"), manifest)
+    return ResumePoint(
+        info.path, int(manifest["step"]), (info.path / ckpt.RECIPE).read_text(encoding="utf-8"), manifest
+    )
 
 
-def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
-                   log: Callable[[str], None] = print) -> ResumePlan:
+def prepare_resume(
+    run_dir: Path, overrides: Sequence[str] = (), *, log: Callable[[str], None] = print
+) -> ResumePlan:
     """Everything `rlbridge resume` decides before starting anything: the checkpoint, the recipe (the run
     directory's recipe.yaml + overrides, validated), its compatibility with the checkpoint's recipe
     (RecipeError naming every key that may not change), and metrics.jsonl cut back to the checkpoint's
@@ -222,7 +259,9 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     run_dir = Path(run_dir)
     recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():
-        raise RlbridgeError(f"{run_dir} is not a run directory (no recipe.yaml); `rlbridge train` creates one")
+        raise RlbridgeError(
+            f"{run_dir} is not a run directory (no recipe.yaml); `rlbridge train` creates one"
+        )
     point = find_checkpoint(run_dir, log=log)
     for leftover in sorted((run_dir / ckpt.CHECKPOINTS).glob(".tmp-step_*")):
         log(f"ignoring {leftover.name}: a save that never finished (the next save removes it)")
@@ -233,13 +272,19 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
     if refused:
         set_keys = {o.split("=", 1)[0].strip() for o in overrides}
         unsafe = [(k, o, n) for k, o, n in diff if not policy.is_resume_safe(k)]
-        raise UnsafeResumeError([RecipeIssue(key=k, message=m, where="--set" if k in set_keys else str(recipe_file))
-                                 for (k, _, _), m in zip(unsafe, refused, strict=True)])
+        raise UnsafeResumeError(
+            [
+                RecipeIssue(key=k, message=m, where="--set" if k in set_keys else str(recipe_file))
+                for (k, _, _), m in zip(unsafe, refused, strict=True)
+            ]
+        )
     for key, old, new in diff:
         log(f"changed on resume: {key} {json.dumps(old, default=str)} -> {json.dumps(new, default=str)}")
     if any(k == "run.steps" for k, _, _ in diff) and valid.recipe.trainer.optim.schedule != "constant":
-        log(f"note: trainer.optim.schedule={valid.recipe.trainer.optim.schedule} decays over run.steps: the rest "
-            "of the schedule is stretched to the new run.steps")
+        log(
+            f"note: trainer.optim.schedule={valid.recipe.trainer.optim.schedule} decays over run.steps: the rest "
+            "of the schedule is stretched to the new run.steps"
+        )
     _warn_versions(point, log)
     if diff:
         _replace_recipe(run_dir, new_yaml)
@@ -252,19 +297,25 @@ def prepare_resume(run_dir: Path, overrides: Sequence[str] = (), *,
 def _warn_versions(point: ResumePoint, log: Callable[[str], None]) -> None:
     saved = point.manifest.get("versions") or {}
     now = ckpt.library_versions()
-    changed = [f"{k} {saved[k]} -> {now.get(k, '(absent)')}" for k in sorted(saved) if saved[k] != now.get(k)
-               and k != "rlbridge"]
+    changed = [
+        f"{k} {saved[k]} -> {now.get(k, '(absent)')}"
+        for k in sorted(saved)
+        if saved[k] != now.get(k) and k != "rlbridge"
+    ]
     if changed:
-        log(f"note: library versions changed since the checkpoint ({', '.join(changed)}): the resumed run may not "
-            "repeat the uninterrupted one bit for bit")
+        log(
+            f"note: library versions changed since the checkpoint ({', '.join(changed)}): the resumed run may not "
+            "repeat the uninterrupted one bit for bit"
+        )
 
 
 def _replace_recipe(run_dir: Path, new_yaml: str) -> None:
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     old = run_dir / "recipe.yaml"
-    (logs / f"recipe.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml").write_text(old.read_text(encoding="utf-8"),
-                                                                                     encoding="utf-8")
+    (logs / f"recipe.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml").write_text(
+        old.read_text(encoding="utf-8"), encoding="utf-8"
+    )
     tmp = run_dir / ".recipe.yaml.tmp"
     tmp.write_text(new_yaml, encoding="utf-8")
     tmp.replace(old)

@@ -11,11 +11,24 @@ import yaml
 
 from rlbridge.errors import RlbridgeError
 
-RESUME_SAFE_KEYS = ("run.steps", "run.save_every", "run.keep", "run.eval_every", "run.eval_samples",
-                    "run.loggers", "run.health", "run.dir", "cluster.address", "cluster.placement_timeout_s",
-                    "cluster.collective_timeout_s",
-                    "reward.timeout_s", "reward.workers", "reward.error_budget")
+RESUME_SAFE_KEYS = (
+    "run.steps",
+    "run.save_every",
+    "run.keep",
+    "run.eval_every",
+    "run.eval_samples",
+    "run.loggers",
+    "run.health",
+    "run.dir",
+    "cluster.address",
+    "cluster.placement_timeout_s",
+    "cluster.collective_timeout_s",
+    "reward.timeout_s",
+    "reward.workers",
+    "reward.error_budget",
+)
 """Recipe key prefixes that may change on resume: they do not change what the run computes."""
+
 
 class _Missing:
     def __repr__(self) -> str:
@@ -44,7 +57,9 @@ def _load_mapping(text: str, which: str) -> dict[str, Any]:
 def _diff(old: Any, new: Any, prefix: str, out: list[tuple[str, Any, Any]]) -> None:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in [*old, *(k for k in new if k not in old)]:
-            _diff(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out)
+            _diff(
+                old.get(key, MISSING), new.get(key, MISSING), f"{prefix}.{key}" if prefix else str(key), out
+            )
     elif old != new or type(old) is not type(new) and not _same_number(old, new):
         out.append((prefix, old, new))
 
@@ -59,9 +74,12 @@ def is_resume_safe(key: str) -> bool:
 
 def check_resume_compatible(old_yaml: str, new_yaml: str) -> list[str]:
     """One message per changed key that may not change on resume (see RESUME_SAFE_KEYS)."""
-    return [f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not continue "
-            f"the same run. Set {key} back to {_show(old)}, or start a new run"
-            for key, old, new in recipe_diff(old_yaml, new_yaml) if not is_resume_safe(key)]
+    return [
+        f"{key} changed from {_show(old)} to {_show(new)} since the checkpoint; resuming would not continue "
+        f"the same run. Set {key} back to {_show(old)}, or start a new run"
+        for key, old, new in recipe_diff(old_yaml, new_yaml)
+        if not is_resume_safe(key)
+    ]
 
 
 def _show(value: Any) -> str:

@@ -25,8 +25,13 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {"name": name, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -39,8 +44,15 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     try:
         py, npy = state["python"], state["numpy"]
         random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-        np.random.set_state((npy["name"], np.array(npy["keys"], dtype=np.uint32), npy["pos"],
-                             npy["has_gauss"], npy["cached_gaussian"]))
+        np.random.set_state(
+            (
+                npy["name"],
+                np.array(npy["keys"], dtype=np.uint32),
+                npy["pos"],
+                npy["has_gauss"],
+                npy["cached_gaussian"],
+            )
+        )
         torch.set_rng_state(_unb64(state["torch"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise RlbridgeError(f"invalid RNG state in the checkpoint ({type(e).__name__}: {e})") from e
@@ -48,8 +60,13 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if cuda and torch.cuda.is_available():
         num_devices = torch.cuda.device_count()
         if len(cuda) != num_devices:
-            log.warning("the checkpoint has CUDA RNG states for %d devices, this process sees %d; restoring "
-                        "the first %d", len(cuda), num_devices, min(len(cuda), num_devices))
+            log.warning(
+                "the checkpoint has CUDA RNG states for %d devices, this process sees %d; restoring "
+                "the first %d",
+                len(cuda),
+                num_devices,
+                min(len(cuda), num_devices),
+            )
         torch.cuda.set_rng_state_all([_unb64(s) for s in cuda[:num_devices]])
     elif cuda:
         log.warning("the checkpoint has CUDA RNG states but CUDA is not available; they are ignored")

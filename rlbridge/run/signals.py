@@ -63,7 +63,9 @@ class StopSignals:
         if self.requested is None:
             self.requested = name
             again = "; Ctrl-C again to abort without saving" if name == "SIGINT" else ""
-            console.print(f"[yellow]rlbridge[/] {name}: finishing the current phase, then saving a checkpoint{again}")
+            console.print(
+                f"[yellow]rlbridge[/] {name}: finishing the current phase, then saving a checkpoint{again}"
+            )
             return
         if name == "SIGINT":
             console.print("[red]rlbridge[/] second Ctrl-C: stopping without saving")

@@ -35,9 +35,15 @@ class Trainer(Protocol):
         """[b, R] log-probs of the response tokens (reference=True: the reference policy)."""
         ...
 
-    def update(self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor,
-               ref_logp_bt: torch.Tensor | None, old_values_bt: torch.Tensor | None = None,
-               returns_bt: torch.Tensor | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: SeqBatch,
+        adv_bt: torch.Tensor,
+        rollout_logp_bt: torch.Tensor,
+        ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None = None,
+        returns_bt: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """The step's policy (and, for PPO, critic) updates; their metrics."""
         ...
 
@@ -58,8 +64,9 @@ class Trainer(Protocol):
         """None when the trainer can save and restore checkpoints, else why not."""
         ...
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]: ...
+    def save_checkpoint(
+        self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
+    ) -> dict[str, Any]: ...
 
     def load_checkpoint(self, path: str) -> dict[str, Any]: ...
 
@@ -76,8 +83,9 @@ class RayTrainer:
         """`method` on the trainer (every rank of a group: rank 0's answer)."""
         return cast(R, self.workers.call(method.__name__, *args, **_kw(kwargs)))
 
-    def _rows(self, method: Callable[Concatenate[TrainerRole, P], torch.Tensor], *args: P.args,
-              **kwargs: P.kwargs) -> torch.Tensor:
+    def _rows(
+        self, method: Callable[Concatenate[TrainerRole, P], torch.Tensor], *args: P.args, **kwargs: P.kwargs
+    ) -> torch.Tensor:
         """`method` returning per-row tensors; a group's ranks each compute their replica's share."""
         if isinstance(self.workers, TrainerGroup):
             return self.workers.call_rows(method.__name__, *args, **kwargs)
@@ -89,9 +97,15 @@ class RayTrainer:
     def values(self, batch: SeqBatch) -> torch.Tensor:
         return self._rows(TrainerRole.values, batch)
 
-    def update(self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor,
-               ref_logp_bt: torch.Tensor | None, old_values_bt: torch.Tensor | None = None,
-               returns_bt: torch.Tensor | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: SeqBatch,
+        adv_bt: torch.Tensor,
+        rollout_logp_bt: torch.Tensor,
+        ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None = None,
+        returns_bt: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         args = (batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
         if isinstance(self.workers, TrainerGroup):  # each replica trained on its share: the replicas' mean
             return self.workers.call_metrics(TrainerRole.update.__name__, *args)
@@ -106,8 +120,9 @@ class RayTrainer:
     def checkpoint_support(self) -> str | None:
         return self._call(TrainerRole.checkpoint_support)
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]:
+    def save_checkpoint(
+        self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
+    ) -> dict[str, Any]:
         return self._call(TrainerRole.save_checkpoint, run_dir, step, state, recipe_yaml, keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
@@ -134,9 +149,15 @@ class LocalTrainer:
     def values(self, batch: SeqBatch) -> torch.Tensor:
         return self.role.values(batch)
 
-    def update(self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor,
-               ref_logp_bt: torch.Tensor | None, old_values_bt: torch.Tensor | None = None,
-               returns_bt: torch.Tensor | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: SeqBatch,
+        adv_bt: torch.Tensor,
+        rollout_logp_bt: torch.Tensor,
+        ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None = None,
+        returns_bt: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         return self.role.update(batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
 
     def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
@@ -148,8 +169,9 @@ class LocalTrainer:
     def checkpoint_support(self) -> str | None:
         return self.role.checkpoint_support()
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]:
+    def save_checkpoint(
+        self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
+    ) -> dict[str, Any]:
         return self.role.save_checkpoint(run_dir, step, state, recipe_yaml, keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:

@@ -76,7 +76,9 @@ class TrainerRank(TrainerRole):
     """One rank of a multi-process trainer, inside a Ray actor. Constructing it is cheap; `join` forms the
     process group and builds the engine (TrainerRole.__init__ then runs, with the engine factory)."""
 
-    def __init__(self, recipe: Recipe, model_dir: str, *, rank: int, world: int, num_threads: int | None) -> None:
+    def __init__(
+        self, recipe: Recipe, model_dir: str, *, rank: int, world: int, num_threads: int | None
+    ) -> None:
         self._setup = (recipe, model_dir, rank, world, num_threads)
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -96,18 +98,34 @@ class TrainerRank(TrainerRole):
         cuda = recipe.cluster.device == "cuda" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only the GPU of its bundle
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(port)
+        )
         gloo_if = os.environ.get("GLOO_SOCKET_IFNAME") or (None if cuda else interface_of(rc.node_ip()))
-        if gloo_if and not cuda:  # gloo would take the host name's address, often 127.0.0.1: unreachable from other hosts
+        if (
+            gloo_if and not cuda
+        ):  # gloo would take the host name's address, often 127.0.0.1: unreachable from other hosts
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_if
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
-        super().__init__(recipe, model_dir, num_threads=threads)  # the engine registry builds this rank's engine
+        super().__init__(
+            recipe, model_dir, num_threads=threads
+        )  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
         assert isinstance(self.engine, RankedEngine)
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip(), "node": rc.node_id(),
-                "gloo_if": None if cuda else gloo_if}
+        return {
+            **self.engine.coordinates(),
+            "pid": os.getpid(),
+            "host": rc.node_ip(),
+            "node": rc.node_id(),
+            "gloo_if": None if cuda else gloo_if,
+        }
 
 
 class TrainerGroup:
@@ -127,8 +145,10 @@ class TrainerGroup:
         self._leaders = [min(i for i, c in enumerate(coords) if c["dp"] == d) for d in range(num_dp)]
         for worker, c in zip(self.ranks, coords, strict=True):
             worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
-            log(f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
-                f"(ray node {c['node'][:8]})" + (f", gloo via {c['gloo_if']}" if c.get("gloo_if") else ""))
+            log(
+                f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
+                f"(ray node {c['node'][:8]})" + (f", gloo via {c['gloo_if']}" if c.get("gloo_if") else "")
+            )
 
     # ------------------------------------------------------------------------------ Worker's interface
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -164,8 +184,14 @@ class TrainerGroup:
         kwargs = {k: rc.share(v) for k, v in kwargs.items()}
         return [worker.submit(method, *args, **kwargs) for worker in self.ranks]
 
-    def _wait(self, refs: list[Any], what: str, *, timeout: float | None = None,
-              fetch: Callable[[int], bool] = lambda i: True) -> list[Any]:
+    def _wait(
+        self,
+        refs: list[Any],
+        what: str,
+        *,
+        timeout: float | None = None,
+        fetch: Callable[[int], bool] = lambda i: True,
+    ) -> list[Any]:
         limit = timeout or self.timeout_s
         deadline = time.monotonic() + limit
         pending = {ref: i for i, ref in enumerate(refs)}
@@ -175,8 +201,10 @@ class TrainerGroup:
             if left <= 0:
                 names = ", ".join(self.ranks[i].name for i in sorted(pending.values()))
                 self.kill()
-                raise RlbridgeError(f"{names} did not finish {what} within {limit:.0f} s (a stuck collective?); "
-                                    "all trainer ranks were stopped (cluster.collective_timeout_s sets the limit)")
+                raise RlbridgeError(
+                    f"{names} did not finish {what} within {limit:.0f} s (a stuck collective?); "
+                    "all trainer ranks were stopped (cluster.collective_timeout_s sets the limit)"
+                )
             ready = rc.wait_ready(list(pending), num_returns=1, timeout=min(left, 1.0), fetch_local=False)
             for ref in ready:
                 i = pending.pop(ref)
@@ -190,7 +218,9 @@ class TrainerGroup:
     def _fail(self, what: str, errors: list[str], pending: dict[Any, int]) -> None:
         """Stop every rank and raise. The first error is often a peer's broken collective; the ranks that
         fail within a short grace period are collected too, and a rank that died is named first."""
-        ready = rc.wait_ready(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else []
+        ready = (
+            rc.wait_ready(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else []
+        )
         for ref in ready:
             try:
                 self.ranks[pending[ref]].wait(ref)
@@ -202,9 +232,19 @@ class TrainerGroup:
         raise RlbridgeError(f"{errors[0]}\n(during {what}; all trainer ranks were stopped){others}")
 
 
-def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: float, num_gpus: float,
-                        run_dir: Path, log: Log, echo: WarningEcho | None = None, slots: list[int] | None = None,
-                        nodes: list[rc.NodeInfo | None] | None = None) -> tuple[TrainerGroup, list[Any]]:
+def start_trainer_group(
+    recipe: Recipe,
+    pg: Any,
+    model_dir: Path,
+    *,
+    num_cpus: float,
+    num_gpus: float,
+    run_dir: Path,
+    log: Log,
+    echo: WarningEcho | None = None,
+    slots: list[int] | None = None,
+    nodes: list[rc.NodeInfo | None] | None = None,
+) -> tuple[TrainerGroup, list[Any]]:
     """One TrainerRank per device of the plan (rank i on bundle i, its output in logs/trainer-rank<i>.log).
     Returns the group and the ranks' `join` calls, which form the process group and build the engine: the
     caller waits for them (ray_cluster.wait_started, beside the rollout's start) and hands the answers to
@@ -215,15 +255,30 @@ def start_trainer_group(recipe: Recipe, pg: Any, model_dir: Path, *, num_cpus: f
     threads = max(1, (os.cpu_count() or 1) // world) if recipe.cluster.device == "cpu" else None
     timeout = recipe.cluster.collective_timeout_s
     ranks = [
-        start_worker(TrainerRank, f"trainer rank {i}", pg, slots[i], num_cpus=num_cpus, num_gpus=num_gpus,
-                     log_file=rundir.log_file(run_dir, f"trainer-rank{i}"), echo=echo,
-                     args=(recipe, str(model_dir)), kwargs={"rank": i, "world": world, "num_threads": threads},
-                     node=nodes[i] if nodes else None)
+        start_worker(
+            TrainerRank,
+            f"trainer rank {i}",
+            pg,
+            slots[i],
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            log_file=rundir.log_file(run_dir, f"trainer-rank{i}"),
+            echo=echo,
+            args=(recipe, str(model_dir)),
+            kwargs={"rank": i, "world": world, "num_threads": threads},
+            node=nodes[i] if nodes else None,
+        )
         for i in range(world)
     ]
     group = TrainerGroup(ranks, timeout_s=timeout)
-    log(f"starting {world} megatron trainer ranks ({recipe.cluster.device}, "
-        f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})")
-    host, port = group._wait([ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S)[0]
-    log(f"rendezvous: tcp://{host}:{port} (rank 0's node{': ' + nodes[0].label() if nodes and nodes[0] else ''})")
+    log(
+        f"starting {world} megatron trainer ranks ({recipe.cluster.device}, "
+        f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})"
+    )
+    host, port = group._wait(
+        [ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S
+    )[0]
+    log(
+        f"rendezvous: tcp://{host}:{port} (rank 0's node{': ' + nodes[0].label() if nodes and nodes[0] else ''})"
+    )
     return group, [w.submit("join", host, port, timeout) for w in ranks]

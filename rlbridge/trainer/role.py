@@ -35,8 +35,14 @@ class TrainerRole:
     same arguments by trainer/group.TrainerGroup; each data-parallel rank then works on its share
     of the rows (`_shard`), so the loss closure and the health gates below are the one code path."""
 
-    def __init__(self, recipe: Recipe, model_dir: str, *, num_threads: int | None = None,
-                 engine_factory: Callable[[], TrainEngine] | None = None) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        model_dir: str,
+        *,
+        num_threads: int | None = None,
+        engine_factory: Callable[[], TrainEngine] | None = None,
+    ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
@@ -95,8 +101,12 @@ class TrainerRole:
         from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter, write_merged
 
         if kind == "merged":
-            out = write_merged(weights, ram_tempdir("rlbridge-merged-"), base_dir=self.model_dir,
-                               dtype=getattr(torch, self.recipe.model.dtype))
+            out = write_merged(
+                weights,
+                ram_tempdir("rlbridge-merged-"),
+                base_dir=self.model_dir,
+                dtype=getattr(torch, self.recipe.model.dtype),
+            )
         else:
             out = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
         return WeightExport(kind, {}, weights.adapter_config, path=str(out))
@@ -106,8 +116,13 @@ class TrainerRole:
 
     # ---------------------------------------------------------------- the update
     def update(
-        self, batch: SeqBatch, adv_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor | None,
-        old_values_bt: torch.Tensor | None = None, returns_bt: torch.Tensor | None = None,
+        self,
+        batch: SeqBatch,
+        adv_bt: torch.Tensor,
+        rollout_logp_bt: torch.Tensor,
+        ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None = None,
+        returns_bt: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
@@ -138,8 +153,18 @@ class TrainerRole:
         metrics: list[dict[str, float]] = []
         for epoch in range(r.trainer.ppo_epochs):
             for rows in minis:
-                metrics.append(self._update_mini(batch, rows, adv_bt, old, ref_logp_bt, rollout_logp_bt, critic,
-                                                 record=seen.record(rows) if epoch == 0 else None))
+                metrics.append(
+                    self._update_mini(
+                        batch,
+                        rows,
+                        adv_bt,
+                        old,
+                        ref_logp_bt,
+                        rollout_logp_bt,
+                        critic,
+                        record=seen.record(rows) if epoch == 0 else None,
+                    )
+                )
         out = _mean_metrics(metrics)
         out["old_logprobs_s"] = old_seconds  # inside time_update: the forward that bypass saves
         # the trainer's log-probs of the rollout's weights: the old ones, else those of the first pass (exact on
@@ -150,14 +175,24 @@ class TrainerRole:
         if trainer_lp is not None and bool(valid.any()):
             diff = (trainer_lp - rollout_logp_bt)[mine].abs()[valid]
             out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
-            out.update(correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine]))
+            out.update(
+                correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
+            )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         return out
 
-    def _update_mini(self, batch: SeqBatch, rows: torch.Tensor, adv_bt: torch.Tensor, old: torch.Tensor | None,
-                     ref: torch.Tensor | None, rollout_lp: torch.Tensor,
-                     critic: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                     record: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, Any]:
+    def _update_mini(
+        self,
+        batch: SeqBatch,
+        rows: torch.Tensor,
+        adv_bt: torch.Tensor,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        rollout_lp: torch.Tensor,
+        critic: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> dict[str, Any]:
         """One optimizer step on the mini-batch `rows` (contiguous). The loss inputs cover the whole
         mini-batch, so each data-parallel rank's closure returns its exact share of the mini-batch loss."""
         r = self.recipe
@@ -169,8 +204,13 @@ class TrainerRole:
         num_micro = num_micro_batches(r, len(mine))
         # engines backpropagate loss_fn(...) / num_micro_batches (engines/base.py) and data parallelism
         # averages the ranks' gradients: micro_scale undoes both
-        loss_fn = make_loss_fn(r.algorithm, inputs, norm_constant=float(r.rollout.max_response_tokens),
-                               micro_scale=float(num_micro * self.dp_size), record=record)
+        loss_fn = make_loss_fn(
+            r.algorithm,
+            inputs,
+            norm_constant=float(r.rollout.max_response_tokens),
+            micro_scale=float(num_micro * self.dp_size),
+            record=record,
+        )
         if self.dp_size > 1:  # the engine numbers the rows of its shard; the closure, those of the mini-batch
             in_mini, mini_fn = mine - rows[0], loss_fn
             loss_fn = lambda logp, ent, local: mini_fn(logp, ent, in_mini[local.cpu()])  # noqa: E731
@@ -178,8 +218,13 @@ class TrainerRole:
         if self.critic is not None and critic is not None:  # the same rows, in the same micro-batches
             old_values, returns = critic
             assert isinstance(r.algorithm, PpoCfg)  # the one algorithm with a critic
-            value_fn = make_value_loss_fn(r.algorithm.critic, old_values[rows], returns[rows],
-                                          batch.response_mask[rows], micro_scale=float(num_micro * self.dp_size))
+            value_fn = make_value_loss_fn(
+                r.algorithm.critic,
+                old_values[rows],
+                returns[rows],
+                batch.response_mask[rows],
+                micro_scale=float(num_micro * self.dp_size),
+            )
             if self.dp_size > 1:  # as loss_fn: shard rows -> mini-batch rows
                 value_mini = value_fn
                 value_fn = lambda values, local: value_mini(values, in_mini[local.cpu()])  # noqa: E731
@@ -191,10 +236,15 @@ class TrainerRole:
     def checkpoint_support(self) -> str | None:
         """None when this trainer can save and restore checkpoints, else why not."""
         if not isinstance(self.engine, CheckpointableEngine):
-            return (f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
-                    "optimizer_state, load_optimizer_state)")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+            return (
+                f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
+                "optimizer_state, load_optimizer_state)"
+            )
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             return "checkpoints of a multi-rank trainer are not implemented yet"
         return None
 
@@ -205,8 +255,9 @@ class TrainerRole:
         assert isinstance(self.engine, CheckpointableEngine)
         return self.engine
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]:
+    def save_checkpoint(
+        self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
+    ) -> dict[str, Any]:
         """Write checkpoint `step` from this process (the tensors never travel): the trainable tensors
         (adapters only under LoRA), optimizer and scheduler state, this process's RNG states and the gate
         state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
@@ -217,16 +268,28 @@ class TrainerRole:
         engine = self._checkpointable()
         start = time.perf_counter()
         optim_tensors, optim_meta = engine.optimizer_state()
-        mine = {"engine": self.recipe.trainer.engine, "rng": rng.rng_state(), "optimizer": optim_meta,
-                "updates": self.updates, "gate_done": self._gate_done, "signal_updates": self._signal_updates}
+        mine = {
+            "engine": self.recipe.trainer.engine,
+            "rng": rng.rng_state(),
+            "optimizer": optim_meta,
+            "updates": self.updates,
+            "gate_done": self._gate_done,
+            "signal_updates": self._signal_updates,
+        }
         notes: list[str] = []
         groups = {"trainable": self.engine.trainable_state(), "optimizer": optim_tensors}
         if self.critic is not None:  # PPO: the critic's adapter (or weights) + value head, and its AdamW
             critic_optim, mine["critic_optimizer"] = self.critic.optimizer_state()
             groups.update(critic=self.critic.trainable_state(), critic_optimizer=critic_optim)
-        path = ckpt.save_checkpoint(Path(run_dir), step, tensors=groups,
-                                    state={**state, "trainer": mine}, recipe_yaml=recipe_yaml, keep=keep,
-                                    log_fn=notes.append)
+        path = ckpt.save_checkpoint(
+            Path(run_dir),
+            step,
+            tensors=groups,
+            state={**state, "trainer": mine},
+            recipe_yaml=recipe_yaml,
+            keep=keep,
+            log_fn=notes.append,
+        )
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         return {"path": str(path), "bytes": size, "seconds": time.perf_counter() - start, "notes": notes}
 
@@ -240,16 +303,21 @@ class TrainerRole:
         loaded = ckpt.load_checkpoint(Path(path))
         mine = loaded.state.get("trainer") or {}
         if mine.get("engine") != self.recipe.trainer.engine:
-            raise RlbridgeError(f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
-                                f"trainer.engine={self.recipe.trainer.engine}")
+            raise RlbridgeError(
+                f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
+                f"trainer.engine={self.recipe.trainer.engine}"
+            )
         engine.load_trainable_state(loaded.tensors["trainable"])
         engine.load_optimizer_state(loaded.tensors.get("optimizer", {}), mine["optimizer"])
         if self.critic is not None:
             if "critic" not in loaded.tensors or "critic_optimizer" not in mine:
-                raise RlbridgeError(f"checkpoint {path} holds no critic (critic.safetensors), which "
-                                    "algorithm.name=ppo needs")
+                raise RlbridgeError(
+                    f"checkpoint {path} holds no critic (critic.safetensors), which algorithm.name=ppo needs"
+                )
             self.critic.load_trainable_state(loaded.tensors["critic"])
-            self.critic.load_optimizer_state(loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"])
+            self.critic.load_optimizer_state(
+                loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"]
+            )
         rng.set_rng_state(mine["rng"])
         self.updates = int(mine.get("updates", 0))
         self._gate_done = bool(mine.get("gate_done", self._gate_done))
@@ -264,21 +332,27 @@ class TrainerRole:
         self._signal_updates += 1
         gn = m.get("grad_norm", float("nan"))
         if not math.isfinite(gn) or gn <= 0:
-            raise HealthError(f"first update: grad_norm is {gn} (expected finite and > 0): nothing is training. "
-                              "Check LoRA targets and recompute settings; turn the gate off with run.health.first_step: false")
+            raise HealthError(
+                f"first update: grad_norm is {gn} (expected finite and > 0): nothing is training. "
+                "Check LoRA targets and recompute settings; turn the gate off with run.health.first_step: false"
+            )
         now = self.engine.trainable_state()
         frozen = self.engine.frozen_fingerprint()
         moved_frozen = [k for k, v in frozen.items() if self._frozen is not None and v != self._frozen.get(k)]
         if moved_frozen:
-            raise HealthError(f"frozen tensors changed during the update: {', '.join(moved_frozen[:5])}"
-                              f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)")
+            raise HealthError(
+                f"frozen tensors changed during the update: {', '.join(moved_frozen[:5])}"
+                f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)"
+            )
         unchanged = [k for k, v in now.items() if torch.equal(v, self._start[k])]
         # LoRA's B starts at zero, so A gets no gradient on the first update with a signal: allow two.
         if unchanged and self._signal_updates >= 2:
-            raise HealthError(f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self._signal_updates} "
-                              "updates with a learning signal: "
-                              f"{', '.join(unchanged[:5])}{' ...' if len(unchanged) > 5 else ''} "
-                              "(run.health.first_step: false turns this check off)")
+            raise HealthError(
+                f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self._signal_updates} "
+                "updates with a learning signal: "
+                f"{', '.join(unchanged[:5])}{' ...' if len(unchanged) > 5 else ''} "
+                "(run.health.first_step: false turns this check off)"
+            )
         if not unchanged:
             self._gate_done = True
             self._start = None
@@ -293,10 +367,12 @@ class _SeenLogprobs:
 
     def record(self, mini_rows: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """A recorder for one mini-batch: the closure numbers its rows within the mini-batch."""
+
         def put(rows: torch.Tensor, logp: torch.Tensor) -> None:
             idx = mini_rows[rows.cpu()]
             self.logp[idx, : logp.shape[1]] = logp.float().cpu()
             self.filled[idx] = True
+
         return put
 
     def covers(self, rows: torch.Tensor) -> bool:

@@ -129,7 +129,9 @@ def hf_logprobs(model: Any, prompt: list[int], response: list[int]) -> list[floa
     return logprobs.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
 
 
-def gap(model: Any, prompts: list[list[int]], responses: list[list[int]], got: list[list[float]]) -> dict[str, float]:
+def gap(
+    model: Any, prompts: list[list[int]], responses: list[list[int]], got: list[list[float]]
+) -> dict[str, float]:
     """|got - reference| over every token: mean, max, and the number of tokens."""
     diffs: list[float] = []
     for prompt, response, lps in zip(prompts, responses, got, strict=True):
@@ -150,7 +152,9 @@ def figure(name: str, **values: Any) -> dict[str, Any]:
     """Print one measured figure as `GPU_FIGURE {json}` and append it to $RLBRIDGE_GPU_FIGURES."""
     record = {"figure": name, "device": P.device, **values}
     line = "GPU_FIGURE " + json.dumps(record, default=float)
-    terminal = _pytest_config.pluginmanager.get_plugin("terminalreporter") if _pytest_config is not None else None
+    terminal = (
+        _pytest_config.pluginmanager.get_plugin("terminalreporter") if _pytest_config is not None else None
+    )
     if terminal is not None:
         terminal.write_line(line)
         terminal.flush()

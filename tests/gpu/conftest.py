@@ -34,7 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if common.DEVICE not in ("cuda", "cpu"):
         skip = pytest.mark.skip(reason=f"RLBRIDGE_GPU_TESTS_DEVICE={common.DEVICE!r}: expected cuda or cpu")
     elif not common.DRY_RUN and not _cuda():
-        skip = pytest.mark.skip(reason="needs CUDA (RLBRIDGE_GPU_TESTS_DEVICE=cpu runs the CPU dry run instead)")
+        skip = pytest.mark.skip(
+            reason="needs CUDA (RLBRIDGE_GPU_TESTS_DEVICE=cpu runs the CPU dry run instead)"
+        )
     for item in mine:
         item.add_marker(pytest.mark.gpu)
         if skip is not None:

@@ -69,7 +69,11 @@ class Run:
                 pass
         for p in psutil.process_iter():
             try:
-                if p.pid not in found and p.status() != psutil.STATUS_ZOMBIE and p.environ().get(TAG) == self.tag:
+                if (
+                    p.pid not in found
+                    and p.status() != psutil.STATUS_ZOMBIE
+                    and p.environ().get(TAG) == self.tag
+                ):
                     found[p.pid] = p
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass

@@ -120,7 +120,9 @@ def num_jobs() -> tuple[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict[tuple[str, str], Future[CliRun]]]:
+def cli_runs(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[dict[tuple[str, str], Future[CliRun]]]:
     """All four runs, submitted at once; each test waits for its own (in MATRIX order when sequential)."""
     jobs, gpus = num_jobs()
     slots: queue.Queue[str | None] = queue.Queue()
@@ -176,7 +178,14 @@ def test_adapter_sync_moves_fewer_bytes(engine: str, cli_runs: dict[tuple[str, s
     for sync in ("merged", "adapter"):
         records = train_records(finished(cli_runs, engine, sync).run_dir)
         if not records or "sync_bytes" not in records[0]:
-            pytest.fail(f"{engine}/{sync}: no step with sync_bytes (the run failed: see test_train_two_steps)")
+            pytest.fail(
+                f"{engine}/{sync}: no step with sync_bytes (the run failed: see test_train_two_steps)"
+            )
         sent[sync] = float(records[0]["sync_bytes"])
-    figure(f"sync_bytes_{engine}", merged=sent["merged"], adapter=sent["adapter"], ratio=sent["merged"] / max(sent["adapter"], 1.0))
+    figure(
+        f"sync_bytes_{engine}",
+        merged=sent["merged"],
+        adapter=sent["adapter"],
+        ratio=sent["merged"] / max(sent["adapter"], 1.0),
+    )
     assert 0 < 5 * sent["adapter"] < sent["merged"], sent

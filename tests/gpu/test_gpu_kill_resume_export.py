@@ -63,7 +63,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
         rc = run.wait(time_left(P.cli_timeout_s), until=manifest.is_file)
         waited = run.started
         if rc is not None or not manifest.is_file():
-            pytest.fail(f"the run exited ({rc}) or timed out before its step-1 checkpoint:\n{run.text()[-6000:]}")
+            pytest.fail(
+                f"the run exited ({rc}) or timed out before its step-1 checkpoint:\n{run.text()[-6000:]}"
+            )
         import time
 
         kill_after_s = time.monotonic() - waited
@@ -119,7 +121,9 @@ def test_export_hf_merged_loads_in_vllm_with_transformers_logprobs(killed: Kille
     s = json.loads(scores.read_text())
     exported = gap(load_hf(out), s["prompts"], s["answers"], s["logprobs"])
     base = gap(load_hf(model_dir), s["prompts"], s["answers"], s["logprobs"])
-    step = json.loads((out / "config.json").read_text()).get("torch_dtype") or json.loads((out / "config.json").read_text()).get("dtype")
+    step = json.loads((out / "config.json").read_text()).get("torch_dtype") or json.loads(
+        (out / "config.json").read_text()
+    ).get("dtype")
     figure("export_hf_merged_in_vllm", mean=exported["mean"], max=exported["max"], tokens=exported["tokens"],
            vs_base_model_mean=base["mean"], bound=P.logprob_bound, vllm_startup_s=s["startup_s"], export_dtype=step)  # fmt: skip
     assert exported["mean"] < P.logprob_bound, exported

@@ -25,9 +25,22 @@ JOB = ROOT / "tests" / "gpu" / "train_step_job.py"
 
 
 @pytest.mark.parametrize("engine", ["hf", "megatron"])
-def test_one_step_moves_every_trainable_tensor_and_no_frozen_one(engine: str, model_dir: Path, tmp_path: Path) -> None:
+def test_one_step_moves_every_trainable_tensor_and_no_frozen_one(
+    engine: str, model_dir: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "result.json"
-    cmd = [python(), str(JOB), "--engine", engine, "--model-dir", str(model_dir), "--device", P.device, "--out", str(out)]
+    cmd = [
+        python(),
+        str(JOB),
+        "--engine",
+        engine,
+        "--model-dir",
+        str(model_dir),
+        "--device",
+        P.device,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=time_left(1100 if DRY_RUN else 240))  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -124,7 +124,11 @@ def trainer(model_dir: Path) -> Any:
 
 def base_weights(base: Any) -> WeightExport:
     """The base model's own tensors as a merged export (tied lm_head left out, as engines export)."""
-    state = {k: v for k, v in base.state_dict().items() if not (k == "lm_head.weight" and base.config.tie_word_embeddings)}
+    state = {
+        k: v
+        for k, v in base.state_dict().items()
+        if not (k == "lm_head.weight" and base.config.tie_word_embeddings)
+    }
     return WeightExport("merged", state)
 
 
@@ -139,7 +143,9 @@ class Job:
 
     def get(self, key: str) -> Any:
         if key not in self.result:
-            pytest.fail(f"the engine job (no LoRA) did not get to {key!r}: exit {self.rc} (None: timed out)\n{self.tail}")
+            pytest.fail(
+                f"the engine job (no LoRA) did not get to {key!r}: exit {self.rc} (None: timed out)\n{self.tail}"
+            )
         return self.result[key]
 
 
@@ -149,7 +155,9 @@ def plain_engine(model_dir: Path, base: Any, trainer: Any, tmp_path_factory: pyt
     here with rlbridge's code: the trainer's (the modified model) and the base model's."""
     work = tmp_path_factory.mktemp("vllm-no-lora")
     dtype = getattr(torch, P.dtype)
-    modified = write_merged(trainer.export_weights("merged"), work / "modified", base_dir=model_dir, dtype=dtype)
+    modified = write_merged(
+        trainer.export_weights("merged"), work / "modified", base_dir=model_dir, dtype=dtype
+    )
     base_dir = write_merged(base_weights(base), work / "base", base_dir=model_dir, dtype=dtype)
     out, log = work / "result.json", work / "job.log"
     cmd = [python(), str(JOB), "--model-dir", str(model_dir), "--modified", str(modified), "--base", str(base_dir),
@@ -161,7 +169,9 @@ def plain_engine(model_dir: Path, base: Any, trainer: Any, tmp_path_factory: pyt
         except subprocess.TimeoutExpired:
             rc = None
     keep_logs("vllm-engine-no-lora", log, work)
-    job = Job(rc, json.loads(out.read_text()) if out.is_file() else {}, log.read_text(errors="replace")[-6000:])
+    job = Job(
+        rc, json.loads(out.read_text()) if out.is_file() else {}, log.read_text(errors="replace")[-6000:]
+    )
     if "engine" in job.result:
         figure("vllm_engine_start_no_lora", **job.result["engine"], exit=rc)
     return job
@@ -189,10 +199,15 @@ def check_modified(kind: str, out: Rollouts, base: Any, trainer: Any, sync_s: fl
     figure(f"{kind}_sync_vs_modified", mean=modified["mean"], max=modified["max"], tokens=modified["tokens"],
            vs_base_mean=original["mean"], bound=P.logprob_bound, sync_s=sync_s)  # fmt: skip
     assert modified["mean"] < P.logprob_bound, modified
-    assert original["mean"] > SEPARATION * modified["mean"] and original["mean"] > P.logprob_bound, (original, modified)
+    assert original["mean"] > SEPARATION * modified["mean"] and original["mean"] > P.logprob_bound, (
+        original,
+        modified,
+    )
 
 
-def check_sleep_wake(before: Rollouts, after: Rollouts, numbers: dict[str, float], reference: Any, label: str) -> None:
+def check_sleep_wake(
+    before: Rollouts, after: Rollouts, numbers: dict[str, float], reference: Any, label: str
+) -> None:
     same_rows = sum(a == b for a, b in zip(before.response_ids, after.response_ids, strict=True))
     worst = worst_same_token_diff(before, after)
     g = gaps(reference, after)
@@ -208,7 +223,9 @@ def check_sleep_wake(before: Rollouts, after: Rollouts, numbers: dict[str, float
 
 
 # ------------------------------------------------------------------------------------------------ 1
-def test_sampled_logprobs_match_transformers_float32(engine: Engine, prompts: list[list[int]], base: Any) -> None:
+def test_sampled_logprobs_match_transformers_float32(
+    engine: Engine, prompts: list[list[int]], base: Any
+) -> None:
     set_weights(engine.rollout, "base")
     out = sample(engine.rollout, prompts, seed=1)
     assert len(out) == P.num_prompts * P.n
@@ -247,5 +264,8 @@ def test_sleep_wake_with_an_adapter(engine: Engine, prompts: list[list[int]], tr
 
 def test_sleep_wake_base_weights(plain_engine: Job, base: Any) -> None:
     """On the engine without LoRA, after a merged reload of the base weights (following the modified ones)."""
-    before, after = rollouts_from_json(plain_engine.get("before")), rollouts_from_json(plain_engine.get("after"))
+    before, after = (
+        rollouts_from_json(plain_engine.get("before")),
+        rollouts_from_json(plain_engine.get("after")),
+    )
     check_sleep_wake(before, after, plain_engine.get("memory"), base, "base")

@@ -55,7 +55,9 @@ def build(engine_name: str, model_dir: str, device: str) -> tuple[Any, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)  # fmt: skip
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
@@ -88,7 +90,9 @@ def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
     start = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
     frozen = engine.frozen_fingerprint()
 
-    def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(
+        logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.response_mask[rows].to(logp.device)
         n = mask.sum().clamp(min=1)
         loss = -(logp * mask).sum() / n - 1e-3 * (entropy * mask).sum() / n

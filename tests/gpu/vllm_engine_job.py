@@ -112,7 +112,10 @@ def worst_same_token_diff(a: Rollouts, b: Rollouts) -> float:
     worst = 0.0
     for ids_a, ids_b, lp_a, lp_b in zip(a.response_ids, b.response_ids, a.response_logprobs, b.response_logprobs,
                                         strict=True):  # fmt: skip
-        common = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), min(len(ids_a), len(ids_b)))
+        common = next(
+            (i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y),
+            min(len(ids_a), len(ids_b)),
+        )
         worst = max([worst, *(abs(x - y) for x, y in zip(lp_a[:common], lp_b[:common], strict=True))])
     return worst
 
@@ -126,7 +129,9 @@ def sleep_wake(engine: Engine, prompts: list[list[int]]) -> tuple[Rollouts, Roll
     # the same samples once more without sleeping: what sleep/wake is judged against. With a LoRA adapter,
     # vLLM 0.26 CUDA gave 16 of 32 rows the same tokens after wake and log-probs up to 0.29 apart on common
     # tokens (2026-12-01), while both stayed at the float32 floor: a re-run may differ as much
-    numbers: dict[str, float] = {"max_diff_repeat_no_sleep": worst_same_token_diff(before, sample(rollout, prompts, seed=3))}
+    numbers: dict[str, float] = {
+        "max_diff_repeat_no_sleep": worst_same_token_diff(before, sample(rollout, prompts, seed=3))
+    }
     if P.device == "cuda":
         free0 = free_bytes()
         t = time.perf_counter()
@@ -137,8 +142,12 @@ def sleep_wake(engine: Engine, prompts: list[list[int]]) -> tuple[Rollouts, Roll
         rollout.wake_up()
         numbers["wake_s"] = time.perf_counter() - t
         free2 = free_bytes()
-        numbers.update(pool_gib=engine.pool_bytes / GIB, freed_gib=(free1 - free0) / GIB,
-                       retaken_gib=(free1 - free2) / GIB, freed_share=(free1 - free0) / max(engine.pool_bytes, 1))
+        numbers.update(
+            pool_gib=engine.pool_bytes / GIB,
+            freed_gib=(free1 - free0) / GIB,
+            retaken_gib=(free1 - free2) / GIB,
+            freed_share=(free1 - free0) / max(engine.pool_bytes, 1),
+        )
     else:
         rollout.sleep()
         rollout.wake_up()
@@ -158,7 +167,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--modified", required=True, help="merged weights of the modified model (HF directory)")
-    ap.add_argument("--base", required=True, help="the base model's weights as a merged export (HF directory)")
+    ap.add_argument(
+        "--base", required=True, help="the base model's weights as a merged export (HF directory)"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -184,7 +195,12 @@ def main() -> int:
              merged_version=rollout.weight_version)  # fmt: skip
         base_sync_s = load(rollout, WeightExport("merged", {}, path=args.base))
         before, after, numbers = sleep_wake(engine, prompts)
-        save(before=rollouts_to_json(before), after=rollouts_to_json(after), memory=numbers, base_sync_s=base_sync_s)
+        save(
+            before=rollouts_to_json(before),
+            after=rollouts_to_json(after),
+            memory=numbers,
+            base_sync_s=base_sync_s,
+        )
     finally:
         engine.rollout.shutdown()
     return 0

@@ -33,7 +33,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process, as VllmRollout has it
+    os.environ.setdefault(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+    )  # engine core in this process, as VllmRollout has it
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -45,7 +47,9 @@ def main() -> int:
     cpu = args.device == "cpu"
     cfg = RolloutCfg(engine="vllm", max_prompt_tokens=192, max_response_tokens=64, gpu_memory_utilization=0.1,
                      kv_cache_gib=0.25)  # fmt: skip
-    kwargs = engine_kwargs(args.model, cfg, ModelCfg(path=args.model, dtype=args.dtype), lora_rank=0, seed=0, cpu=cpu)
+    kwargs = engine_kwargs(
+        args.model, cfg, ModelCfg(path=args.model, dtype=args.dtype), lora_rank=0, seed=0, cpu=cpu
+    )
     kwargs.update(enforce_eager=True, enable_sleep_mode=False)
     start = time.perf_counter()
     llm = LLM(**kwargs)

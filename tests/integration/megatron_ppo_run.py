@@ -39,8 +39,9 @@ def main() -> None:
     base = make_recipe(model_dir, algorithm, **({"steps": spec["steps"]} if "steps" in spec else {}))
     recipe = with_updates(base, {**spec.get("updates", {}), "trainer.engine": "megatron"})
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1, timeout=timedelta(seconds=120)
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     with local_session(recipe, run_dir, model_dir) as s:  # the engine registry builds the megatron engine
         assert isinstance(s.trainer, LocalTrainer)

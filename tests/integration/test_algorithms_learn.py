@@ -23,18 +23,30 @@ STEPS, WINDOW, MARGIN = 8, 3, 0.1
 
 
 def make_recipe(model_dir: Path, algorithm: dict[str, Any], steps: int = STEPS) -> Recipe:
-    return Recipe.model_validate({
-        "name": f"learn-{algorithm['name']}",
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-        "trainer": {"engine": "hf", "micro_batch_size": 16, "optim": {"lr": 2e-2}},
-        "rollout": {"engine": "hf", "n": 4, "max_prompt_tokens": 64, "max_response_tokens": 16, "weight_sync": "merged"},
-        "algorithm": algorithm,
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4, "arithmetic": {"num_train": 64, "num_val": 4}},
-        "reward": {"fn": "tests.fixtures.toy_rewards:ascii_fraction", "workers": 1},
-        "run": {"steps": steps, "seed": 3, "loggers": ["jsonl"]},
-        "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": f"learn-{algorithm['name']}",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
+            "trainer": {"engine": "hf", "micro_batch_size": 16, "optim": {"lr": 2e-2}},
+            "rollout": {
+                "engine": "hf",
+                "n": 4,
+                "max_prompt_tokens": 64,
+                "max_response_tokens": 16,
+                "weight_sync": "merged",
+            },
+            "algorithm": algorithm,
+            "data": {
+                "train": {"path": "builtin:arithmetic"},
+                "batch_size": 4,
+                "arithmetic": {"num_train": 64, "num_val": 4},
+            },
+            "reward": {"fn": "tests.fixtures.toy_rewards:ascii_fraction", "workers": 1},
+            "run": {"steps": steps, "seed": 3, "loggers": ["jsonl"]},
+            "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
+        }
+    )
 
 
 def run_steps(recipe: Recipe, model_dir: Path, run_dir: Path) -> list[dict[str, Any]]:
@@ -61,7 +73,9 @@ ALGORITHMS = [
 ]
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS, ids=lambda a: a["name"] + ("-kl_reward" if "kl" in a else ""))
+@pytest.mark.parametrize(
+    "algorithm", ALGORITHMS, ids=lambda a: a["name"] + ("-kl_reward" if "kl" in a else "")
+)
 def test_reward_goes_up(algorithm: dict[str, Any], model_dir: Path, tmp_path: Path) -> None:
     records = run_steps(make_recipe(model_dir, algorithm), model_dir, tmp_path / "run")
     rewards = [r["reward_mean"] for r in records]
@@ -70,6 +84,8 @@ def test_reward_goes_up(algorithm: dict[str, Any], model_dir: Path, tmp_path: Pa
     assert last > first + MARGIN, rewards
     assert all(r["grad_norm"] > 0 for r in records[:WINDOW])  # later, a saturated reward can leave no signal
     if algorithm["name"] == "dapo":
-        assert all({"groups_dropped", "refill_rounds", "groups_short", "overlong_penalty"} <= set(r) for r in records)
+        assert all(
+            {"groups_dropped", "refill_rounds", "groups_short", "overlong_penalty"} <= set(r) for r in records
+        )
     if algorithm.get("kl", {}).get("where") == "reward":
         assert all("kl_reward" in r and "time_ref_logprobs" in r for r in records)

@@ -39,13 +39,23 @@ def smollm2() -> Path:
 
 
 def recipe(model_dir: Path, rank: int) -> Recipe:
-    return Recipe.model_validate({
-        "name": "smollm2-size", "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"rank": rank, "alpha": 2 * rank, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
-        "trainer": {"engine": "hf", "micro_batch_size": 2, "optim": {"lr": 1e-3}}, "rollout": {"n": 2},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 1}, "reward": {"fn": "length"},
-        "run": {"steps": 2, "health": {"first_step": False}}, "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "smollm2-size",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {
+                "rank": rank,
+                "alpha": 2 * rank,
+                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+            },
+            "trainer": {"engine": "hf", "micro_batch_size": 2, "optim": {"lr": 1e-3}},
+            "rollout": {"n": 2},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 1},
+            "reward": {"fn": "length"},
+            "run": {"steps": 2, "health": {"first_step": False}},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 @pytest.mark.parametrize("rank", [8, 16])
@@ -60,10 +70,12 @@ def test_lora_checkpoint_is_small(smollm2: Path, tmp_path: Path, rank: int) -> N
     path = Path(info["path"])
     sizes = {f.name: f.stat().st_size for f in path.iterdir()}
     weights = sum(f.stat().st_size for f in smollm2.glob("*.safetensors"))
-    print(f"\nSmolLM2-135M LoRA rank {rank}: checkpoint {info['bytes'] / MB:.1f} MB (adapters "
-          f"{sizes['trainable.safetensors'] / MB:.1f} MB, AdamW {sizes['optimizer.safetensors'] / MB:.1f} MB, "
-          f"state.json {sizes['state.json'] / 1e3:.0f} kB) vs {weights / MB:.0f} MB of weights; saved in "
-          f"{info['seconds']:.2f} s")
+    print(
+        f"\nSmolLM2-135M LoRA rank {rank}: checkpoint {info['bytes'] / MB:.1f} MB (adapters "
+        f"{sizes['trainable.safetensors'] / MB:.1f} MB, AdamW {sizes['optimizer.safetensors'] / MB:.1f} MB, "
+        f"state.json {sizes['state.json'] / 1e3:.0f} kB) vs {weights / MB:.0f} MB of weights; saved in "
+        f"{info['seconds']:.2f} s"
+    )
     assert weights > 500 * MB
     assert sizes["trainable.safetensors"] < 30 * MB
     assert info["bytes"] < (30 * MB if rank == 8 else 64 * MB)
@@ -76,7 +88,8 @@ def test_smollm2_merged_export_keeps_the_tie_and_the_logits(smollm2: Path, tmp_p
     role = TrainerRole(r, str(smollm2))
     gen = torch.Generator().manual_seed(0)
     role.engine.load_trainable_state(  # type: ignore[attr-defined]
-        {k: 0.02 * torch.randn(v.shape, generator=gen) for k, v in role.engine.trainable_state().items()})
+        {k: 0.02 * torch.randn(v.shape, generator=gen) for k, v in role.engine.trainable_state().items()}
+    )
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text(resolved_yaml(r))
@@ -92,8 +105,14 @@ def test_smollm2_merged_export_keeps_the_tie_and_the_logits(smollm2: Path, tmp_p
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
         assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
         got = merged(input_ids=ids).logits.float()
-        base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()(input_ids=ids).logits.float()
+        base = (
+            AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+            .eval()(input_ids=ids)
+            .logits.float()
+        )
     err = float((got - want).abs().max() / want.abs().max())
-    print(f"\nSmolLM2 merged vs trainer: rel. err {err:.2e}; base vs trainer "
-          f"{float((base - want).abs().max() / want.abs().max()):.2e}")
+    print(
+        f"\nSmolLM2 merged vs trainer: rel. err {err:.2e}; base vs trainer "
+        f"{float((base - want).abs().max() / want.abs().max()):.2e}"
+    )
     assert err < 1e-4 and not torch.allclose(base, want, rtol=1e-3)

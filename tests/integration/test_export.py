@@ -36,7 +36,12 @@ from tests.fixtures.tiny_llama import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, _build
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 runner = CliRunner()
-PROMPTS = [[BOS_ID, 259, 72, 105, 10], [BOS_ID, 259, 50, 43, 50, 61, 63, 10, 259], [BOS_ID, 65, 66], [BOS_ID, 200, 3, 9]]
+PROMPTS = [
+    [BOS_ID, 259, 72, 105, 10],
+    [BOS_ID, 259, 50, 43, 50, 61, 63, 10, 259],
+    [BOS_ID, 65, 66],
+    [BOS_ID, 200, 3, 9],
+]
 REL_TOL = 1e-4
 
 
@@ -50,10 +55,22 @@ def build_qwen2_bias(out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         initializer_range=0.15, tie_word_embeddings=False, use_sliding_window=False,
-                         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -79,13 +96,19 @@ class Case:
 
 
 def recipe(model_dir: Path) -> Recipe:
-    return Recipe.model_validate({
-        "name": "export-test", "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"rank": 4, "alpha": 8, "targets": ["all-linear"]},
-        "trainer": {"engine": "hf", "micro_batch_size": 2}, "rollout": {"engine": "vllm", "n": 2, "max_lora_rank": 8},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2}, "reward": {"fn": "length"},
-        "run": {"steps": 3}, "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "export-test",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {"rank": 4, "alpha": 8, "targets": ["all-linear"]},
+            "trainer": {"engine": "hf", "micro_batch_size": 2},
+            "rollout": {"engine": "vllm", "n": 2, "max_lora_rank": 8},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
+            "reward": {"fn": "length"},
+            "run": {"steps": 3},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -128,9 +151,13 @@ def test_merged_export_has_the_trainers_logits(case: Case) -> None:
     want = logits(case.role.engine.model)  # type: ignore[attr-defined]  # the peft model, adapters unmerged
     got = logits(load(case.merged))
     base = logits(load(case.model_dir))
-    print(f"\n{case.name}: merged vs trainer rel. err {rel_err(got, want):.2e}; base vs trainer {rel_err(base, want):.2e}")
+    print(
+        f"\n{case.name}: merged vs trainer rel. err {rel_err(got, want):.2e}; base vs trainer {rel_err(base, want):.2e}"
+    )
     assert rel_err(got, want) < REL_TOL
-    assert rel_err(base, want) > 100 * REL_TOL  # the adapters change the model: the check above means something
+    assert (
+        rel_err(base, want) > 100 * REL_TOL
+    )  # the adapters change the model: the check above means something
 
 
 def test_tie_flag_agrees_with_the_tensors(case: Case) -> None:
@@ -154,7 +181,11 @@ def test_adapter_export_loads_in_peft_with_the_same_logits(case: Case) -> None:
 
     config = json.loads((case.adapter / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4
-    assert sorted(p.name for p in case.adapter.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in case.adapter.iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     got = logits(PeftModel.from_pretrained(load(case.model_dir), str(case.adapter)))
     want = logits(case.role.engine.model)  # type: ignore[attr-defined]
     assert rel_err(got, want) < REL_TOL
@@ -163,9 +194,14 @@ def test_adapter_export_loads_in_peft_with_the_same_logits(case: Case) -> None:
 def hf_greedy(model: Any, max_tokens: int) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
-        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                             eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-        out.append(ids[0, len(prompt):].tolist())
+        ids = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
@@ -185,15 +221,25 @@ def vllm_greedy(model_dir: Path, max_tokens: int, adapter: Path | None = None) -
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    kwargs: dict[str, Any] = dict(model=str(model_dir), dtype="float32", max_model_len=128, seed=0,
-                                  enforce_eager=True, kv_cache_memory_bytes=int(0.25 * 2**30))
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(0.25 * 2**30),
+    )
     if adapter is not None:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(**kwargs)
     try:
         lora = LoRARequest("export", 1, str(adapter)) if adapter is not None else None
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens), lora_request=lora, use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            lora_request=lora,
+            use_tqdm=False,
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -213,7 +259,9 @@ def test_vllm_loads_both_exports_and_matches_transformers_greedy(case: Case, vll
 def test_sharded_merged_export_loads(case: Case, tmp_path: Path) -> None:
     from rlbridge.export import export_hf
 
-    res = export_hf(case.merged.parent / "run", tmp_path / "sharded", max_shard_size="100KB", log=lambda _: None)
+    res = export_hf(
+        case.merged.parent / "run", tmp_path / "sharded", max_shard_size="100KB", log=lambda _: None
+    )
     shards = [f for f in res.files if f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in res.files
     assert rel_err(logits(load(tmp_path / "sharded")), logits(case.role.engine.model)) < REL_TOL  # type: ignore[attr-defined]

@@ -23,9 +23,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_smollm2_reward_goes_up(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlbridge", "train", str(ROOT / "recipes" / "quickstart.yaml"), "--run-dir", str(run_dir),
-           "--set", "run.steps=15", "--set", "data.val=null", "--set", "run.loggers=[jsonl]"]
-    res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=2400)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlbridge",
+        "train",
+        str(ROOT / "recipes" / "quickstart.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "run.steps=15",
+        "--set",
+        "data.val=null",
+        "--set",
+        "run.loggers=[jsonl]",
+    ]
+    res = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in steps if r["kind"] == "train"]
@@ -33,4 +53,6 @@ def test_smollm2_reward_goes_up(tmp_path: Path) -> None:
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"reward first 5 steps {first:.3f}, last 5 steps {last:.3f}: {rewards}")
     assert last > first + 0.08, rewards
-    assert all(r["logprob_diff_mean"] < 1e-4 for r in steps if r["kind"] == "train")  # float32 trainer == vLLM
+    assert all(
+        r["logprob_diff_mean"] < 1e-4 for r in steps if r["kind"] == "train"
+    )  # float32 trainer == vLLM

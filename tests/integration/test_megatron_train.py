@@ -28,14 +28,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("rlbridge_cache")  # tiny-qwen2-smoke and the shrunk models are built here
-    return {**os.environ, "PYTHONPATH": str(ROOT), "RLBRIDGE_CACHE": str(cache), "PYTHONWARNINGS": "ignore",
-            "COLUMNS": "200"}  # console lines unwrapped
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RLBRIDGE_CACHE": str(cache),
+        "PYTHONWARNINGS": "ignore",
+        "COLUMNS": "200",
+    }  # console lines unwrapped
 
 
 def train(env: dict[str, str], run_dir: Path, *args: str, timeout: float = 300) -> tuple[str, list[dict]]:
     start = time.time()
-    res = subprocess.run([sys.executable, "-m", "rlbridge", "train", *args, "--run-dir", str(run_dir)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbridge", "train", *args, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-8000:]
     print(f"rlbridge train {' '.join(args)}: {time.time() - start:.0f} s")
@@ -66,19 +77,49 @@ def test_tp2_pp2_grpo_driven_by_the_loop(env: dict[str, str], tmp_path: Path) ->
 
 
 def test_data_parallel_2(env: dict[str, str], tmp_path: Path) -> None:
-    out, records = train(env, tmp_path / "run", "recipes/smoke-megatron-cpu.yaml", "--set", "run.steps=2",
-                         "--set", "trainer.parallel.tensor=1", "--set", "trainer.parallel.pipeline=1",
-                         "--set", "cluster.gpus_per_node=2", "--set", "rollout.weight_sync=adapter",
-                         "--set", "rollout.max_lora_rank=8")
+    out, records = train(
+        env,
+        tmp_path / "run",
+        "recipes/smoke-megatron-cpu.yaml",
+        "--set",
+        "run.steps=2",
+        "--set",
+        "trainer.parallel.tensor=1",
+        "--set",
+        "trainer.parallel.pipeline=1",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--set",
+        "rollout.weight_sync=adapter",
+        "--set",
+        "rollout.max_lora_rank=8",
+    )
     check_steps(records, 2)
     assert [c[2:] for c in rank_lines(out)] == [(0, 0, 0), (1, 0, 0)]
 
 
 def test_a_killed_rank_stops_the_run_within_seconds(env: dict[str, str], tmp_path: Path) -> None:
-    args = ["recipes/smoke-megatron-cpu.yaml", "--set", "run.steps=50", "--set", "rollout.engine=hf",
-            "--set", "trainer.parallel.tensor=1", "--set", "cluster.gpus_per_node=2", "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen([sys.executable, "-m", "rlbridge", "train", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [
+        "recipes/smoke-megatron-cpu.yaml",
+        "--set",
+        "run.steps=50",
+        "--set",
+        "rollout.engine=hf",
+        "--set",
+        "trainer.parallel.tensor=1",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbridge", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     killed_at = None
@@ -97,7 +138,9 @@ def test_a_killed_rank_stops_the_run_within_seconds(env: dict[str, str], tmp_pat
         proc.kill()
     out = " ".join(("".join(lines) + (proc.stdout.read() if proc.stdout else "")).split())
     assert killed_at is not None, out[-5000:]
-    assert error_after is not None and error_after < 20, f"no error {error_after} s after the kill:\n{out[-5000:]}"
+    assert error_after is not None and error_after < 20, (
+        f"no error {error_after} s after the kill:\n{out[-5000:]}"
+    )
     assert rc == 1, out[-5000:]
     assert re.search(r"trainer rank 1 \(dp 0, tp 0, pp 1\) worker died", out), out[-5000:]
     assert "all trainer ranks were stopped" in out
@@ -106,12 +149,26 @@ def test_a_killed_rank_stops_the_run_within_seconds(env: dict[str, str], tmp_pat
 
 def test_smoke_mode_runs_the_7b_recipe_layout(env: dict[str, str], tmp_path: Path) -> None:
     data = tmp_path / "gsm.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {a} + {a + 3}?", "answer": f"#### {2 * a + 3}"}) + "\n"
-                            for a in range(20)))
-    out, records = train(env, tmp_path / "run", "--smoke", "recipes/qwen2.5-7b-grpo-lora.yaml",
-                         "--set", "model.path=tests/fixtures/configs/qwen2.5-7b-instruct",
-                         "--set", "cluster.gpus_per_node=2", "--set", f"data.train.path={data}",
-                         "--set", f"data.val.path={data}")
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is {a} + {a + 3}?", "answer": f"#### {2 * a + 3}"}) + "\n"
+            for a in range(20)
+        )
+    )
+    out, records = train(
+        env,
+        tmp_path / "run",
+        "--smoke",
+        "recipes/qwen2.5-7b-grpo-lora.yaml",
+        "--set",
+        "model.path=tests/fixtures/configs/qwen2.5-7b-instruct",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--set",
+        f"data.train.path={data}",
+        "--set",
+        f"data.val.path={data}",
+    )
     check_steps(records, 2)
     assert "sequence_parallel turned off" in out and "rollout: hf engine in place of vllm" in out
     assert [c[2:] for c in rank_lines(out)] == [(0, 0, 0), (0, 1, 0)]  # the recipe's tensor 2

@@ -20,8 +20,17 @@ from tests.integration.test_multinode import env, rlbridge, train_records  # noq
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 2
-TP2_DP2 = ["recipes/smoke-megatron-cpu.yaml", "--set", f"run.steps={STEPS}", "--set", "rollout.engine=hf",
-           "--set", "trainer.parallel.pipeline=1", "--set", "data.val=null"]
+TP2_DP2 = [
+    "recipes/smoke-megatron-cpu.yaml",
+    "--set",
+    f"run.steps={STEPS}",
+    "--set",
+    "rollout.engine=hf",
+    "--set",
+    "trainer.parallel.pipeline=1",
+    "--set",
+    "data.val=null",
+]
 COMPARED = ["reward_mean", "loss", "grad_norm", "kl", "logprob_diff_mean", "entropy"]
 
 
@@ -30,19 +39,42 @@ def cluster() -> Iterator[TwoNodeCluster]:
     yield from two_node_cluster(num_cpus=2)
 
 
-def test_tp2_dp2_two_ranks_per_node_equals_one_node(cluster: TwoNodeCluster, env: dict[str, str],  # noqa: F811
-                                                    tmp_path: Path) -> None:
-    rc, out = rlbridge(env, "train", *TP2_DP2, "--set", "cluster.gpus_per_node=4", "--run-dir", str(tmp_path / "one"))
+def test_tp2_dp2_two_ranks_per_node_equals_one_node(
+    cluster: TwoNodeCluster,
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    rc, out = rlbridge(
+        env, "train", *TP2_DP2, "--set", "cluster.gpus_per_node=4", "--run-dir", str(tmp_path / "one")
+    )
     assert rc == 0, out[-6000:]
-    rc, out = rlbridge(env, "train", *TP2_DP2, "--set", f"cluster.address={cluster.address}", "--set", "cluster.nodes=2",
-                       "--set", "cluster.gpus_per_node=2", "--run-dir", str(tmp_path / "two"))
+    rc, out = rlbridge(
+        env,
+        "train",
+        *TP2_DP2,
+        "--set",
+        f"cluster.address={cluster.address}",
+        "--set",
+        "cluster.nodes=2",
+        "--set",
+        "cluster.gpus_per_node=2",
+        "--run-dir",
+        str(tmp_path / "two"),
+    )
     assert rc == 0, out[-6000:]
     placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)[^)]*\): trainer devices (\d, \d)", out)
     assert [(n, d) for n, _, d in placed] == [("0", "0, 1"), ("1", "2, 3")], out[-6000:]
     ranks = re.findall(r"trainer rank (\d): pid \d+, dp (\d) tp (\d) pp 0, host \S+ \(ray node (\w+)\)", out)
     node_of = {int(r): n for r, _, _, n in ranks}
-    assert sorted((int(r), int(dp), int(tp)) for r, dp, tp, _ in ranks) == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-    assert node_of[0] == node_of[1] == placed[0][1] != node_of[2] == node_of[3] == placed[1][1], out[-6000:]  # tp within a node
+    assert sorted((int(r), int(dp), int(tp)) for r, dp, tp, _ in ranks) == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert node_of[0] == node_of[1] == placed[0][1] != node_of[2] == node_of[3] == placed[1][1], out[
+        -6000:
+    ]  # tp within a node
     one, two = train_records(tmp_path / "one"), train_records(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, STEPS + 1))
     for ra, rb in zip(two, one, strict=True):

@@ -46,7 +46,9 @@ def with_updates(recipe: Recipe, updates: dict[str, Any]) -> Recipe:
 
 def test_ppo_reward_goes_up(model_dir: Path, tmp_path: Path) -> None:
     """Measured (seed 3): reward 0.42, 0.52, 0.40 over steps 1-3 -> 0.90, 0.97, 1.0 over steps 6-8."""
-    records = run_steps(make_recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}}), model_dir, tmp_path / "run")
+    records = run_steps(
+        make_recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}}), model_dir, tmp_path / "run"
+    )
     rewards = [r["reward_mean"] for r in records]
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     print("ppo", [round(x, 3) for x in rewards], [round(r["value_ev"], 3) for r in records])
@@ -62,12 +64,25 @@ critic that predicts the mean return (EV 0) or tracks only the batch's average c
 
 
 def test_critic_explains_a_prompt_only_reward(model_dir: Path, tmp_path: Path) -> None:
-    algorithm = {"name": "ppo", "gamma": 1.0, "lam": 1.0, "critic": {"lr": 1e-2}}  # lam 1: returns = the outcome
-    recipe = with_updates(make_recipe(model_dir, algorithm, steps=EV_STEPS), {
-        "reward": {"fn": "tests.fixtures.toy_rewards:plus_prompt", "workers": 1},
-        "data.arithmetic.ops": ["+", "-"], "data.batch_size": 8, "data.mini_batch_size": 4, "rollout.n": 2,
-        "rollout.max_response_tokens": 6, "trainer.ppo_epochs": 2, "trainer.micro_batch_size": 8,
-    })  # 8 prompts a step (both operators nearly always present), 4 critic steps a step
+    algorithm = {
+        "name": "ppo",
+        "gamma": 1.0,
+        "lam": 1.0,
+        "critic": {"lr": 1e-2},
+    }  # lam 1: returns = the outcome
+    recipe = with_updates(
+        make_recipe(model_dir, algorithm, steps=EV_STEPS),
+        {
+            "reward": {"fn": "tests.fixtures.toy_rewards:plus_prompt", "workers": 1},
+            "data.arithmetic.ops": ["+", "-"],
+            "data.batch_size": 8,
+            "data.mini_batch_size": 4,
+            "rollout.n": 2,
+            "rollout.max_response_tokens": 6,
+            "trainer.ppo_epochs": 2,
+            "trainer.micro_batch_size": 8,
+        },
+    )  # 8 prompts a step (both operators nearly always present), 4 critic steps a step
     records = run_steps(recipe, model_dir, tmp_path / "run")
     ev = [r["value_ev"] for r in records]
     print("value_ev", [round(x, 3) for x in ev])
@@ -77,8 +92,13 @@ def test_critic_explains_a_prompt_only_reward(model_dir: Path, tmp_path: Path) -
 
 def test_adaptive_kl_follows_ziegler_and_resumes_exactly(model_dir: Path, tmp_path: Path) -> None:
     target, horizon = 1.0, 64
-    algorithm = {"name": "ppo", "critic": {"lr": 1e-2}, "kl": {"coef": 0.01, "where": "reward", "estimator": "k1"},
-                 "adaptive_kl_target": target, "adaptive_kl_horizon": horizon}
+    algorithm = {
+        "name": "ppo",
+        "critic": {"lr": 1e-2},
+        "kl": {"coef": 0.01, "where": "reward", "estimator": "k1"},
+        "adaptive_kl_target": target,
+        "adaptive_kl_horizon": horizon,
+    }
     recipe = make_recipe(model_dir, algorithm, steps=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -99,5 +119,13 @@ def test_adaptive_kl_follows_ziegler_and_resumes_exactly(model_dir: Path, tmp_pa
         resumed = train_step(s, 3)
     assert resumed is not None and records[2] is not None
     assert resumed["rollout_sha"] == records[2]["rollout_sha"] and resumed["kl_coef"] == records[2]["kl_coef"]
-    for key in ("kl_seq", "reward_mean", "value_ev", "value_mean", "vf_loss", "critic_grad_norm", "grad_norm"):
+    for key in (
+        "kl_seq",
+        "reward_mean",
+        "value_ev",
+        "value_mean",
+        "vf_loss",
+        "critic_grad_norm",
+        "grad_norm",
+    ):
         assert resumed[key] == pytest.approx(records[2][key], rel=1e-5), key  # rel 1e-5: see test_resume.py

@@ -35,13 +35,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def run_megatron_ppo(model_dir: Path, tmp_path: Path, spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def run_megatron_ppo(
+    model_dir: Path, tmp_path: Path, spec: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     out = tmp_path / "records.json"
     spec_args = [json.dumps(spec)] if spec else []
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
     start = time.time()
-    res = subprocess.run([sys.executable, str(HERE / "megatron_ppo_run.py"), str(model_dir), str(tmp_path / "run"),
-                          str(out), *spec_args], cwd=HERE.parents[1], env=run_env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "megatron_ppo_run.py"),
+            str(model_dir),
+            str(tmp_path / "run"),
+            str(out),
+            *spec_args,
+        ],
+        cwd=HERE.parents[1],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     result = json.loads(out.read_text())
     assert (result["engine"], result["critic"]) == ("MegatronTrainEngine", "MegatronCritic")
@@ -56,8 +71,7 @@ def test_ppo_on_megatron_reward_goes_up(model_dir: Path, tmp_path: Path) -> None
     records = run_megatron_ppo(model_dir, tmp_path)
     rewards = [r["reward_mean"] for r in records]
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
-    print("ppo (megatron)", [round(x, 3) for x in rewards],
-          [round(r["value_ev"], 3) for r in records])
+    print("ppo (megatron)", [round(x, 3) for x in rewards], [round(r["value_ev"], 3) for r in records])
     assert last > first + MARGIN, rewards
     assert all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in records[:WINDOW])
     assert all(r["skipped"] == 0 and r["critic_skipped"] == 0 for r in records)
@@ -77,11 +91,20 @@ def test_megatron_critic_explains_a_prompt_only_reward(model_dir: Path, tmp_path
     """test_ppo_learn.py's critic test on the megatron engine: the explained variance of a prompt-only reward
     by the values computed before each update must rise above 0.5 over the last steps. Measured (seed 3):
     -0.01, 0.02, 0.16, 0.31, 0.58, 0.83, 0.96, 0.87, 0.83, 0.95 (last 3: 0.88)."""
-    spec = {"algorithm": {"name": "ppo", "gamma": 1.0, "lam": 1.0, "critic": {"lr": 1e-2}}, "steps": EV_STEPS,
-            "updates": {"reward": {"fn": "tests.fixtures.toy_rewards:plus_prompt", "workers": 1},
-                        "data.arithmetic.ops": ["+", "-"], "data.batch_size": 8, "data.mini_batch_size": 4,
-                        "rollout.n": 2, "rollout.max_response_tokens": 6, "trainer.ppo_epochs": 2,
-                        "trainer.micro_batch_size": 8}}
+    spec = {
+        "algorithm": {"name": "ppo", "gamma": 1.0, "lam": 1.0, "critic": {"lr": 1e-2}},
+        "steps": EV_STEPS,
+        "updates": {
+            "reward": {"fn": "tests.fixtures.toy_rewards:plus_prompt", "workers": 1},
+            "data.arithmetic.ops": ["+", "-"],
+            "data.batch_size": 8,
+            "data.mini_batch_size": 4,
+            "rollout.n": 2,
+            "rollout.max_response_tokens": 6,
+            "trainer.ppo_epochs": 2,
+            "trainer.micro_batch_size": 8,
+        },
+    }
     ev = [r["value_ev"] for r in run_megatron_ppo(model_dir, tmp_path, spec)]
     print("value_ev (megatron)", [round(x, 3) for x in ev])
     assert max(ev[:2]) < 0.3, ev

@@ -20,9 +20,17 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def rlbridge(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rlbridge", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+def rlbridge(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlbridge", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +42,20 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "model": {"path": str(model_dir), "dtype": "float32"},
         "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
         "trainer": {"engine": "hf", "micro_batch_size": 4, "optim": {"lr": 1e-2}},
-        "rollout": {"engine": "hf", "n": 4, "max_prompt_tokens": 64, "max_response_tokens": 16, "weight_sync": "merged"},
+        "rollout": {
+            "engine": "hf",
+            "n": 4,
+            "max_prompt_tokens": 64,
+            "max_response_tokens": 16,
+            "weight_sync": "merged",
+        },
         "algorithm": {"name": "grpo", "kl": {"coef": 0.01}},
-        "data": {"train": {"path": "builtin:arithmetic"}, "val": {"path": "builtin:arithmetic"}, "batch_size": 2,
-                 "arithmetic": {"num_train": 20, "num_val": 4}},
+        "data": {
+            "train": {"path": "builtin:arithmetic"},
+            "val": {"path": "builtin:arithmetic"},
+            "batch_size": 2,
+            "arithmetic": {"num_train": 20, "num_val": 4},
+        },
         "reward": {"fn": "tests.fixtures.toy_rewards:length", "workers": 1},
         "run": {"steps": 2, "eval_samples": 4, "loggers": ["console", "jsonl", "tensorboard", "wandb"]},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
@@ -73,7 +91,10 @@ def test_status_and_loggers_of_a_real_run(run_dir: Path) -> None:
     from rlbridge.metrics.tensorboard import read_scalars
 
     tb = read_scalars(run_dir / "logs" / "tensorboard")
-    assert [s for s, _ in tb["train/reward_mean"]] == [1, 2] and [s for s, _ in tb["eval/eval_accuracy"]] == [0, 2]
+    assert [s for s, _ in tb["train/reward_mean"]] == [1, 2] and [s for s, _ in tb["eval/eval_accuracy"]] == [
+        0,
+        2,
+    ]
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if r["kind"] == "train"}
     assert all(abs(v - by_step[s]["reward_mean"]) < 1e-6 for s, v in tb["train/reward_mean"])

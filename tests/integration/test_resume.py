@@ -56,11 +56,21 @@ def recipe(model_dir: Path) -> dict[str, Any]:
         "model": {"path": str(model_dir), "dtype": "float32"},
         "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
         "trainer": {"engine": "hf", "micro_batch_size": 4, "optim": {"lr": 1e-2}},
-        "rollout": {"engine": "vllm", "n": 4, "max_prompt_tokens": 64, "max_response_tokens": 24,
-                    "weight_sync": "merged", "kv_cache_gib": 0.25},
+        "rollout": {
+            "engine": "vllm",
+            "n": 4,
+            "max_prompt_tokens": 64,
+            "max_response_tokens": 24,
+            "weight_sync": "merged",
+            "kv_cache_gib": 0.25,
+        },
         "algorithm": {"name": "grpo"},
-        "data": {"train": {"path": "builtin:arithmetic"}, "val": {"path": "builtin:arithmetic"}, "batch_size": 2,
-                 "arithmetic": {"num_train": 4, "num_val": 2}},  # 2 steps per epoch
+        "data": {
+            "train": {"path": "builtin:arithmetic"},
+            "val": {"path": "builtin:arithmetic"},
+            "batch_size": 2,
+            "arithmetic": {"num_train": 4, "num_val": 2},
+        },  # 2 steps per epoch
         "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
         "run": {"steps": STEPS, "save_every": 2, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
@@ -83,8 +93,14 @@ def start(args: list[str], log: Path, **fault: str) -> subprocess.Popen[bytes]:
         env.pop(key, None)
     env.update(fault)
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "rlbridge", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlbridge", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def run(args: list[str], log: Path) -> tuple[int, str]:
@@ -100,7 +116,9 @@ def wait_for(predicate: Any, proc: subprocess.Popen[bytes], what: str, log: Path
     deadline = time.monotonic() + TIMEOUT
     while not predicate():
         if proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"the run exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}"
+            )
         if time.monotonic() > deadline:
             kill_everything(proc)
             raise AssertionError(f"timed out waiting for {what}")
@@ -142,8 +160,11 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 
 def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Per-step train records without wall-clock timings: what must repeat exactly."""
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
-            for r in records(run_dir) if r["kind"] == "train"]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
+        for r in records(run_dir)
+        if r["kind"] == "train"
+    ]
 
 
 def evals(run_dir: Path) -> list[dict[str, Any]]:
@@ -155,8 +176,22 @@ def evals(run_dir: Path) -> list[dict[str, Any]]:
 # first step after a signal-test resume has deviated (grad_norm 1.6526626 and 1.6526544 vs 1.6526880) with
 # identical completions (see the module docstring). Trainer floats therefore get rel 1e-4 (the log-prob gaps
 # atol 2e-3); everything else is compared exactly.
-TRAINER_FLOATS = ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "kl", "kl_loss", "logprob_diff_mean",
-                  "logprob_diff_max", "ratio_min", "ratio_max", "ratio_mean", "clip_frac", "dual_clip_frac")
+TRAINER_FLOATS = (
+    "loss",
+    "pg_loss",
+    "grad_norm",
+    "entropy",
+    "approx_kl",
+    "kl",
+    "kl_loss",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+    "ratio_min",
+    "ratio_max",
+    "ratio_mean",
+    "clip_frac",
+    "dual_clip_frac",
+)
 
 
 LOGPROB_DIFFS = ("logprob_diff_mean", "logprob_diff_max")
@@ -174,15 +209,19 @@ def _close(a: Any, b: Any, key: str = "") -> bool:
 
 def assert_same_run(got: Path, want: Path) -> None:
     g, w = train_metrics(got), train_metrics(want)
-    assert [r["step"] for r in g] == list(range(1, STEPS + 1)), [r["step"] for r in g]  # no step twice or missing
+    assert [r["step"] for r in g] == list(range(1, STEPS + 1)), [
+        r["step"] for r in g
+    ]  # no step twice or missing
     identical = True
     for a, b in zip(g, w, strict=True):
         assert a.keys() == b.keys()
-        diff = {k: (a[k], b[k]) for k in a if not (_close(a[k], b[k], k) if k in TRAINER_FLOATS else a[k] == b[k])}
+        diff = {
+            k: (a[k], b[k]) for k in a if not (_close(a[k], b[k], k) if k in TRAINER_FLOATS else a[k] == b[k])
+        }
         assert not diff, diff
         if a != b:  # within tolerance, not bit-identical: say so in the test output
             identical = False
-            print(f"step {a['step']}: not bit-identical: {({k: (a[k], b[k]) for k in a if a[k] != b[k]})}")
+            print(f"step {a['step']}: not bit-identical: { ({k: (a[k], b[k]) for k in a if a[k] != b[k]}) }")
     assert evals(got) == evals(want)
     if not identical:
         print(f"checkpoints of both runs vs the reference: {checkpoint_gaps(got, want)}")
@@ -198,7 +237,12 @@ def assert_same_run(got: Path, want: Path) -> None:
             # to the reference against the tensor's norm: 1e-2 (the deviating runs' gradients differed by
             # ~2e-5 relative; steps 3 + 4 move each adapter by 13-45 % of its norm, so a lost or repeated
             # step is far outside it).
-            bad = [k for k in tg if float((tg[k].double() - tw[k].double()).norm()) > 1e-2 * float(tw[k].double().norm()) + 1e-8]
+            bad = [
+                k
+                for k in tg
+                if float((tg[k].double() - tw[k].double()).norm())
+                > 1e-2 * float(tw[k].double().norm()) + 1e-8
+            ]
         assert not bad, (group, bad[:5], {k: _rel_gap(tg[k], tw[k]) for k in bad[:5]})
 
 
@@ -214,8 +258,13 @@ def checkpoint_gaps(got: Path, want: Path) -> dict[str, float]:
         theirs = want / "checkpoints" / info.path.name
         if info.complete and theirs.is_dir():
             for group in ("trainable", "optimizer"):
-                a, b = load_file(str(info.path / f"{group}.safetensors")), load_file(str(theirs / f"{group}.safetensors"))
-                out[f"{info.path.name}/{group}"] = max((_rel_gap(a[k], b[k]) for k in a if k in b), default=float("nan"))
+                a, b = (
+                    load_file(str(info.path / f"{group}.safetensors")),
+                    load_file(str(theirs / f"{group}.safetensors")),
+                )
+                out[f"{info.path.name}/{group}"] = max(
+                    (_rel_gap(a[k], b[k]) for k in a if k in b), default=float("nan")
+                )
     return out
 
 
@@ -231,7 +280,8 @@ def reference(recipe_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 # ------------------------------------------------------------------------------------------- tests
 def test_kill_9_after_a_checkpoint_at_an_epoch_boundary_then_resume_is_exact(
-        recipe_file: Path, reference: Path, tmp_path: Path) -> None:
+    recipe_file: Path, reference: Path, tmp_path: Path
+) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "log.txt"
     proc = start(["train", str(recipe_file), "--run-dir", str(run_dir)], log)
     manifest = run_dir / "checkpoints" / "step_000002" / "manifest.json"
@@ -248,15 +298,22 @@ def test_kill_9_after_a_checkpoint_at_an_epoch_boundary_then_resume_is_exact(
     assert "step_000002 (step 2 of 4)" in tail
     assert tail.index("rollout weights v2 synced") < tail.index("step 3/4")  # synced before generating
     assert [r["weight_version"] for r in train_metrics(run_dir)] == [1, 2, 3, 4]  # continues, no reset
-    assert [r["data_epoch"] for r in train_metrics(run_dir)] == [r["data_epoch"] for r in train_metrics(reference)]
+    assert [r["data_epoch"] for r in train_metrics(run_dir)] == [
+        r["data_epoch"] for r in train_metrics(reference)
+    ]
     assert_same_run(run_dir, reference)
 
 
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
-        recipe_file: Path, reference: Path, tmp_path: Path) -> None:
+    recipe_file: Path, reference: Path, tmp_path: Path
+) -> None:
     run_dir, log, marker = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker"
-    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.save_every=1"], log,
-                 RLBRIDGE_FAULT_PAUSE="checkpoint-files#2:300", RLBRIDGE_FAULT_MARKER=str(marker))
+    proc = start(
+        ["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.save_every=1"],
+        log,
+        RLBRIDGE_FAULT_PAUSE="checkpoint-files#2:300",
+        RLBRIDGE_FAULT_MARKER=str(marker),
+    )
     wait_for(marker_has(marker, "checkpoint-files 2"), proc, "the middle of the step-2 save", log)
     kill_everything(proc)
     root = run_dir / "checkpoints"
@@ -274,10 +331,24 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
 def test_signal_during_the_update_saves_and_exits_with_the_resume_hint(
-        recipe_file: Path, reference: Path, tmp_path: Path, how: str) -> None:
+    recipe_file: Path, reference: Path, tmp_path: Path, how: str
+) -> None:
     run_dir, log, marker = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker"
-    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.steps=3",
-                  "--set", "run.save_every=0"], log, RLBRIDGE_FAULT_PAUSE="update#2:8", RLBRIDGE_FAULT_MARKER=str(marker))
+    proc = start(
+        [
+            "train",
+            str(recipe_file),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "run.steps=3",
+            "--set",
+            "run.save_every=0",
+        ],
+        log,
+        RLBRIDGE_FAULT_PAUSE="update#2:8",
+        RLBRIDGE_FAULT_MARKER=str(marker),
+    )
     wait_for(marker_has(marker, "update 2"), proc, "the update of step 2", log)
     workers = descendants(proc)
     if how == "SIGTERM":
@@ -292,7 +363,10 @@ def test_signal_during_the_update_saves_and_exits_with_the_resume_hint(
     assert rc == (143 if how == "SIGTERM" else 130), out[-5000:]
     sig = "SIGTERM" if how == "SIGTERM" else "SIGINT"
     assert f"{sig}: finishing the current phase" in out
-    assert f"stopped by {sig} after step 2" in out and f"resume with: rlbridge resume {run_dir}" in out.replace("\n", " ")
+    assert (
+        f"stopped by {sig} after step 2" in out
+        and f"resume with: rlbridge resume {run_dir}" in out.replace("\n", " ")
+    )
     assert [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete] == [2]
     assert [r["step"] for r in train_metrics(run_dir)] == [1, 2]
     _, alive = psutil.wait_procs(workers, timeout=30)

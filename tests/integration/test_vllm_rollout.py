@@ -154,7 +154,10 @@ class TestMergedEngine:
     def test_same_seed_same_tokens(self, engine: Any) -> None:
         """generate(seed=s) re-seeds the workers' sampler: the RNG state left by earlier calls does not
         matter (what a resumed run relies on); another seed samples other tokens."""
-        version, prompts = engine.weight_version, [*PROMPTS, *(p[:-1] + [40 + i] for i, p in enumerate(PROMPTS))]
+        version, prompts = (
+            engine.weight_version,
+            [*PROMPTS, *(p[:-1] + [40 + i] for i, p in enumerate(PROMPTS))],
+        )
         first = engine.generate(prompts, SAMPLE, expect_version=version, seed=123)
         for _ in range(4):  # 8 of 15 repeats differed while vLLM's engine core ran in its own process
             engine.generate(prompts, SAMPLE, expect_version=version)  # moves the sampler's RNG on

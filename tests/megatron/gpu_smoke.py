@@ -39,7 +39,9 @@ def main() -> int:
     args.add_argument("--pp", type=int, default=1)
     args.add_argument("--suite", choices=["layout", "recompute", "mbridge"], default="layout")
     args.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2", help="--suite mbridge: llama is tied")
+    args.add_argument(
+        "--arch", choices=["qwen2", "llama"], default="qwen2", help="--suite mbridge: llama is tied"
+    )
     opts = args.parse_args()
     import torch
     import torch.distributed as dist
@@ -111,7 +113,12 @@ def main() -> int:
             "peft_vs_trainer": 1e-4,
         }
         if opts.dtype == "bfloat16":
-            limits = {"logits_vs_hf": 3e-2, "logprobs_vs_f64": 0.1, "merged_vs_trainer": 3e-2, "peft_vs_trainer": 3e-2}
+            limits = {
+                "logits_vs_hf": 3e-2,
+                "logprobs_vs_f64": 0.1,
+                "merged_vs_trainer": 3e-2,
+                "peft_vs_trainer": 3e-2,
+            }
         ok = all(checks[k] < limits.get(k, 0.5) for k in checks)
         results.update(checks=checks, limits=limits, ok=ok, tp=opts.tp, pp=opts.pp, dtype=opts.dtype)
         print(json.dumps(results), flush=True)
@@ -147,12 +154,27 @@ def mbridge_check(model_dir: str, arch: str, tp: int, pp: int, rank: int, start:
     }
     limits = {"logits_vs_hf": 1e-5, "merged_vs_trainer": 1e-4}
     ok = all(checks[k] < limits.get(k, 0.5) for k in checks)
-    print(json.dumps({
-        "suite": "mbridge", "arch": arch, "tp": tp, "pp": pp, "versions": compat.versions(),
-        "model_type_stand_in": not isinstance(mbridge.core.util.ModelType, type),  # compat's, not the enum
-        "sets": cpu["sets"], "grad_norms": [s["grad_norm"] for s in cpu["steps"]],
-        "checks": checks, "limits": limits, "ok": ok, "seconds": time.time() - start,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "suite": "mbridge",
+                "arch": arch,
+                "tp": tp,
+                "pp": pp,
+                "versions": compat.versions(),
+                "model_type_stand_in": not isinstance(
+                    mbridge.core.util.ModelType, type
+                ),  # compat's, not the enum
+                "sets": cpu["sets"],
+                "grad_norms": [s["grad_norm"] for s in cpu["steps"]],
+                "checks": checks,
+                "limits": limits,
+                "ok": ok,
+                "seconds": time.time() - start,
+            }
+        ),
+        flush=True,
+    )
     return ok
 
 

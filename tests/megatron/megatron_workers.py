@@ -512,8 +512,13 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") 
     from rlbridge.engines.megatron.critic import HEAD, MegatronCritic
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    recipe = make_recipe(qwen, model={"dtype": dtype}, lora=lora(rank) if rank else {"rank": 0}, trainer=trainer(tp=tp),
-                         algorithm={"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}})
+    recipe = make_recipe(
+        qwen,
+        model={"dtype": dtype},
+        lora=lora(rank) if rank else {"rank": 0},
+        trainer=trainer(tp=tp),
+        algorithm={"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}},
+    )
     engine = MegatronTrainEngine(recipe)
     batch = ragged_batch()
     policy_before = engine.logprobs(batch)
@@ -524,8 +529,13 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") 
     critic.set_head(weight, bias)
     values = critic.values(batch)
     returns = torch.randn(values.shape, generator=g) * batch.response_mask
-    value_fn = make_value_loss_fn(recipe.algorithm.critic, values, returns, batch.response_mask,  # type: ignore[arg-type]
-                                  micro_scale=2.0)
+    value_fn = make_value_loss_fn(
+        recipe.algorithm.critic,
+        values,
+        returns,
+        batch.response_mask,  # type: ignore[arg-type]
+        micro_scale=2.0,
+    )
     grads: dict[str, torch.Tensor] = {}
     apply = critic.optimizer.step_with_ready_grads
 
@@ -538,9 +548,16 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") 
     critic.optimizer.step_with_ready_grads = capture  # type: ignore[method-assign]
     metrics = critic.train_step(batch, value_fn, num_micro_batches=2)
     return {
-        "batch": batch_dict(batch), "weight": weight, "bias": bias, "values": values, "head_grads": grads,
-        "metrics": metrics, "values_after": critic.values(batch), "policy_before": policy_before,
-        "policy_after": engine.logprobs(batch), "trainable": sorted(critic.trainable_state()),
+        "batch": batch_dict(batch),
+        "weight": weight,
+        "bias": bias,
+        "values": values,
+        "head_grads": grads,
+        "metrics": metrics,
+        "values_after": critic.values(batch),
+        "policy_before": policy_before,
+        "policy_after": engine.logprobs(batch),
+        "trainable": sorted(critic.trainable_state()),
         "dtypes": {n: str(p.dtype) for n, p in critic._trainable},
     }
 
@@ -576,8 +593,9 @@ def _main_params(engine: Any) -> dict[str, torch.Tensor]:
     model parameter (Float16OptimizerWithFloat16Params), the parameter itself where there is none."""
     mains: dict[int, torch.Tensor] = {}
     for sub in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        for model_group, main_group in zip(getattr(sub, "float16_groups", []),
-                                           getattr(sub, "fp32_from_float16_groups", []), strict=True):
+        for model_group, main_group in zip(
+            getattr(sub, "float16_groups", []), getattr(sub, "fp32_from_float16_groups", []), strict=True
+        ):
             mains.update({id(p): m for p, m in zip(model_group, main_group, strict=True)})
     return {n: mains.get(id(p), p) for n, p in engine._trainable}
 
@@ -588,27 +606,41 @@ def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float
     and the main weights before / after three steps of a tiny lr (full fine-tuning by default)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    engine = MegatronTrainEngine(make_recipe(qwen, model={"dtype": dtype}, lora=lora(rank) if rank else {"rank": 0},
-                                             trainer=trainer(optim={"lr": lr, "clip_grad": None})))
+    engine = MegatronTrainEngine(
+        make_recipe(
+            qwen,
+            model={"dtype": dtype},
+            lora=lora(rank) if rank else {"rank": 0},
+            trainer=trainer(optim={"lr": lr, "clip_grad": None}),
+        )
+    )
     ragged = ragged_batch()
     subs = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
     from megatron.core.utils import unwrap_model
 
     layer = unwrap_model(engine.model)[-1].output_layer
     weight = layer.weight.detach()
-    hidden = (torch.randn(3, 2, weight.shape[1], generator=torch.Generator().manual_seed(0)) * 2).to(weight.dtype)
+    hidden = (torch.randn(3, 2, weight.shape[1], generator=torch.Generator().manual_seed(0)) * 2).to(
+        weight.dtype
+    )
     with torch.no_grad():
         head_out = layer(hidden)[0]
-    res_head = {"head_dtype": str(head_out.dtype), "head_out": head_out.detach().float(),
-                "head_exact": hidden.double() @ weight.double().T}
-    res: dict[str, Any] = {**res_head,
+    res_head = {
+        "head_dtype": str(head_out.dtype),
+        "head_out": head_out.detach().float(),
+        "head_exact": hidden.double() @ weight.double().T,
+    }
+    res: dict[str, Any] = {
+        **res_head,
         "optimizers": [type(s).__name__ for s in subs],
         "model_dtypes": sorted({str(p.dtype) for _, p in engine._trainable}),
         "batch_ragged": batch_dict(ragged),
         "logprobs": engine.logprobs(ragged),
         "main_before": {n: m.detach().clone() for n, m in _main_params(engine).items()},
     }
-    res["steps"] = [engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(3)]
+    res["steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(3)
+    ]
     mains = _main_params(engine)
     res["main_after"] = {n: m.detach().clone() for n, m in mains.items()}
     states = [s.optimizer.state[m] for s in subs for m in mains.values() if m in s.optimizer.state]

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def runs(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, dict[str, Any]]:
-    return {dtype: run_workers("precision_suite", 1, qwen=tiny_dirs["qwen2"], dtype=dtype)[0]
-            for dtype in ("float32", "bfloat16")}
+    return {
+        dtype: run_workers("precision_suite", 1, qwen=tiny_dirs["qwen2"], dtype=dtype)[0]
+        for dtype in ("float32", "bfloat16")
+    }
 
 
 def update(res: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -32,7 +34,9 @@ def update(res: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def test_bf16_model_has_float32_main_weights_and_moments(runs: dict[str, dict[str, Any]]) -> None:
     bf16 = runs["bfloat16"]
-    print("optimizers:", bf16["optimizers"], "model:", bf16["model_dtypes"], "moments:", bf16["moment_dtypes"])
+    print(
+        "optimizers:", bf16["optimizers"], "model:", bf16["model_dtypes"], "moments:", bf16["moment_dtypes"]
+    )
     assert bf16["optimizers"] == ["Float16OptimizerWithFloat16Params"]
     assert bf16["model_dtypes"] == ["torch.bfloat16"]
     assert {str(t.dtype) for t in bf16["main_after"].values()} == {"torch.float32"}
@@ -44,17 +48,24 @@ def test_bf16_tiny_lr_steps_move_like_float32(runs: dict[str, dict[str, Any]]) -
     assert all(s["skipped"] == 0.0 for r in runs.values() for s in r["steps"])
     d16, d32 = update(runs["bfloat16"]), update(runs["float32"])
     assert d16.keys() == d32.keys()
-    err = (sum(float((d16[n] - d32[n]).norm()) ** 2 for n in d32) / sum(float(d.norm()) ** 2 for d in d32.values())) ** 0.5
+    err = (
+        sum(float((d16[n] - d32[n]).norm()) ** 2 for n in d32)
+        / sum(float(d.norm()) ** 2 for d in d32.values())
+    ) ** 0.5
     print(f"bf16 main-weight update vs float32: rel error {err:.3f}")
     assert err < 0.3
 
 
-def test_bf16_logprobs_are_float32_and_near_float64(runs: dict[str, dict[str, Any]], tiny_dirs: dict[str, str]) -> None:
+def test_bf16_logprobs_are_float32_and_near_float64(
+    runs: dict[str, dict[str, Any]], tiny_dirs: dict[str, str]
+) -> None:
     res = runs["bfloat16"]
     batch = seq_batch(res["batch_ragged"])
     got = res["logprobs"]
     assert got.dtype == torch.float32
-    diff = (got.double() - response_logprobs_f64(load_hf(tiny_dirs["qwen2"]), batch)).abs()[batch.response_mask > 0]
+    diff = (got.double() - response_logprobs_f64(load_hf(tiny_dirs["qwen2"]), batch)).abs()[
+        batch.response_mask > 0
+    ]
     print(f"bf16 log-probs vs float64 HF: mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
     assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.3
 

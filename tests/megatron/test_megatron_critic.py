@@ -45,7 +45,9 @@ def hf_values(model_dir: str, res: dict[str, Any]) -> torch.Tensor:
     return out
 
 
-def test_values_match_hf_hidden_states_times_the_head(critic_tp1: dict[str, Any], tiny_dirs: dict[str, str]) -> None:
+def test_values_match_hf_hidden_states_times_the_head(
+    critic_tp1: dict[str, Any], tiny_dirs: dict[str, str]
+) -> None:
     want = hf_values(tiny_dirs["qwen2"], critic_tp1)
     got = critic_tp1["values"]
     mask = seq_batch(critic_tp1["batch"]).response_mask > 0
@@ -77,8 +79,9 @@ def test_critic_step_trains_adapters_and_head_only(critic_tp1: dict[str, Any]) -
     torch.testing.assert_close(critic_tp1["policy_after"], critic_tp1["policy_before"], rtol=0, atol=0)
 
 
-def test_tp2_equals_tp1_and_head_gradients_agree(critic_tp1: dict[str, Any], tiny_dirs: dict[str, str],
-                                                 run_workers: Any) -> None:
+def test_tp2_equals_tp1_and_head_gradients_agree(
+    critic_tp1: dict[str, Any], tiny_dirs: dict[str, str], run_workers: Any
+) -> None:
     ranks = run_workers("critic_suite", 2, timeout=150, qwen=tiny_dirs["qwen2"], tp=2)
     mask = seq_batch(critic_tp1["batch"]).response_mask > 0
     for res in ranks:
@@ -87,8 +90,12 @@ def test_tp2_equals_tp1_and_head_gradients_agree(critic_tp1: dict[str, Any], tin
         assert err < TOL
         for name, grad in critic_tp1["head_grads"].items():
             assert rel(res["head_grads"][name], grad) < 1e-4, name
-        assert res["metrics"]["critic_grad_norm"] == pytest.approx(critic_tp1["metrics"]["critic_grad_norm"], rel=1e-4)
-    for name in critic_tp1["head_grads"]:  # replicated hidden states: the very same head gradient on each TP rank
+        assert res["metrics"]["critic_grad_norm"] == pytest.approx(
+            critic_tp1["metrics"]["critic_grad_norm"], rel=1e-4
+        )
+    for name in critic_tp1[
+        "head_grads"
+    ]:  # replicated hidden states: the very same head gradient on each TP rank
         assert torch.equal(ranks[0]["head_grads"][name], ranks[1]["head_grads"][name]), name
     torch.testing.assert_close(ranks[0]["values_after"], ranks[1]["values_after"], rtol=0, atol=0)
 
@@ -104,13 +111,16 @@ def test_ppo_role_update_data_parallel_2_equals_1(tiny_dirs: dict[str, str], run
     m1, m2 = one["metrics"], two[0]["metrics"]
     assert m1["critic_grad_norm"] > 0 and m1["critic_skipped"] == 0
     assert abs(m1["critic_grad_norm"] - m2["critic_grad_norm"]) < 1e-5 * m1["critic_grad_norm"], (m1, m2)
-    for name, tensor in one["critic_after"].items():  # two Adam steps of lr 1e-2: float32 summation order only
+    for name, tensor in one[
+        "critic_after"
+    ].items():  # two Adam steps of lr 1e-2: float32 summation order only
         for r in two:
             torch.testing.assert_close(r["critic_after"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_bfloat16_model_keeps_a_float32_head(critic_tp1: dict[str, Any], tiny_dirs: dict[str, str],
-                                             run_workers: Any) -> None:
+def test_bfloat16_model_keeps_a_float32_head(
+    critic_tp1: dict[str, Any], tiny_dirs: dict[str, str], run_workers: Any
+) -> None:
     """model.dtype bfloat16: megatron's Float16Module casts the whole model, the value head stays float32 (and
     megatron's mixed-precision optimizer steps it as an fp32 parameter); values within bf16 noise of float32's."""
     res = run_workers("critic_suite", 1, qwen=tiny_dirs["qwen2"], dtype="bfloat16")[0]

@@ -100,8 +100,12 @@ def test_trainer_role_data_parallel_2_equals_1(tiny_dirs: dict[str, str], run_wo
     two = run_workers("role_update_suite", 2, qwen=tiny_dirs["qwen2"])
     assert one["dp"] == 1 and [r["dp"] for r in two] == [2, 2]
     torch.testing.assert_close(torch.cat([r["logprobs_share"] for r in two]), one["logprobs_share"])
-    assert abs(one["metrics"]["grad_norm"] - two[0]["metrics"]["grad_norm"]) < 1e-5 * one["metrics"]["grad_norm"]
+    assert (
+        abs(one["metrics"]["grad_norm"] - two[0]["metrics"]["grad_norm"]) < 1e-5 * one["metrics"]["grad_norm"]
+    )
     for name, tensor in one["after"].items():  # both replicas hold the single replica's adapters
-        for r in two:  # two Adam steps of lr 1e-2 (each moves an element up to 1e-2): float32 summation order only
+        for r in (
+            two
+        ):  # two Adam steps of lr 1e-2 (each moves an element up to 1e-2): float32 summation order only
             torch.testing.assert_close(r["after"][name], tensor, rtol=1e-4, atol=1e-5)
     assert one["metrics"]["grad_norm"] > 0 and one["metrics"]["skipped"] == 0

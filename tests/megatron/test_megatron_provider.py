@@ -139,8 +139,15 @@ def test_provider_gets_the_models_rope_theta(tmp_path: Any, run_workers: Any) ->
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rope_theta=1e6,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
     got = run_workers("provider_rope", 1, model_dir=str(tmp_path / "m"))[0]
     assert got["rotary_base"] == 1e6

@@ -79,8 +79,14 @@ def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         env.pop(key, None)
     with open(log, "ab") as out:
         out.write(f"\n===== rlbridge {' '.join(args)}\n".encode())
-        return subprocess.Popen([sys.executable, "-m", "rlbridge", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlbridge", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def run_to_end(args: list[str], log: Path) -> int:
@@ -113,8 +119,11 @@ def differences(got: Path, want: Path) -> list[str]:
     if [r["step"] for r in g] != list(range(1, STEPS + 1)):
         out.append(f"train steps {[r['step'] for r in g]}")
     for a, b in zip(g, w, strict=False):  # trainer floats: rel 1e-4 (see tests/integration/test_resume.py)
-        diff = {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys()
-                if not (_close(a.get(k), b.get(k)) if k in TRAINER_FLOATS else a.get(k) == b.get(k))}
+        diff = {
+            k: (a.get(k), b.get(k))
+            for k in a.keys() | b.keys()
+            if not (_close(a.get(k), b.get(k)) if k in TRAINER_FLOATS else a.get(k) == b.get(k))
+        }
         if diff:
             out.append(f"step {a.get('step')}: {diff}")
     if evals(got) != evals(want):
@@ -183,23 +192,39 @@ def kill_delay(rng: random.Random, seconds: float, startup: float) -> float:
     return rng.uniform(0, seconds) if rng.random() < 0.5 else rng.uniform(startup, seconds)
 
 
-def trial(index: int, recipe_file: Path, reference: Path, ref_seconds: float, startup: float, work: Path,
-          rng: random.Random, kills: int) -> Trial:
+def trial(
+    index: int,
+    recipe_file: Path,
+    reference: Path,
+    ref_seconds: float,
+    startup: float,
+    work: Path,
+    rng: random.Random,
+    kills: int,
+) -> Trial:
     t = Trial(index)
     start_t = time.monotonic()
     run_dir, log = work / f"trial-{index:03d}", work / f"trial-{index:03d}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
     for _ in range(kills):
         has_ckpt = any(i.complete for i in ckpt.list_checkpoints(run_dir))
-        args = ["resume", str(run_dir)] if has_ckpt else ["train", str(recipe_file), "--run-dir", str(run_dir)]
+        args = (
+            ["resume", str(run_dir)] if has_ckpt else ["train", str(recipe_file), "--run-dir", str(run_dir)]
+        )
         if not has_ckpt and run_dir.exists():  # killed before the first checkpoint: start over
             shutil.rmtree(run_dir)
             t.restarts_from_scratch += 1
         delay = kill_delay(rng, ref_seconds, startup)
         rc = run_and_kill(args, log, delay)
         left = [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete]
-        t.kills.append({"command": args[0], "delay_s": round(delay, 2), "finished_first": rc is not None,
-                        "complete_checkpoints": left})
+        t.kills.append(
+            {
+                "command": args[0],
+                "delay_s": round(delay, 2),
+                "finished_first": rc is not None,
+                "complete_checkpoints": left,
+            }
+        )
         if rc is not None and rc != 0:
             t.problems.append(f"{args[0]} exited {rc} before the kill")
         t.problems += [f"after kill {len(t.kills)}: {b}" for b in broken_checkpoints(run_dir)]
@@ -209,13 +234,17 @@ def trial(index: int, recipe_file: Path, reference: Path, ref_seconds: float, st
         has_ckpt = any(i.complete for i in ckpt.list_checkpoints(run_dir))
         if not has_ckpt:
             shutil.rmtree(run_dir, ignore_errors=True)
-        args = ["resume", str(run_dir)] if has_ckpt else ["train", str(recipe_file), "--run-dir", str(run_dir)]
+        args = (
+            ["resume", str(run_dir)] if has_ckpt else ["train", str(recipe_file), "--run-dir", str(run_dir)]
+        )
         rc = run_to_end(args, log)
         if rc != 0:
             t.problems.append(f"final {args[0]} exited {rc}")
     if not t.problems:
         t.problems += differences(run_dir, reference) + broken_checkpoints(run_dir)
-        leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".old-"))]
+        leftovers = [
+            p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".old-"))
+        ]
         if leftovers:  # the last save of a finished run removes what killed saves left
             t.problems.append(f"leftover save directories: {leftovers}")
     t.seconds = round(time.monotonic() - start_t, 1)
@@ -228,19 +257,29 @@ def soak(trials: int, kills: int, seed: int, work: Path, report: Any = print) ->
     work.mkdir(parents=True, exist_ok=True)
     recipe_file = write_recipe(work)
     reference, ref_seconds, startup = reference_run(recipe_file, work)
-    report(f"uninterrupted run: {ref_seconds:.1f} s, of which start-up {startup:.1f} s; kill delays drawn "
-           f"uniformly from [0, {ref_seconds:.1f}) s or (half of them) [{startup:.1f}, {ref_seconds:.1f}) s")
+    report(
+        f"uninterrupted run: {ref_seconds:.1f} s, of which start-up {startup:.1f} s; kill delays drawn "
+        f"uniformly from [0, {ref_seconds:.1f}) s or (half of them) [{startup:.1f}, {ref_seconds:.1f}) s"
+    )
     rng = random.Random(seed)
     results = []
     for i in range(trials):
         t = trial(i, recipe_file, reference, ref_seconds, startup, work, rng, kills)
         results.append(t)
-        report(f"trial {i}: {'ok' if t.ok else 'FAILED'} in {t.seconds} s; kills "
-               + ", ".join(f"{k['command']}@{k['delay_s']}s->{k['complete_checkpoints']}"
-                           + (" (finished first)" if k["finished_first"] else "") for k in t.kills)
-               + (f"; problems: {t.problems}" if t.problems else ""))
+        report(
+            f"trial {i}: {'ok' if t.ok else 'FAILED'} in {t.seconds} s; kills "
+            + ", ".join(
+                f"{k['command']}@{k['delay_s']}s->{k['complete_checkpoints']}"
+                + (" (finished first)" if k["finished_first"] else "")
+                for k in t.kills
+            )
+            + (f"; problems: {t.problems}" if t.problems else "")
+        )
     summary = {
-        "trials": trials, "passed": sum(t.ok for t in results), "seed": seed, "reference_seconds": ref_seconds,
+        "trials": trials,
+        "passed": sum(t.ok for t in results),
+        "seed": seed,
+        "reference_seconds": ref_seconds,
         "startup_seconds": startup,
         "kills": sum(1 for t in results for k in t.kills if not k["finished_first"]),
         "restarts_from_scratch": sum(t.restarts_from_scratch for t in results),

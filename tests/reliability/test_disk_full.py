@@ -39,8 +39,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     root = run / ckpt.CHECKPOINTS
     root.mkdir(parents=True)
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(root)],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot mount a tmpfs to fill up ({e}); run as root")
     if proc.returncode != 0:
@@ -60,7 +64,9 @@ def files_under(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-def test_save_that_runs_out_of_space_fails_cleanly_and_keeps_the_previous_checkpoint(small_disk: Path) -> None:
+def test_save_that_runs_out_of_space_fails_cleanly_and_keeps_the_previous_checkpoint(
+    small_disk: Path,
+) -> None:
     run, root = small_disk, small_disk / ckpt.CHECKPOINTS
     ckpt.save_checkpoint(run, 1, tensors=tensors(1), state={"step": 1}, recipe_yaml="a: 1\n", keep=3)
     assert ckpt.verify_checkpoint(root / "step_000001") is None
@@ -69,7 +75,9 @@ def test_save_that_runs_out_of_space_fails_cleanly_and_keeps_the_previous_checkp
         ckpt.save_checkpoint(run, 2, tensors=tensors(6), state={"step": 2}, recipe_yaml="a: 1\n", keep=3)
     msg = str(info.value)
     assert msg.startswith("disk full: no space left on the device of") and str(root) in msg, msg
-    assert "MiB free now" in msg and "step_000001, is untouched" in msg and "nothing of step 2 was kept" in msg
+    assert (
+        "MiB free now" in msg and "step_000001, is untouched" in msg and "nothing of step 2 was kept" in msg
+    )
     # safetensors reports ENOSPC as a SafetensorError, not an OSError: both are recognised
     assert type(info.value.__cause__).__name__ in ("SafetensorError", "OSError")
     assert files_under(root) == ["step_000001"]  # no step_000002, no .tmp-step_000002-<pid> left behind
@@ -97,22 +105,35 @@ class Trainer:
     def checkpoint_support(self) -> str | None:
         return None
 
-    def save_checkpoint(self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str,
-                        keep: int) -> dict[str, Any]:
-        path = ckpt.save_checkpoint(Path(run_dir), step, tensors=tensors(self.mib.pop(0)), state=state,
-                                    recipe_yaml=recipe_yaml, keep=keep)
+    def save_checkpoint(
+        self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
+    ) -> dict[str, Any]:
+        path = ckpt.save_checkpoint(
+            Path(run_dir),
+            step,
+            tensors=tensors(self.mib.pop(0)),
+            state=state,
+            recipe_yaml=recipe_yaml,
+            keep=keep,
+        )
         return {"path": str(path), "bytes": 0, "seconds": 0.0, "notes": []}
 
 
-def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(small_disk: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("rlbridge.run.resume.resolved_yaml", lambda recipe: "a: 1\n")
     written: list[dict[str, Any]] = []
     session = SimpleNamespace(
-        trainer=Trainer([1, 6]), started_trainer=lambda: session.trainer, run_dir=small_disk, version=1, kl_control=None,
+        trainer=Trainer([1, 6]),
+        started_trainer=lambda: session.trainer,
+        run_dir=small_disk,
+        version=1,
+        kl_control=None,
         recipe=SimpleNamespace(run=SimpleNamespace(save_every=1, keep=3)),
         sampler=SimpleNamespace(state=lambda: {"epoch": 0, "index": 0}),
-        metrics=SimpleNamespace(write=written.append))
+        metrics=SimpleNamespace(write=written.append),
+    )
     saver = Checkpointer(session, StopSignals(), log=lambda msg: None)  # type: ignore[arg-type]
     saver.save(1)
     with pytest.raises(RlbridgeError) as info:

@@ -24,10 +24,26 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rlbridge"
 
 UNSAFE_CALLS = {
-    "torch.load", "pickle.load", "pickle.loads", "pickle.Unpickler", "cPickle.load", "cPickle.loads",
-    "cloudpickle.load", "cloudpickle.loads", "dill.load", "dill.loads", "joblib.load", "marshal.load",
-    "marshal.loads", "yaml.unsafe_load", "yaml.full_load", "yaml.unsafe_load_all", "yaml.full_load_all",
-    "shelve.open", "pandas.read_pickle", "pd.read_pickle",
+    "torch.load",
+    "pickle.load",
+    "pickle.loads",
+    "pickle.Unpickler",
+    "cPickle.load",
+    "cPickle.loads",
+    "cloudpickle.load",
+    "cloudpickle.loads",
+    "dill.load",
+    "dill.loads",
+    "joblib.load",
+    "marshal.load",
+    "marshal.loads",
+    "yaml.unsafe_load",
+    "yaml.full_load",
+    "yaml.unsafe_load_all",
+    "yaml.full_load_all",
+    "shelve.open",
+    "pandas.read_pickle",
+    "pd.read_pickle",
 }
 NUMPY_LOADS = {"np.load", "numpy.load"}
 YAML_LOADS = {"yaml.load", "yaml.load_all"}
@@ -76,7 +92,9 @@ def unsafe_loads(source: str, filename: str = "<src>") -> list[str]:
 def test_no_pickle_or_unsafe_yaml_on_any_load_path() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 30
-    found = [hit for f in files for hit in unsafe_loads(f.read_text(encoding="utf-8"), str(f.relative_to(ROOT)))]
+    found = [
+        hit for f in files for hit in unsafe_loads(f.read_text(encoding="utf-8"), str(f.relative_to(ROOT)))
+    ]
     assert not found, "unpickling / unsafe YAML loads in rlbridge/:\n" + "\n".join(found)
 
 
@@ -97,7 +115,13 @@ yaml.load(text, Loader=yaml.SafeLoader)
 yaml.safe_load(text)
 """
     assert [h.split(": ", 1)[1] for h in unsafe_loads(planted)] == [
-        "torch.load(...)", "pk.loads(...)", "np.load(...)", "jl(...)", "yaml.load(...)", "yaml.load(...)"]
+        "torch.load(...)",
+        "pk.loads(...)",
+        "np.load(...)",
+        "jl(...)",
+        "yaml.load(...)",
+        "yaml.load(...)",
+    ]
 
 
 def ray_init_calls() -> list[tuple[str, ast.Call]]:
@@ -115,4 +139,6 @@ def test_ray_dashboard_is_off_in_every_ray_init() -> None:
     assert any(where.startswith("rlbridge/cluster/ray_cluster.py") for where, _ in calls)
     for where, call in calls:
         dash = {k.arg: k.value for k in call.keywords}.get("include_dashboard")
-        assert isinstance(dash, ast.Constant) and dash.value is False, f"{where}: ray.init without include_dashboard=False"
+        assert isinstance(dash, ast.Constant) and dash.value is False, (
+            f"{where}: ray.init without include_dashboard=False"
+        )

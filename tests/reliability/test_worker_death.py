@@ -114,8 +114,9 @@ def find_actor(proc: subprocess.Popen[bytes], cls: str) -> psutil.Process:
     return found[0]
 
 
-def stop_after_kill(proc: subprocess.Popen[bytes], victim: psutil.Process, tag: str, log: Path,
-                    error: str) -> tuple[int, dict[str, float]]:
+def stop_after_kill(
+    proc: subprocess.Popen[bytes], victim: psutil.Process, tag: str, log: Path, error: str
+) -> tuple[int, dict[str, float]]:
     """SIGKILL `victim`; returns the driver's exit code and the seconds from the kill until `error` was in the
     log ("error"), until the driver exited ("exit") and until every process of the run was gone ("gone").
     Fails on a hang or on processes left behind."""
@@ -172,11 +173,17 @@ ACTORS = {  # which: (Ray actor class, fault point where it is killed, its marke
 
 @pytest.mark.parametrize("which", list(ACTORS))
 def test_a_killed_worker_stops_the_run_within_seconds_and_it_resumes(
-        recipe_file: Path, tmp_path: Path, which: str) -> None:
+    recipe_file: Path, tmp_path: Path, which: str
+) -> None:
     cls, point, reached = ACTORS[which]
     run_dir, log, marker, tag = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker", uuid.uuid4().hex
-    proc = start(["train", str(recipe_file), "--run-dir", str(run_dir)], log,
-                 RLBRIDGE_FAULT_PAUSE=f"reward#10:300,{point}:300", RLBRIDGE_FAULT_MARKER=str(marker), **{TAG: tag})
+    proc = start(
+        ["train", str(recipe_file), "--run-dir", str(run_dir)],
+        log,
+        RLBRIDGE_FAULT_PAUSE=f"reward#10:300,{point}:300",
+        RLBRIDGE_FAULT_MARKER=str(marker),
+        **{TAG: tag},
+    )
     try:
         reward_s = kill_reward_worker(proc, marker, log)
         wait_for(marker_has(marker, reached), proc, f"the {which} at {point}", log)
@@ -187,9 +194,11 @@ def test_a_killed_worker_stops_the_run_within_seconds_and_it_resumes(
     finally:
         kill_everything(proc)
     out = log.read_text(errors="replace")
-    print(f"\n{which}: SIGKILL of the reward worker at reward#10: reward error {reward_s:.1f} s after, the run went on; "
-          f"SIGKILL of ray::{cls} at {point}: error printed {t['error']:.1f} s after, driver exit {rc} {t['exit']:.1f} s, "
-          f"every process of the run gone {t['gone']:.1f} s; left behind: 0")
+    print(
+        f"\n{which}: SIGKILL of the reward worker at reward#10: reward error {reward_s:.1f} s after, the run went on; "
+        f"SIGKILL of ray::{cls} at {point}: error printed {t['error']:.1f} s after, driver exit {rc} {t['exit']:.1f} s, "
+        f"every process of the run gone {t['gone']:.1f} s; left behind: 0"
+    )
     assert rc == 1, out[-5000:]
     assert f"error: {which} worker died" in out and f"class_name: {cls}" in out, out[-5000:]
     assert f"(step 1) with: rlbridge resume {run_dir}\n" in out, out[-5000:]

@@ -31,18 +31,27 @@ def tensors(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
             "layer.0.lora_A": torch.randn(2, 6, generator=g, dtype=torch.float32).to(torch.bfloat16),
             "layer.0.lora_B": torch.randn(6, 2, generator=g),
             "tied.a": base,
-            "tied.b": base[1:3],        # a view sharing storage with tied.a
-            "transposed": base.t(),     # non-contiguous, same storage again
+            "tied.b": base[1:3],  # a view sharing storage with tied.a
+            "transposed": base.t(),  # non-contiguous, same storage again
             "empty": torch.empty(0, 3),
         },
-        "optimizer": {"layer.0.lora_B:step": torch.tensor(7, dtype=torch.int64),
-                      "layer.0.lora_B:exp_avg": torch.randn(6, 2, generator=g, dtype=torch.float64)},
+        "optimizer": {
+            "layer.0.lora_B:step": torch.tensor(7, dtype=torch.int64),
+            "layer.0.lora_B:exp_avg": torch.randn(6, 2, generator=g, dtype=torch.float64),
+        },
     }
 
 
 def save(run_dir: Path, step: int, *, keep: int = 3, seed: int = 0, **kw: object) -> Path:
-    return ck.save_checkpoint(run_dir, step, tensors=tensors(seed), state={"data": {"index": step}},
-                              recipe_yaml=RECIPE, keep=keep, **kw)  # type: ignore[arg-type]
+    return ck.save_checkpoint(
+        run_dir,
+        step,
+        tensors=tensors(seed),
+        state={"data": {"index": step}},
+        recipe_yaml=RECIPE,
+        keep=keep,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -69,13 +78,20 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
             assert torch.equal(raw(got), raw(t)), name  # bit-exact, NaN payloads and -0.0 included
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 12 and manifest["versions"]["torch"] == importlib.metadata.version("torch")
-    assert set(manifest["files"]) == {"trainable.safetensors", "optimizer.safetensors", "state.json", "recipe.yaml"}
+    assert set(manifest["files"]) == {
+        "trainable.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "recipe.yaml",
+    }
     assert manifest["recipe_sha256"] == manifest["files"]["recipe.yaml"]["sha256"]
     assert ck.verify_checkpoint(path) is None
     assert step_dirs(tmp_path) == ["step_000012"]  # no temp dirs left
 
 
-def test_crash_before_manifest_leaves_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_before_manifest_leaves_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     good = save(tmp_path, 10)
 
     def crash(tmp: Path, manifest: dict[str, object]) -> None:
@@ -103,10 +119,14 @@ def test_crash_replacing_same_step_keeps_old(tmp_path: Path, monkeypatch: pytest
         save(tmp_path, 10, seed=1)
     monkeypatch.setattr(ck.os, "rename", real_rename)
     assert step_dirs(tmp_path) == ["step_000010"]
-    assert torch.equal(ck.load_checkpoint(path).tensors["trainable"]["tied.a"], tensors(0)["trainable"]["tied.a"])
+    assert torch.equal(
+        ck.load_checkpoint(path).tensors["trainable"]["tied.a"], tensors(0)["trainable"]["tied.a"]
+    )
     save(tmp_path, 10, seed=1)  # a successful replace
     assert step_dirs(tmp_path) == ["step_000010"]
-    assert torch.equal(ck.load_checkpoint(path).tensors["trainable"]["tied.a"], tensors(1)["trainable"]["tied.a"])
+    assert torch.equal(
+        ck.load_checkpoint(path).tensors["trainable"]["tied.a"], tensors(1)["trainable"]["tied.a"]
+    )
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -121,21 +141,34 @@ def _edit_manifest(path: Path, edit: object) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize(("damage", "reason"), [
-    (lambda p: (p / "trainable.safetensors").write_bytes((p / "trainable.safetensors").read_bytes()[:-9]),
-     r"trainable.safetensors: size \d+ bytes, manifest says \d+ \(truncated"),
-    (lambda p: _flip_byte(p / "optimizer.safetensors", -3), r"optimizer.safetensors: sha256 mismatch"),
-    (lambda p: (p / "manifest.json").unlink(), r"no manifest.json \(save interrupted\?\)"),
-    (lambda p: (p / "manifest.json").write_text("{"), r"manifest.json is not valid JSON"),
-    (lambda p: (p / "trainable.safetensors").unlink(), r"missing trainable.safetensors"),
-    (lambda p: _edit_manifest(p, lambda m: m["files"]["state.json"].update(sha256="0" * 64)),
-     r"state.json: sha256 mismatch"),
-    (lambda p: _edit_manifest(p, lambda m: m.update(step=99)), r"manifest.json says step 99"),
-    (lambda p: _edit_manifest(p, lambda m: m["files"].pop("optimizer.safetensors")),
-     r"optimizer.safetensors: not listed in manifest.json"),
-    (lambda p: _edit_manifest(p, lambda m: m["files"].update({"../x": {"size": 1, "sha256": ""}})),
-     r"outside the checkpoint"),
-])
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (
+            lambda p: (p / "trainable.safetensors").write_bytes(
+                (p / "trainable.safetensors").read_bytes()[:-9]
+            ),
+            r"trainable.safetensors: size \d+ bytes, manifest says \d+ \(truncated",
+        ),
+        (lambda p: _flip_byte(p / "optimizer.safetensors", -3), r"optimizer.safetensors: sha256 mismatch"),
+        (lambda p: (p / "manifest.json").unlink(), r"no manifest.json \(save interrupted\?\)"),
+        (lambda p: (p / "manifest.json").write_text("{"), r"manifest.json is not valid JSON"),
+        (lambda p: (p / "trainable.safetensors").unlink(), r"missing trainable.safetensors"),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["files"]["state.json"].update(sha256="0" * 64)),
+            r"state.json: sha256 mismatch",
+        ),
+        (lambda p: _edit_manifest(p, lambda m: m.update(step=99)), r"manifest.json says step 99"),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["files"].pop("optimizer.safetensors")),
+            r"optimizer.safetensors: not listed in manifest.json",
+        ),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["files"].update({"../x": {"size": 1, "sha256": ""}})),
+            r"outside the checkpoint",
+        ),
+    ],
+)
 def test_damage_is_detected_and_skipped(tmp_path: Path, damage: object, reason: str) -> None:
     good = save(tmp_path, 10)
     bad = save(tmp_path, 20, seed=1)
@@ -179,17 +212,22 @@ def test_retention_keeps_the_newest_complete(tmp_path: Path) -> None:
 
 def test_stale_tmp_dirs_are_removed(tmp_path: Path) -> None:
     save(tmp_path, 10)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     root = tmp_path / "checkpoints"
     (root / f".tmp-step_000020-{dead_pid}").mkdir()
     (root / f".tmp-step_000020-{dead_pid}" / "trainable.safetensors").write_bytes(b"partial")
     (root / f".tmp-step_000030-{os.getppid()}").mkdir()  # owned by a live process: left alone
-    (root / f".old-step_000005-{dead_pid}").mkdir()      # a replace interrupted between renames: restored
+    (root / f".old-step_000005-{dead_pid}").mkdir()  # a replace interrupted between renames: restored
     save(tmp_path, 20, keep=5)
-    assert step_dirs(tmp_path) == [f".tmp-step_000030-{os.getppid()}", "step_000005", "step_000010",
-                                   "step_000020"]
+    assert step_dirs(tmp_path) == [
+        f".tmp-step_000030-{os.getppid()}",
+        "step_000005",
+        "step_000010",
+        "step_000020",
+    ]
 
 
 def test_rng_round_trip_reproduces_draws() -> None:
@@ -198,8 +236,11 @@ def test_rng_round_trip_reproduces_draws() -> None:
     state = json.loads(json.dumps(rng.rng_state()))
 
     def draws() -> tuple[list[float], list[float], list[float]]:
-        return ([random.random(), random.gauss(0, 1)], np.random.standard_normal(3).tolist(),
-                torch.randn(3).tolist())
+        return (
+            [random.random(), random.gauss(0, 1)],
+            np.random.standard_normal(3).tolist(),
+            torch.randn(3).tolist(),
+        )
 
     first = draws()
     draws()
@@ -209,25 +250,37 @@ def test_rng_round_trip_reproduces_draws() -> None:
         rng.set_rng_state({"python": state["python"]})
 
 
-NEW = "name: t\nlora: {rank: 32, alpha: 32}\nrun: {steps: 20, seed: 1, keep: 3, eval_every: 5}\ndata: {x: 1}\n"
+NEW = (
+    "name: t\nlora: {rank: 32, alpha: 32}\nrun: {steps: 20, seed: 1, keep: 3, eval_every: 5}\ndata: {x: 1}\n"
+)
 
 
 def test_recipe_diff_and_resume_compatibility() -> None:
     assert policy.recipe_diff(RECIPE, RECIPE) == []
-    assert policy.recipe_diff(RECIPE, NEW) == [("lora.rank", 16, 32), ("run.steps", 10, 20),
-                                           ("run.eval_every", policy.MISSING, 5), ("data", policy.MISSING, {"x": 1})]
-    assert policy.recipe_diff("a: 1", "a: 1.0") == [] and policy.recipe_diff("a: 1", "a: true") == [("a", 1, True)]
+    assert policy.recipe_diff(RECIPE, NEW) == [
+        ("lora.rank", 16, 32),
+        ("run.steps", 10, 20),
+        ("run.eval_every", policy.MISSING, 5),
+        ("data", policy.MISSING, {"x": 1}),
+    ]
+    assert policy.recipe_diff("a: 1", "a: 1.0") == [] and policy.recipe_diff("a: 1", "a: true") == [
+        ("a", 1, True)
+    ]
     problems = policy.check_resume_compatible(RECIPE, NEW)
     assert len(problems) == 2
-    assert problems[0].startswith("lora.rank changed from 16 to 32") and "Set lora.rank back to 16" in problems[0]
-    assert problems[1].startswith("data changed from (absent) to {\"x\": 1}")
+    assert (
+        problems[0].startswith("lora.rank changed from 16 to 32")
+        and "Set lora.rank back to 16" in problems[0]
+    )
+    assert problems[1].startswith('data changed from (absent) to {"x": 1}')
     assert policy.check_resume_compatible(RECIPE, RECIPE.replace("steps: 10", "steps: 50")) == []
     assert policy.is_resume_safe("run.health.max_skips") and not policy.is_resume_safe("run.seed")
     assert not policy.is_resume_safe("run.stepsize")
 
 
-@pytest.mark.parametrize("rel", ["", "..", "../x", "a/../../x", "/etc/passwd", "a/../..", "C:/x", "\\\\srv\\x",
-                                 "link/x", "link"])
+@pytest.mark.parametrize(
+    "rel", ["", "..", "../x", "a/../../x", "/etc/passwd", "a/../..", "C:/x", "\\\\srv\\x", "link/x", "link"]
+)
 def test_safe_join_refuses_escapes(tmp_path: Path, rel: str) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -45,7 +45,9 @@ def test_every_shipped_recipe_validates(recipe: Path) -> None:
     if "gsm8k" in recipe.read_text() and not GSM8K.is_dir():
         pytest.skip(f"GSM8K not found at {GSM8K} (set RLBRIDGE_GSM8K_DIR)")
     header = list(itertools.takewhile(lambda line: line.startswith("#"), recipe.read_text().splitlines()))
-    assert recipe.read_text().startswith("#") and any("# Run:" in line for line in header), "the header needs a '# Run:' line"
+    assert recipe.read_text().startswith("#") and any("# Run:" in line for line in header), (
+        "the header needs a '# Run:' line"
+    )
     args = ["validate-recipe", str(recipe)]
     for s in recipe_sets(recipe):
         args += ["--set", s]
@@ -56,12 +58,25 @@ def test_every_shipped_recipe_validates(recipe: Path) -> None:
 
 
 def test_invalid_recipe_exit_2_with_json_errors(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["validate-recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "trainer.micro_batch_size=3",
-                              "--set", "rollout.nn=2", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "validate-recipe",
+            str(ROOT / "recipes" / "quickstart.yaml"),
+            "--set",
+            "trainer.micro_batch_size=3",
+            "--set",
+            "rollout.nn=2",
+            "--json",
+        ],
+    )
     assert res.exit_code == 2
     errors = json.loads(res.stdout)["errors"]
     assert {e["key"] for e in errors} == {"trainer.micro_batch_size", "rollout.nn"}
-    res = runner.invoke(app, ["validate-recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "trainer.micro_batch_size=3"])
+    res = runner.invoke(
+        app,
+        ["validate-recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "trainer.micro_batch_size=3"],
+    )
     assert res.exit_code == 2 and "trainer.micro_batch_size" in res.output and "Traceback" not in res.output
 
 
@@ -74,10 +89,23 @@ def test_plan_json_has_layout_batches_memory() -> None:
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
     assert (plan["dp"], plan["tp"], len(plan["trainer_ranks"])) == (4, 2, 8)
-    assert plan["trainer_ranks"][3] == {"rank": 3, "node": 0, "local": 3, "dp": 1, "tp": 1, "pp": 0, "cp": 0, "ep": 0, "etp": 0}
+    assert plan["trainer_ranks"][3] == {
+        "rank": 3,
+        "node": 0,
+        "local": 3,
+        "dp": 1,
+        "tp": 1,
+        "pp": 0,
+        "cp": 0,
+        "ep": 0,
+        "etp": 0,
+    }
     assert plan["batches"]["rollouts_per_step"] == 256
     mem = plan["memory"]
-    assert mem["trainable_params"] < mem["total_params"] / 100 and mem["trainer_total"] < mem["full_ft_trainer_total"]
+    assert (
+        mem["trainable_params"] < mem["total_params"] / 100
+        and mem["trainer_total"] < mem["full_ft_trainer_total"]
+    )
 
 
 def test_schema_is_json() -> None:
@@ -88,7 +116,9 @@ def test_schema_is_json() -> None:
 def test_console_script_and_fast_import() -> None:
     """The light commands must not import torch/vllm/ray/transformers (heavy imports live in one module each)."""
     code = "import sys, rlbridge.cli, rlbridge.plan, rlbridge.recipe; print(sorted(m for m in ('torch','vllm','ray','transformers','megatron') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"
     res = subprocess.run([sys.executable, "-m", "rlbridge", "--version"], capture_output=True, text=True)
     assert res.returncode == 0 and "rlbridge" in res.stdout
@@ -110,10 +140,21 @@ def test_a_failure_after_a_checkpoint_says_how_to_resume(tmp_path: Path) -> None
 
     assert failure(RlbridgeError("rollout worker died: x")) == "rollout worker died: x"  # nothing saved yet
     for step in (1, 2):
-        ck.save_checkpoint(tmp_path, step, tensors={"trainable": {"w": torch.zeros(2)}}, state={}, recipe_yaml="a: 1\n", keep=3)
+        ck.save_checkpoint(
+            tmp_path,
+            step,
+            tensors={"trainable": {"w": torch.zeros(2)}},
+            state={},
+            recipe_yaml="a: 1\n",
+            keep=3,
+        )
     (tmp_path / "checkpoints" / "step_000002" / "manifest.json").unlink()  # step 2 incomplete
     assert failure(RlbridgeError("rollout worker died: x")) == (
         f"rollout worker died: x\nthe run stops; resume from {tmp_path / 'checkpoints' / 'step_000001'} (step 1) "
-        f"with: rlbridge resume {tmp_path}")
-    assert failure(RlbridgeError(f"disk full; resume with: rlbridge resume {tmp_path}")).count("rlbridge resume") == 1
+        f"with: rlbridge resume {tmp_path}"
+    )
+    assert (
+        failure(RlbridgeError(f"disk full; resume with: rlbridge resume {tmp_path}")).count("rlbridge resume")
+        == 1
+    )
     assert "resume" not in failure(RecipeError([]))

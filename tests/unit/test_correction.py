@@ -49,10 +49,17 @@ CONFIGS: list[dict[str, Any]] = [
     {"mask_band": [0.5, 2.0]},
     {"mask_band": [0.0, 1.5]},
     {"mask_band": [0.7, 1.4], "mask_level": "sequence"},
-    *({"reject": {"divergence": d, "level": lv, "threshold": th}}
-      for d, th in (("k1", 0.4), ("k2", 0.08), ("k3", 0.08))
-      for lv in ("token", "sequence_mean", "sequence_max")),
-    {"weights": "token", "clamp_high": 2.0, "mask_band": [0.25, 4.0], "reject": {"divergence": "k3", "level": "sequence_max", "threshold": 0.5}},
+    *(
+        {"reject": {"divergence": d, "level": lv, "threshold": th}}
+        for d, th in (("k1", 0.4), ("k2", 0.08), ("k3", 0.08))
+        for lv in ("token", "sequence_mean", "sequence_max")
+    ),
+    {
+        "weights": "token",
+        "clamp_high": 2.0,
+        "mask_band": [0.25, 4.0],
+        "reject": {"divergence": "k3", "level": "sequence_max", "threshold": 0.5},
+    },
     {"weights": "sequence", "clamp_high": 1.5, "mask_band": [0.5, 3.0], "mask_level": "sequence"},
 ]
 
@@ -65,9 +72,19 @@ def _case(rng: random.Random) -> tuple[Grid, Grid, Mask]:
     """Trainer and rollout log-probs of a ragged batch: mostly small gaps, some large, a few beyond +-20."""
     b, t = rng.randint(1, 6), rng.randint(1, 7)
     trainer = [[rng.uniform(-6, 0) for _ in range(t)] for _ in range(b)]
+
     def gap() -> float:
         u = rng.random()
-        return 0.0 if u < 0.1 else rng.gauss(0, 0.2) if u < 0.6 else rng.gauss(0, 1.0) if u < 0.95 else rng.uniform(-25, 25)
+        return (
+            0.0
+            if u < 0.1
+            else rng.gauss(0, 0.2)
+            if u < 0.6
+            else rng.gauss(0, 1.0)
+            if u < 0.95
+            else rng.uniform(-25, 25)
+        )
+
     rollout = [[x - gap() for x in row] for row in trainer]
     return trainer, rollout, _ragged_mask(rng, b, t)
 
@@ -94,8 +111,11 @@ def ref_keep(cfg: RolloutCorrectionCfg, trainer: Grid, rollout: Grid, mask: Mask
     out = []
     for i, row in enumerate(mask):
         seq_lw = _seq_lw(trainer, rollout, mask, i)
-        divs = [_div(_clamp(trainer[i][j] - rollout[i][j]), cfg.reject.divergence) if cfg.reject else 0.0
-                for j in range(len(row)) if row[j]]
+        divs = [
+            _div(_clamp(trainer[i][j] - rollout[i][j]), cfg.reject.divergence) if cfg.reject else 0.0
+            for j in range(len(row))
+            if row[j]
+        ]
         keep_row = []
         for j, m in enumerate(row):
             if not m:
@@ -147,7 +167,11 @@ def ref_metrics(cfg: RolloutCorrectionCfg, trainer: Grid, rollout: Grid, mask: M
         return dict.fromkeys(C.METRIC_KEYS, 0.0)
     lw = {(i, j): _clamp(trainer[i][j] - rollout[i][j]) for i, j in toks}
     seq_lw = {i: _seq_lw(trainer, rollout, mask, i) for i in seqs}
-    units = [math.exp(lw[k]) for k in toks] if cfg.weights in ("none", "token") else [math.exp(seq_lw[i]) for i in seqs]
+    units = (
+        [math.exp(lw[k]) for k in toks]
+        if cfg.weights in ("none", "token")
+        else [math.exp(seq_lw[i]) for i in seqs]
+    )
     n = len(units)
     mean = sum(units) / n
     keep = ref_keep(cfg, trainer, rollout, mask)
@@ -157,16 +181,23 @@ def ref_metrics(cfg: RolloutCorrectionCfg, trainer: Grid, rollout: Grid, mask: M
         low, high = cfg.mask_band
         low_frac = sum(1 for u in band_units if math.exp(u) < low) / len(band_units)
         high_frac = sum(1 for u in band_units if math.exp(u) > high) / len(band_units)
-    t_ppl = sum(-sum(trainer[i][j] for j, m in enumerate(mask[i]) if m) / sum(mask[i]) for i in seqs) / len(seqs)
-    r_ppl = sum(-sum(rollout[i][j] for j, m in enumerate(mask[i]) if m) / sum(mask[i]) for i in seqs) / len(seqs)
+    t_ppl = sum(-sum(trainer[i][j] for j, m in enumerate(mask[i]) if m) / sum(mask[i]) for i in seqs) / len(
+        seqs
+    )
+    r_ppl = sum(-sum(rollout[i][j] for j, m in enumerate(mask[i]) if m) / sum(mask[i]) for i in seqs) / len(
+        seqs
+    )
     return {
         "rc_weight_mean": mean,
         "rc_weight_std": math.sqrt(sum((u - mean) ** 2 for u in units) / n),
         "rc_weight_min": min(units),
         "rc_weight_max": max(units),
         "rc_ess": sum(units) ** 2 / (n * sum(u * u for u in units)),
-        "rc_clip_high_frac": (sum(1 for u in units if u > cfg.clamp_high) / n
-                              if cfg.weights != "none" and cfg.clamp_high is not None else 0.0),
+        "rc_clip_high_frac": (
+            sum(1 for u in units if u > cfg.clamp_high) / n
+            if cfg.weights != "none" and cfg.clamp_high is not None
+            else 0.0
+        ),
         "rc_mask_low_frac": low_frac,
         "rc_mask_high_frac": high_frac,
         "rc_masked_token_frac": sum(1 for i, j in toks if not keep[i][j]) / len(toks),
@@ -188,8 +219,14 @@ def test_factor_matches_loop_reference(seed: int, cfg: dict[str, Any]) -> None: 
         trainer, rollout, mask = _case(rng)
         got = C.loss_factor(rc, _tensor(trainer, mask), _tensor(rollout, mask), torch.tensor(mask))
         assert got is not None and got.dtype == F64
-        _assert_close(got, _flat(ref_factor(rc, trainer, rollout, mask)), seed, f"trial {trial} factor",
-                      rtol=FACTOR_RTOL, atol=0.0)
+        _assert_close(
+            got,
+            _flat(ref_factor(rc, trainer, rollout, mask)),
+            seed,
+            f"trial {trial} factor",
+            rtol=FACTOR_RTOL,
+            atol=0.0,
+        )
 
 
 @pytest.mark.parametrize("cfg", [{}, *CONFIGS], ids=lambda c: _ids(c) or "defaults")
@@ -225,7 +262,9 @@ def test_metrics_hand_values() -> None:
 def test_defaults_change_nothing_and_agreement_is_neutral() -> None:
     """The default section gives no factor (the loss is bit-for-bit today's); equal log-probs give weight 1, ESS 1,
     k3 = chi2 = 0 and nothing masked, whatever the settings."""
-    assert C.loss_factor(RolloutCorrectionCfg(), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)) is None
+    assert (
+        C.loss_factor(RolloutCorrectionCfg(), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)) is None
+    )
     lp = -torch.rand(3, 4, dtype=F64)
     mask = torch.ones(3, 4)
     for cfg in CONFIGS:
@@ -233,11 +272,19 @@ def test_defaults_change_nothing_and_agreement_is_neutral() -> None:
         f = C.loss_factor(rc, lp, lp, mask)
         assert f is not None and torch.equal(f, torch.ones_like(f)), cfg
         m = C.metrics(rc, lp, lp, mask)
-        assert (m["rc_weight_mean"], m["rc_ess"], m["rc_kl_k3"], m["rc_chi2"], m["rc_masked_token_frac"]) == (1, 1, 0, 0, 0)
+        assert (m["rc_weight_mean"], m["rc_ess"], m["rc_kl_k3"], m["rc_chi2"], m["rc_masked_token_frac"]) == (
+            1,
+            1,
+            0,
+            0,
+            0,
+        )
 
 
 def test_empty_batch_metrics_are_zero() -> None:
-    m = C.metrics(RolloutCorrectionCfg(weights="token"), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
+    m = C.metrics(
+        RolloutCorrectionCfg(weights="token"), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3)
+    )
     assert m == dict.fromkeys(C.METRIC_KEYS, 0.0)
 
 
@@ -264,8 +311,15 @@ def test_weighted_policy_loss_matches_loop_reference(seed: int, agg: AggMode, le
         )  # fmt: skip
         loss.backward()
         assert logp.grad is not None
-        scaled = PolicyCase(case.old, case.logp, [[a * x for a, x in zip(ar, wr, strict=True)] for ar, wr in zip(case.adv, w, strict=True)],
-                            case.mask, case.clip_low, case.clip_high, case.dual_clip)
+        scaled = PolicyCase(
+            case.old,
+            case.logp,
+            [[a * x for a, x in zip(ar, wr, strict=True)] for ar, wr in zip(case.adv, w, strict=True)],
+            case.mask,
+            case.clip_low,
+            case.clip_high,
+            case.dual_clip,
+        )
         want_loss, want_grad, _ = ref_policy(scaled, agg, level)
         _, _, want_metrics = ref_policy(case, agg, level)
         what = f"trial {trial} {agg} {level}"
@@ -275,7 +329,9 @@ def test_weighted_policy_loss_matches_loop_reference(seed: int, agg: AggMode, le
             _assert_close(metrics[key], value, seed, f"{what} {key}")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 @pytest.mark.parametrize("on_policy", [True, False])
 def test_loss_closure_weights_each_micro_batch_exactly(mode: str, on_policy: bool) -> None:
     """make_loss_fn with a correction: micro-batch shares still sum to the full-batch loss (rel 1e-12), and the full
@@ -286,11 +342,17 @@ def test_loss_closure_weights_each_micro_batch_exactly(mode: str, on_policy: boo
         trainer, rollout, mask_l = _case(rng)
     mask = torch.tensor(mask_l, dtype=F64)
     b = mask.shape[0]
-    logp = torch.where(mask > 0, torch.tensor(trainer, dtype=F64) + 0.03 * torch.randn(mask.shape, dtype=F64), 0.0)
+    logp = torch.where(
+        mask > 0, torch.tensor(trainer, dtype=F64) + 0.03 * torch.randn(mask.shape, dtype=F64), 0.0
+    )
     adv = torch.randn(mask.shape, dtype=F64) * mask
     old = None if on_policy else torch.where(mask > 0, torch.tensor(trainer, dtype=F64), 0.0)
     roll = torch.where(mask > 0, torch.tensor(rollout, dtype=F64), 0.0)
-    cfg = {"weights": "token", "mask_band": [0.3, 3.0], "reject": {"divergence": "k3", "level": "sequence_max", "threshold": 1.0}}
+    cfg = {
+        "weights": "token",
+        "mask_band": [0.3, 3.0],
+        "reject": {"divergence": "k3", "level": "sequence_max", "threshold": 1.0},
+    }
     algo = GrpoCfg.model_validate({"loss_agg": mode, "rollout_correction": cfg})
     fn = make_loss_fn(algo, LossInputs(adv, mask, old, None, roll), norm_constant=9.0)
     full = fn(logp, torch.zeros_like(logp), torch.arange(b))[0]
@@ -299,8 +361,16 @@ def test_loss_closure_weights_each_micro_batch_exactly(mode: str, on_policy: boo
     trainer_lp = logp if on_policy else old
     assert trainer_lp is not None
     factor = ref_factor(algo.rollout_correction, trainer_lp.tolist(), roll.tolist(), mask_l)
-    want, _ = policy_loss(logp, logp if old is None else old, adv, mask, clip_low=0.2, clip_high=0.2, agg=mode,  # type: ignore[arg-type]
-                          weight_bt=torch.tensor(factor, dtype=F64))
+    want, _ = policy_loss(
+        logp,
+        logp if old is None else old,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        agg=mode,  # type: ignore[arg-type]
+        weight_bt=torch.tensor(factor, dtype=F64),
+    )
     if mode == "seq-mean-token-sum-norm":
         want = want * mask.shape[1] / 9.0
     torch.testing.assert_close(full, want, rtol=1e-12, atol=1e-15)
@@ -315,7 +385,12 @@ def test_health_problems_name_the_key() -> None:
     assert len(low) == 1 and "run.health.is_weight_range" in low[0]
     both = C.health_problems(h, {"rc_weight_mean": 2.5, "rc_ess": 0.2})
     assert len(both) == 2 and "run.health.min_ess" in both[1]
-    assert C.health_problems(HealthCfg(is_weight_range=(0.1, 10.0), min_ess=0.1), {"rc_weight_mean": 2.5, "rc_ess": 0.2}) == []
+    assert (
+        C.health_problems(
+            HealthCfg(is_weight_range=(0.1, 10.0), min_ess=0.1), {"rc_weight_mean": 2.5, "rc_ess": 0.2}
+        )
+        == []
+    )
 
 
 def test_loop_warns_by_default_and_stops_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -324,8 +399,14 @@ def test_loop_warns_by_default_and_stops_when_asked(capsys: pytest.CaptureFixtur
     from rlbridge.recipe.schema import Recipe
 
     def recipe(**health: Any) -> Recipe:
-        return Recipe.model_validate({"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}},
-                                      "run": {"health": health}})
+        return Recipe.model_validate(
+            {
+                "name": "t",
+                "model": {"path": "x"},
+                "data": {"train": {"path": "builtin:arithmetic"}},
+                "run": {"health": health},
+            }
+        )
 
     bad = {"rc_weight_mean": 3.0, "rc_ess": 0.9}
     check_mismatch(recipe(), {"rc_weight_mean": 1.0, "rc_ess": 0.9}, 1)
@@ -335,30 +416,44 @@ def test_loop_warns_by_default_and_stops_when_asked(capsys: pytest.CaptureFixtur
         check_mismatch(recipe(on_mismatch="stop"), bad, 3)
 
 
-
 # ---------------------------------------------------------------------------------------- the recipe
 RC = "algorithm.rollout_correction"
 
 
-@pytest.mark.parametrize(("sets", "key", "fragment"), [
-    ([f"{RC}.bypass=true", f"{RC}.weights=token"], f"{RC}.weights", "bypass takes the old log-probs"),
-    ([f"{RC}.bypass=true", f"{RC}.mask_band=[0.5,2]"], f"{RC}.mask_band", "set algorithm.rollout_correction.bypass: false"),
-    ([f"{RC}.bypass=true", f"{RC}.reject.threshold=0.1"], f"{RC}.reject", "bypass"),
-    ([f"{RC}.clamp_high=3"], f"{RC}.clamp_high", "weights is none"),
-    ([f"{RC}.mask_level=sequence"], f"{RC}.mask_level", "no mask_band"),
-    ([f"{RC}.mask_band=[1.1,2]"], f"{RC}.mask_band", "low < 1 < high"),
-    ([f"{RC}.weights=token", f"{RC}.clamp_high=3", f"{RC}.mask_band=[0.5,2]"], f"{RC}.clamp_high", "below 2"),
-    ([f"{RC}.weights=tokens"], f"{RC}.weights", "token"),
-    ([f"{RC}.reject.divergence=k3"], f"{RC}.reject.threshold", ""),
-    ([f"{RC}.clamp_high=0.5", f"{RC}.weights=token"], f"{RC}.clamp_high", ""),
-    (["run.health.is_weight_range=[1.2,2]"], "run.health.is_weight_range", "[0.5, 2.0]"),
-])
-def test_recipe_rejects_contradictions_with_a_fix(tmp_path: Any, sets: list[str], key: str, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("sets", "key", "fragment"),
+    [
+        ([f"{RC}.bypass=true", f"{RC}.weights=token"], f"{RC}.weights", "bypass takes the old log-probs"),
+        (
+            [f"{RC}.bypass=true", f"{RC}.mask_band=[0.5,2]"],
+            f"{RC}.mask_band",
+            "set algorithm.rollout_correction.bypass: false",
+        ),
+        ([f"{RC}.bypass=true", f"{RC}.reject.threshold=0.1"], f"{RC}.reject", "bypass"),
+        ([f"{RC}.clamp_high=3"], f"{RC}.clamp_high", "weights is none"),
+        ([f"{RC}.mask_level=sequence"], f"{RC}.mask_level", "no mask_band"),
+        ([f"{RC}.mask_band=[1.1,2]"], f"{RC}.mask_band", "low < 1 < high"),
+        (
+            [f"{RC}.weights=token", f"{RC}.clamp_high=3", f"{RC}.mask_band=[0.5,2]"],
+            f"{RC}.clamp_high",
+            "below 2",
+        ),
+        ([f"{RC}.weights=tokens"], f"{RC}.weights", "token"),
+        ([f"{RC}.reject.divergence=k3"], f"{RC}.reject.threshold", ""),
+        ([f"{RC}.clamp_high=0.5", f"{RC}.weights=token"], f"{RC}.clamp_high", ""),
+        (["run.health.is_weight_range=[1.2,2]"], "run.health.is_weight_range", "[0.5, 2.0]"),
+    ],
+)
+def test_recipe_rejects_contradictions_with_a_fix(
+    tmp_path: Any, sets: list[str], key: str, fragment: str
+) -> None:
     from rlbridge.errors import RecipeError
     from rlbridge.recipe import validate_recipe
 
     f = tmp_path / "r.yaml"
-    f.write_text("name: t\nmodel: {path: x}\ndata: {train: {path: 'builtin:arithmetic'}}\nreward: {fn: arithmetic}\nalgorithm: {name: grpo}\n")
+    f.write_text(
+        "name: t\nmodel: {path: x}\ndata: {train: {path: 'builtin:arithmetic'}}\nreward: {fn: arithmetic}\nalgorithm: {name: grpo}\n"
+    )
     with pytest.raises(RecipeError) as e:
         validate_recipe(f, sets, model_checks=False)
     found = [i for i in e.value.issues if i.key == key]
@@ -366,17 +461,27 @@ def test_recipe_rejects_contradictions_with_a_fix(tmp_path: Any, sets: list[str]
     assert fragment in f"{found[0].message} {found[0].fix}", str(found[0])
 
 
-@pytest.mark.parametrize("sets", [
-    [],
-    [f"{RC}.weights=token"],
-    [f"{RC}.weights=sequence", f"{RC}.clamp_high=null", f"{RC}.mask_band=[0.5,2.0]", f"{RC}.mask_level=sequence"],
-    [f"{RC}.reject.divergence=k1", f"{RC}.reject.level=sequence_max", f"{RC}.reject.threshold=0.5"],
-    [f"{RC}.bypass=true"],
-    ["run.health.on_mismatch=stop", "run.health.min_ess=0.5", "run.health.is_weight_range=[0.8,1.25]"],
-])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        [f"{RC}.weights=token"],
+        [
+            f"{RC}.weights=sequence",
+            f"{RC}.clamp_high=null",
+            f"{RC}.mask_band=[0.5,2.0]",
+            f"{RC}.mask_level=sequence",
+        ],
+        [f"{RC}.reject.divergence=k1", f"{RC}.reject.level=sequence_max", f"{RC}.reject.threshold=0.5"],
+        [f"{RC}.bypass=true"],
+        ["run.health.on_mismatch=stop", "run.health.min_ess=0.5", "run.health.is_weight_range=[0.8,1.25]"],
+    ],
+)
 def test_recipe_accepts_the_documented_settings(tmp_path: Any, sets: list[str]) -> None:
     from rlbridge.recipe import validate_recipe
 
     f = tmp_path / "r.yaml"
-    f.write_text("name: t\nmodel: {path: x}\ndata: {train: {path: 'builtin:arithmetic'}}\nreward: {fn: arithmetic}\nalgorithm: {name: grpo}\n")
+    f.write_text(
+        "name: t\nmodel: {path: x}\ndata: {train: {path: 'builtin:arithmetic'}}\nreward: {fn: arithmetic}\nalgorithm: {name: grpo}\n"
+    )
     validate_recipe(f, sets, model_checks=False)

@@ -26,12 +26,26 @@ from tests.unit.test_correction import ref_factor
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
 RESPONSES = [[10, 11, 30, 31], [12, 13, 14], [15, 40, 41, 42, 43], [16, 17]]
-CORRECTION = {"weights": "token", "clamp_high": 2.0, "mask_band": [0.3, 3.0],
-              "reject": {"divergence": "k3", "level": "token", "threshold": 0.6}}
+CORRECTION = {
+    "weights": "token",
+    "clamp_high": 2.0,
+    "mask_band": [0.3, 3.0],
+    "reject": {"divergence": "k3", "level": "token", "threshold": 0.6},
+}
 ALGORITHMS: list[dict[str, Any]] = [
-    {"name": "grpo"}, {"name": "dr_grpo"}, {"name": "dapo"}, {"name": "gspo"}, {"name": "rloo"},
-    {"name": "reinforce_pp"}, {"name": "ppo", "critic": {"lr": 1e-2}},
-    {"name": "grpo", "kl": {"coef": 0.1, "where": "loss"}, "entropy_coef": 0.01, "rollout_correction": {"weights": "sequence"}},
+    {"name": "grpo"},
+    {"name": "dr_grpo"},
+    {"name": "dapo"},
+    {"name": "gspo"},
+    {"name": "rloo"},
+    {"name": "reinforce_pp"},
+    {"name": "ppo", "critic": {"lr": 1e-2}},
+    {
+        "name": "grpo",
+        "kl": {"coef": 0.1, "where": "loss"},
+        "entropy_coef": 0.01,
+        "rollout_correction": {"weights": "sequence"},
+    },
 ]
 
 
@@ -41,12 +55,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def recipe(model_dir: Path, algorithm: dict[str, Any], **data: Any) -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": str(model_dir), "dtype": "float32"}, "lora": {"rank": 4, "targets": ["all-linear"]},
-        "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}}, "rollout": {"n": 2, "max_response_tokens": 8},
-        "algorithm": algorithm, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2, **data},
-        "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {"rank": 4, "targets": ["all-linear"]},
+            "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}},
+            "rollout": {"n": 2, "max_response_tokens": 8},
+            "algorithm": algorithm,
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2, **data},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 def inputs(t: TrainerRole) -> tuple[SeqBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,28 +83,56 @@ def _name(a: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS, ids=_name)
-def test_corrected_gradient_is_the_gradient_of_reweighted_advantages(model_dir: Path, algorithm: dict[str, Any]) -> None:
+def test_corrected_gradient_is_the_gradient_of_reweighted_advantages(
+    model_dir: Path, algorithm: dict[str, Any]
+) -> None:
     corrected = {**algorithm, "rollout_correction": algorithm.get("rollout_correction", CORRECTION)}
-    r_on, r_off = recipe(model_dir, corrected), recipe(model_dir, {k: v for k, v in algorithm.items() if k != "rollout_correction"})
+    r_on, r_off = (
+        recipe(model_dir, corrected),
+        recipe(model_dir, {k: v for k, v in algorithm.items() if k != "rollout_correction"}),
+    )
     t = TrainerRole(r_on, str(model_dir))
     b, lp, rollout, adv = inputs(t)
-    factor = torch.tensor(ref_factor(r_on.algorithm.rollout_correction, lp.tolist(), rollout.tolist(),
-                                     b.response_mask.int().tolist()), dtype=torch.float32)
+    factor = torch.tensor(
+        ref_factor(
+            r_on.algorithm.rollout_correction, lp.tolist(), rollout.tolist(), b.response_mask.int().tolist()
+        ),
+        dtype=torch.float32,
+    )
     valid = b.response_mask > 0
     assert bool((factor[valid] > 1).any()) and bool(((factor > 0) & (factor < 1)).any())
-    if r_on.algorithm.rollout_correction.mask_band is not None:  # some tokens masked, some truncated, most kept
+    if (
+        r_on.algorithm.rollout_correction.mask_band is not None
+    ):  # some tokens masked, some truncated, most kept
         assert 0 < int((factor[valid] == 0).sum()) < int(valid.sum()) // 2 and bool((factor == 2.0).any())
     norm = float(r_on.rollout.max_response_tokens)
-    with_rc = make_loss_fn(r_on.algorithm, LossInputs(adv, b.response_mask, None, None, rollout), norm_constant=norm)
-    reweighted = make_loss_fn(r_off.algorithm, LossInputs(adv * factor, b.response_mask, None, None, rollout), norm_constant=norm)
-    if algorithm.get("kl"):  # the KL term is not weighted: compare the policy terms alone (reference = the model itself)
+    with_rc = make_loss_fn(
+        r_on.algorithm, LossInputs(adv, b.response_mask, None, None, rollout), norm_constant=norm
+    )
+    reweighted = make_loss_fn(
+        r_off.algorithm, LossInputs(adv * factor, b.response_mask, None, None, rollout), norm_constant=norm
+    )
+    if algorithm.get(
+        "kl"
+    ):  # the KL term is not weighted: compare the policy terms alone (reference = the model itself)
         ref = t.logprobs(b, reference=True)
-        with_rc = make_loss_fn(r_on.algorithm, LossInputs(adv, b.response_mask, None, ref, rollout), norm_constant=norm)
-        reweighted = make_loss_fn(r_off.algorithm, LossInputs(adv * factor, b.response_mask, None, ref, rollout), norm_constant=norm)
+        with_rc = make_loss_fn(
+            r_on.algorithm, LossInputs(adv, b.response_mask, None, ref, rollout), norm_constant=norm
+        )
+        reweighted = make_loss_fn(
+            r_off.algorithm, LossInputs(adv * factor, b.response_mask, None, ref, rollout), norm_constant=norm
+        )
     got = t.engine.gradients(b, with_rc, num_micro_batches=2)  # type: ignore[attr-defined]
     want = t.engine.gradients(b, reweighted, num_micro_batches=2)  # type: ignore[attr-defined]
-    plain = t.engine.gradients(b, make_loss_fn(r_off.algorithm, LossInputs(adv, b.response_mask, None, None, rollout),  # type: ignore[attr-defined]
-                                                norm_constant=norm), num_micro_batches=2)
+    plain = t.engine.gradients(
+        b,
+        make_loss_fn(
+            r_off.algorithm,
+            LossInputs(adv, b.response_mask, None, None, rollout),  # type: ignore[attr-defined]
+            norm_constant=norm,
+        ),
+        num_micro_batches=2,
+    )
     for name, g in got.items():
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-7, msg=name)
     moved = sum(float((got[n] - plain[n]).norm()) for n in got) / sum(float(plain[n].norm()) for n in got)
@@ -110,7 +158,10 @@ def test_ppo_critic_does_not_see_the_correction(model_dir: Path) -> None:
     states = []
     for rc in ({}, CORRECTION):
         torch.manual_seed(0)
-        t = TrainerRole(recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}, "rollout_correction": rc}), str(model_dir))
+        t = TrainerRole(
+            recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}, "rollout_correction": rc}),
+            str(model_dir),
+        )
         b, lp, rollout, adv = inputs(t)
         old_values = t.values(b)
         t.update(b, adv, rollout, None, old_values, torch.where(b.response_mask > 0, 1.0, 0.0))
@@ -150,4 +201,6 @@ def test_bypass_takes_old_logprobs_from_the_rollout(model_dir: Path, bypass: boo
     valid = b.response_mask[first] > 0
     want = torch.exp(lp[first] - rollout[first])[valid].mean() if bypass else torch.tensor(1.0)
     assert seen[0]["ratio_mean"] == pytest.approx(float(want), rel=1e-5)
-    assert m["logprob_diff_mean"] > 0.1  # measured against the trainer, never against itself (bypass: old == rollout)
+    assert (
+        m["logprob_diff_mean"] > 0.1
+    )  # measured against the trainer, never against itself (bypass: old == rollout)

@@ -50,8 +50,11 @@ def train(bias: float, correction: dict[str, Any], seed: int) -> list[float]:
             rollout_logp = torch.log_softmax(logits + kernel, -1)
         tokens = torch.multinomial(rollout_logp.exp(), PROMPTS * N, replacement=True, generator=gen)
         adv = compute_advantages(algo, rollout_cfg, reward[tokens], mask)
-        loss_fn = make_loss_fn(algo, LossInputs(adv.adv_bt, mask, None, None, rollout_logp[tokens].unsqueeze(1)),
-                               norm_constant=1.0)
+        loss_fn = make_loss_fn(
+            algo,
+            LossInputs(adv.adv_bt, mask, None, None, rollout_logp[tokens].unsqueeze(1)),
+            norm_constant=1.0,
+        )
         logp = torch.log_softmax(logits, -1)[tokens].unsqueeze(1)
         loss, _ = loss_fn(logp, torch.zeros_like(logp), rows)
         opt.zero_grad()
@@ -71,8 +74,10 @@ def test_correction_recovers_the_reward_a_biased_rollout_loses() -> None:
     biased = final(BIAS, {})
     corrected = final(BIAS, {"weights": "token", "clamp_high": 2.0})
     masked = final(BIAS, {"mask_band": [0.2, 5.0]})
-    print(f"expected reward: no mismatch {clean:.3f}, biased rollout {biased:.3f}, token TIS {corrected:.3f}, "
-          f"IcePop band {masked:.3f}")
+    print(
+        f"expected reward: no mismatch {clean:.3f}, biased rollout {biased:.3f}, token TIS {corrected:.3f}, "
+        f"IcePop band {masked:.3f}"
+    )
     assert clean > 0.95
     assert clean - biased > 0.2, (clean, biased)
     assert (corrected - biased) / (clean - biased) > 0.8, (clean, biased, corrected)

@@ -19,10 +19,15 @@ N, MAX_LEN = 2, 10
 
 
 def recipe(**algo: Any) -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": "x"}, "rollout": {"n": N, "max_response_tokens": MAX_LEN},
-        "algorithm": {"name": "dapo", **algo}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "x"},
+            "rollout": {"n": N, "max_response_tokens": MAX_LEN},
+            "algorithm": {"name": "dapo", **algo},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+        }
+    )
 
 
 class Script:
@@ -32,8 +37,10 @@ class Script:
     def __init__(self, r: Recipe, flat: set[int]) -> None:
         self.recipe, self.flat, self.calls = r, flat, 0
         self.pos = 0
-        self.train_data = SimpleNamespace(prompts=[SimpleNamespace(text=f"p{i}", sample={}) for i in range(100)],
-                                          ids=[[i] for i in range(100)])
+        self.train_data = SimpleNamespace(
+            prompts=[SimpleNamespace(text=f"p{i}", sample={}) for i in range(100)],
+            ids=[[i] for i in range(100)],
+        )
         self.sampler = SimpleNamespace(next_indices=self.next_indices)
         self.rewards = SimpleNamespace(score=self.score)
 
@@ -89,7 +96,9 @@ def test_no_dynamic_sampling_keeps_everything() -> None:
 
 
 def test_overlong_penalty_is_added() -> None:
-    _, ro, rewards, m = run(recipe(dynamic_sampling=False, overlong={"buffer": 4, "penalty": 1.0}), flat=set())
+    _, ro, rewards, m = run(
+        recipe(dynamic_sampling=False, overlong={"buffer": 4, "penalty": 1.0}), flat=set()
+    )
     lengths = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
     raw = torch.tensor([float(j) for _ in range(4) for j in range(N)])
     expected = raw - ((lengths - (MAX_LEN - 4)) / 4).clamp(0, 1)

@@ -34,7 +34,9 @@ def _data(path: str | Path, **kwargs: Any) -> tuple[DatasetCfg, DataCfg]:
 
 
 def _prompts(n: int) -> list[Prompt]:
-    return [Prompt(text=f"q{i}", answer=str(i), row={"question": f"q{i}", "answer": str(i)}) for i in range(n)]
+    return [
+        Prompt(text=f"q{i}", answer=str(i), row={"question": f"q{i}", "answer": str(i)}) for i in range(n)
+    ]
 
 
 # -------------------------------------------------------------------------------------------- jsonl
@@ -52,25 +54,34 @@ def test_jsonl_skips_and_counts_malformed_rows(tmp_path: Path) -> None:
         json.dumps({"question": "q"}),  # 10 missing answer
     ]
     path = tmp_path / "train.jsonl"
-    path.write_bytes("\n".join(lines).encode() + b"\n" + b'{"question": "caf\xe9", "answer": "1"}\n')  # 11 bad UTF-8
+    path.write_bytes(
+        "\n".join(lines).encode() + b"\n" + b'{"question": "caf\xe9", "answer": "1"}\n'
+    )  # 11 bad UTF-8
     ds, data = _data(path)
     prompts, skipped = read_dataset(ds, data, split="train", seed=0)
     assert [(p.text, p.answer) for p in prompts] == [("What is 1 + 1?", "2"), ("What is 2 + 2?", "4")]
     assert prompts[0].row["level"] == 1 and prompts[1].sample["answer"] == "4"
     assert skipped.count == 8
     assert skipped.examples == [
-        "line 2: not a JSON object but list", "line 3: missing 'question' (data.train.prompt_key)",
-        "line 4: 'question' is int, not a string", "line 5: empty 'question'",
+        "line 2: not a JSON object but list",
+        "line 3: missing 'question' (data.train.prompt_key)",
+        "line 4: 'question' is int, not a string",
+        "line 5: empty 'question'",
         "line 6: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
     ]
     assert "and 3 more" in str(skipped)
-    assert [p.text for p in load_dataset(ds.model_copy(update={"limit": 1}), data, split="train", seed=0)] == ["What is 1 + 1?"]
+    assert [
+        p.text for p in load_dataset(ds.model_copy(update={"limit": 1}), data, split="train", seed=0)
+    ] == ["What is 1 + 1?"]
 
 
 def test_jsonl_errors_name_the_key(tmp_path: Path) -> None:
     path = tmp_path / "val.jsonl"
     path.write_text(json.dumps({"problem": "x", "answer": "1"}) + "\n")
-    with pytest.raises(RlbridgeError, match=r"data\.val\.path: no usable row .*prompt_key='question'.*line 1: missing 'question'"):
+    with pytest.raises(
+        RlbridgeError,
+        match=r"data\.val\.path: no usable row .*prompt_key='question'.*line 1: missing 'question'",
+    ):
         read_dataset(*_data(path), split="val", seed=0)
     assert read_dataset(*_data(path, prompt_key="problem"), split="val", seed=0)[0][0].text == "x"
     with pytest.raises(RlbridgeError, match=r"data\.train\.path: file not found"):
@@ -98,10 +109,15 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     rows[2]["prompt"] = ""
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    prompts, skipped = read_dataset(*_data(path, prompt_key="prompt", answer_key="solution"), split="train", seed=0)
+    prompts, skipped = read_dataset(
+        *_data(path, prompt_key="prompt", answer_key="solution"), split="train", seed=0
+    )
     assert [p.row for p in prompts] == [r for i, r in enumerate(rows) if i != 2]
     assert prompts[0].sample["answer"] == "1" and skipped.examples == ["row 3: empty 'prompt'"]
-    with pytest.raises(RlbridgeError, match=r"data\.train\.answer_key: column 'answer' not in .*columns: prompt, solution, tags"):
+    with pytest.raises(
+        RlbridgeError,
+        match=r"data\.train\.answer_key: column 'answer' not in .*columns: prompt, solution, tags",
+    ):
         read_dataset(*_data(path, prompt_key="prompt"), split="train", seed=0)
 
 
@@ -110,7 +126,9 @@ def test_arithmetic_is_deterministic_and_disjoint() -> None:
     cfg = ArithmeticCfg(digits=2, ops=["+", "-", "*"], num_train=500, num_val=100)
     train = arithmetic_rows(cfg, split="train", seed=7)
     val = arithmetic_rows(cfg, split="val", seed=7)
-    assert train == arithmetic_rows(cfg, split="train", seed=7) and train != arithmetic_rows(cfg, split="train", seed=8)
+    assert train == arithmetic_rows(cfg, split="train", seed=7) and train != arithmetic_rows(
+        cfg, split="train", seed=8
+    )
     texts = [r["question"] for r in train + val]
     assert len(train) == 500 and len(val) == 100 and len(set(texts)) == 600
     assert {r["op"] for r in train} == {"+", "-", "*"} and all(10 <= r["a"] <= 99 for r in train)
@@ -123,13 +141,19 @@ def test_arithmetic_small_space_and_capacity() -> None:
     cfg = ArithmeticCfg(digits=1, ops=["+"], num_train=90, num_val=10)  # exactly all 100 problems
     rows = arithmetic_rows(cfg, split="train", seed=0) + arithmetic_rows(cfg, split="val", seed=0)
     assert len({r["question"] for r in rows}) == 100
-    with pytest.raises(RlbridgeError, match=r"data\.arithmetic\.num_train: 101 problems .* only 100 distinct"):
+    with pytest.raises(
+        RlbridgeError, match=r"data\.arithmetic\.num_train: 101 problems .* only 100 distinct"
+    ):
         arithmetic_rows(cfg.model_copy(update={"num_val": 11}), split="train", seed=0)
 
 
 def test_builtin_dataset_and_template() -> None:
-    ds, data = _data("builtin:arithmetic", limit=3, template="{prompt} Put the final answer after '####'.",
-                     arithmetic=ArithmeticCfg(num_train=10, num_val=5))
+    ds, data = _data(
+        "builtin:arithmetic",
+        limit=3,
+        template="{prompt} Put the final answer after '####'.",
+        arithmetic=ArithmeticCfg(num_train=10, num_val=5),
+    )
     train = load_dataset(ds, data, split="train", seed=1)
     val = load_dataset(ds, data, split="val", seed=1)
     assert len(train) == 3 and len(val) == 3 and not {p.text for p in train} & {p.text for p in val}
@@ -141,11 +165,17 @@ def test_builtin_dataset_and_template() -> None:
 
 # ------------------------------------------------------------------------------------ rendering
 def test_render_messages_uses_row_fields_and_reports_bad_templates() -> None:
-    prompt = Prompt(text="What is 1 + 2?", answer="3", row={"question": "What is 1 + 2?", "answer": "3", "level": 2})
+    prompt = Prompt(
+        text="What is 1 + 2?", answer="3", row={"question": "What is 1 + 2?", "answer": "3", "level": 2}
+    )
     ds, data = _data("x.jsonl", template="[{level}] {prompt}", system_prompt="You are a helpful math tutor.")
-    assert render_messages(prompt, data) == [{"role": "system", "content": "You are a helpful math tutor."},
-                                             {"role": "user", "content": "[2] What is 1 + 2?"}]
-    with pytest.raises(RlbridgeError, match=r"data\.template names the field 'topic'.*answer, level, prompt, question"):
+    assert render_messages(prompt, data) == [
+        {"role": "system", "content": "You are a helpful math tutor."},
+        {"role": "user", "content": "[2] What is 1 + 2?"},
+    ]
+    with pytest.raises(
+        RlbridgeError, match=r"data\.template names the field 'topic'.*answer, level, prompt, question"
+    ):
         render_messages(prompt, data.model_copy(update={"template": "{topic}: {prompt}"}))
     with pytest.raises(RlbridgeError, match=r"data\.template .* is not a valid format string"):
         render_messages(prompt, data.model_copy(update={"template": "{prompt"}))
@@ -158,8 +188,25 @@ def test_encode_prompts_chat_template_and_length_filter() -> None:
     ds, data = _data("x.jsonl", template="{prompt} Put the final answer after ####")
     ids, kept, num_filtered = encode_prompts(tok, prompts, data, max_prompt_tokens=18)
     assert tok.convert_ids_to_tokens(ids[0]) == [
-        "<s>", "<|im_start|>", "user", "What", "is", "47", "+", "38", "?", "Put", "the", "final", "answer", "after",
-        "####", "<|im_end|>", "<|im_start|>", "assistant"]
+        "<s>",
+        "<|im_start|>",
+        "user",
+        "What",
+        "is",
+        "47",
+        "+",
+        "38",
+        "?",
+        "Put",
+        "the",
+        "final",
+        "answer",
+        "after",
+        "####",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+    ]
     # 18, 24 and 16 tokens: the middle one is filtered out and counted
     assert [p.text for p in kept] == [texts[0], texts[2]] and num_filtered == 1
     assert [len(i) for i in ids] == [18, 16] and all(type(t) is int for t in ids[0])
@@ -171,8 +218,21 @@ def test_encode_prompts_plain_and_missing_chat_template() -> None:
     prompt = Prompt(text="What is 47 + 38?", answer="85", row={})
     ds, data = _data("x.jsonl", chat_template=False, system_prompt="You are a helpful math tutor.")
     ids, kept, num_filtered = encode_prompts(tok, [prompt], data, max_prompt_tokens=100)
-    assert tok.convert_ids_to_tokens(ids[0]) == ["You", "are", "a", "helpful", "math", "tutor", ".",
-                                                 "What", "is", "47", "+", "38", "?"]
+    assert tok.convert_ids_to_tokens(ids[0]) == [
+        "You",
+        "are",
+        "a",
+        "helpful",
+        "math",
+        "tutor",
+        ".",
+        "What",
+        "is",
+        "47",
+        "+",
+        "38",
+        "?",
+    ]
     with pytest.raises(RlbridgeError, match=r"data\.chat_template: .*set data\.chat_template: false"):
         encode_prompts(tok, [prompt], data.model_copy(update={"chat_template": True}), max_prompt_tokens=100)
 
@@ -188,9 +248,17 @@ def test_sampler_epochs_are_permutations_and_cross_boundaries() -> None:
     assert sorted(first) == list(range(10)) and first != second
     batches = _batches(sampler, [4, 4, 4])
     assert [t for b in batches for t in b] == [f"q{i}" for i in first + second[:2]]
-    assert sampler.state() | {"fingerprint": None} == {"seed": 3, "shuffle": True, "epoch": 1, "index": 2, "size": 10,
-                                                       "fingerprint": None}
-    assert _batches(PromptSampler(_prompts(10), seed=3, shuffle=False), [25])[0][20:] == [f"q{i}" for i in range(5)]
+    assert sampler.state() | {"fingerprint": None} == {
+        "seed": 3,
+        "shuffle": True,
+        "epoch": 1,
+        "index": 2,
+        "size": 10,
+        "fingerprint": None,
+    }
+    assert _batches(PromptSampler(_prompts(10), seed=3, shuffle=False), [25])[0][20:] == [
+        f"q{i}" for i in range(5)
+    ]
     assert PromptSampler(_prompts(10), seed=3).order(0) == first  # depends on (seed, epoch) only
     assert PromptSampler(_prompts(10), seed=3).next_indices(12) == first + second[:2]
 

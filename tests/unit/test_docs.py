@@ -41,7 +41,8 @@ RUNNABLE = [(p, i, lines) for p in PAGES for i, (run, lines) in enumerate(blocks
 def test_recipe_reference_is_up_to_date() -> None:
     committed = (ROOT / "docs" / "recipe-reference.md").read_text()
     assert committed == render_reference(), (
-        "docs/recipe-reference.md is out of date: make docs (python -m rlbridge.recipe.docs > docs/recipe-reference.md)")
+        "docs/recipe-reference.md is out of date: make docs (python -m rlbridge.recipe.docs > docs/recipe-reference.md)"
+    )
 
 
 def test_there_are_runnable_blocks() -> None:
@@ -51,21 +52,31 @@ def test_there_are_runnable_blocks() -> None:
 
 def expected_code(line: str) -> tuple[str, int]:
     m = re.search(r"\s#\s*exit (\d+)\s*$", line)
-    return (line[:m.start()], int(m.group(1))) if m else (line, 0)
+    return (line[: m.start()], int(m.group(1))) if m else (line, 0)
 
 
-@pytest.mark.parametrize(("page", "index", "lines"), RUNNABLE,
-                         ids=[f"{p.relative_to(ROOT)}#{i}" for p, i, _ in RUNNABLE])
+@pytest.mark.parametrize(
+    ("page", "index", "lines"), RUNNABLE, ids=[f"{p.relative_to(ROOT)}#{i}" for p, i, _ in RUNNABLE]
+)
 def test_runnable_block(page: Path, index: int, lines: list[str], tmp_path: Path) -> None:
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": str(ROOT), "COLUMNS": "120", "NO_COLOR": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "120",
+        "NO_COLOR": "1",
+    }
     for line in lines:
         command, code = expected_code(line)
-        res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-        assert res.returncode == code, f"{page.name}: `{command}` exited {res.returncode}, expected {code}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        res = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert res.returncode == code, (
+            f"{page.name}: `{command}` exited {res.returncode}, expected {code}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        )
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
@@ -90,7 +101,9 @@ def test_every_documented_command_exists() -> None:
                 if not words:
                     continue
                 name = words[0] if words[0] in known else " ".join(words[:2])
-                assert name in known, f"{page.relative_to(ROOT)}: `{line}` names no rlbridge command ({sorted(known)})"
+                assert name in known, (
+                    f"{page.relative_to(ROOT)}: `{line}` names no rlbridge command ({sorted(known)})"
+                )
 
 
 def test_readme_lists_every_shipped_recipe() -> None:

@@ -33,7 +33,9 @@ def validator() -> jsonschema.protocols.Validator:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_editor_schema_accepts_every_shipped_recipe(validator: jsonschema.protocols.Validator, recipe: Path) -> None:
+def test_editor_schema_accepts_every_shipped_recipe(
+    validator: jsonschema.protocols.Validator, recipe: Path
+) -> None:
     errors = [e.message for e in validator.iter_errors(yaml.safe_load(recipe.read_text()))]
     assert errors == []
 
@@ -49,7 +51,8 @@ def test_editor_schema_flags_typos_types_and_ranges(validator: jsonschema.protoc
     ]
     for doc, needle in bad:
         messages = " ".join(e.message for e in validator.iter_errors(doc)) + " ".join(
-            str(c.message) for e in validator.iter_errors(doc) for c in (e.context or []))
+            str(c.message) for e in validator.iter_errors(doc) for c in (e.context or [])
+        )
         assert needle in messages, (needle, messages)
 
 
@@ -61,9 +64,16 @@ def test_editor_schema_documents_keys() -> None:
 
 
 def complete(words: str, cword: int) -> list[str]:
-    env = {**os.environ, "_RLBRIDGE_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword),
-           "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "rlbridge"], env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "_RLBRIDGE_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(cword),
+        "PYTHONPATH": str(ROOT),
+    }
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbridge"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout.split()
 

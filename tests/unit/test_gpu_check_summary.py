@@ -22,7 +22,13 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 
 def test_summary_of_junit_and_figures(tmp_path: Path) -> None:
     (tmp_path / "gpu_check.xml").write_text(JUNIT)
-    fig = {"figure": "vllm_vs_transformers_base", "device": "cuda", "mean": 0.0288, "tokens": 2048.0, "steps": [1, 2]}
+    fig = {
+        "figure": "vllm_vs_transformers_base",
+        "device": "cuda",
+        "mean": 0.0288,
+        "tokens": 2048.0,
+        "steps": [1, 2],
+    }
     log = "noise\nGPU_FIGURE " + json.dumps(fig) + "\nGPU_FIGURE " + json.dumps(fig) + "\n"
     (tmp_path / "gpu_check.log").write_text(log)  # no gpu_figures.jsonl: figures come from the log, once each
     (tmp_path / "versions.txt").write_text("torch 2.11.0\n")
@@ -30,5 +36,8 @@ def test_summary_of_junit_and_figures(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert out.startswith("# GPU check (part 1)") and "torch 2.11.0" in out
     assert "1 FAILED, 1 passed, 1 skipped" in out
-    assert "| `test_gpu_cli_runs::test_b[hf-merged]` | FAILED | 80.0 | AssertionError: exit 1 \\| see log |" in out
+    assert (
+        "| `test_gpu_cli_runs::test_b[hf-merged]` | FAILED | 80.0 | AssertionError: exit 1 \\| see log |"
+        in out
+    )
     assert out.count("| vllm_vs_transformers_base | cuda | mean=0.0288, tokens=2048, steps=[1, 2] |") == 1

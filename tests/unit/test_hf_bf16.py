@@ -71,13 +71,17 @@ def test_bf16_full_finetune_tiny_lr_moves_like_float32(model_dirs: dict[str, Pat
     plain = engine(path, "bfloat16")
     weights = {n: p.detach().clone().requires_grad_() for n, p in plain.model.named_parameters()}
     start = {n: w.detach().clone() for n, w in weights.items()}
-    optimizer = torch.optim.AdamW(weights.values(), lr=1e-4, weight_decay=plain.recipe.trainer.optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        weights.values(), lr=1e-4, weight_decay=plain.recipe.trainer.optim.weight_decay
+    )
     for _ in range(3):
         for n, g in plain.gradients(batch, token_sum_loss(batch), num_micro_batches=2).items():
             weights[n].grad = g.to(torch.bfloat16)
         optimizer.step()
     plain_move = update(start, {n: w.detach() for n, w in weights.items()})
-    moved = sum(int((v != 0).sum()) for v in plain_move.values()) / sum(v.numel() for v in plain_move.values())
+    moved = sum(int((v != 0).sum()) for v in plain_move.values()) / sum(
+        v.numel() for v in plain_move.values()
+    )
     assert rel(plain_move, moves["float32"]) > 0.9 and moved < 0.2, (rel(plain_move, moves["float32"]), moved)
 
 
@@ -139,17 +143,26 @@ def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path]) -> Non
     assert second.train_step(batch, token_sum_loss(batch), num_micro_batches=2) == expected
     a, b = first.trainable_state(), second.trainable_state()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(torch.equal(p, q) for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True))
+    assert all(
+        torch.equal(p, q) for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True)
+    )
 
 
 # ------------------------------------------------------------------------------------------ critic
 def critic_recipe(path: Path) -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": str(path), "dtype": "bfloat16"}, "lora": FULL,
-        "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-3}},
-        "rollout": {"n": 1}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
-        "algorithm": {"name": "ppo", "critic": {"lr": 1e-4}}, "run": {"steps": 6}, "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": str(path), "dtype": "bfloat16"},
+            "lora": FULL,
+            "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-3}},
+            "rollout": {"n": 1},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+            "algorithm": {"name": "ppo", "critic": {"lr": 1e-4}},
+            "run": {"steps": 6},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 def test_bf16_critic_has_float32_masters_and_resumes_exactly(model_dirs: dict[str, Path]) -> None:
@@ -183,13 +196,17 @@ def test_bf16_output_layer_returns_unrounded_float32_logits(model_dirs: dict[str
     """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf.float32_logits),
     and a full fine-tuning reference copy computes with its own (frozen) weight."""
     path, batch = model_dirs["llama-tied"], ragged_batch()
-    recipe = make_recipe(path, model={"dtype": "bfloat16"}, lora=FULL, algorithm={"name": "grpo", "kl": {"coef": 0.1}})
+    recipe = make_recipe(
+        path, model={"dtype": "bfloat16"}, lora=FULL, algorithm={"name": "grpo", "kl": {"coef": 0.1}}
+    )
     e = HFTrainEngine(recipe, path)
     head = e.hf_model.get_output_embeddings()
     hidden = torch.randn(2, 3, head.in_features).bfloat16()
     logits = head(hidden)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, hidden.double() @ head.weight.double().T, rtol=1e-6, atol=1e-5, check_dtype=False)
+    torch.testing.assert_close(
+        logits, hidden.double() @ head.weight.double().T, rtol=1e-6, atol=1e-5, check_dtype=False
+    )
     assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bfloat16
     before = e.logprobs(batch)
     e.train_step(batch, token_sum_loss(batch), num_micro_batches=1)

@@ -16,18 +16,49 @@ from rlbridge.metrics.sinks import scalars
 
 RECORDS = [
     {"kind": "eval", "step": 0, "eval_accuracy": 0.25, "eval_format": 0.5, "time_eval": 1.5},
-    {"kind": "train", "step": 1, "reward_mean": 0.1, "accuracy": 0.0, "kl": None, "grad_norm": 1.5, "skipped": False,
-     "nonfinite": [], "time_generate": 2.0, "time_update": 1.0, "time_step": 3.0, "tokens_per_s": 10.0},
-    {"kind": "train", "step": 2, "reward_mean": 0.3, "accuracy": 0.5, "kl": 0.01, "grad_norm": float("nan"), "skipped": True,
-     "nonfinite": ["loss"], "time_generate": 2.5, "time_update": 1.5, "time_step": 4.0, "tokens_per_s": 12.5},
+    {
+        "kind": "train",
+        "step": 1,
+        "reward_mean": 0.1,
+        "accuracy": 0.0,
+        "kl": None,
+        "grad_norm": 1.5,
+        "skipped": False,
+        "nonfinite": [],
+        "time_generate": 2.0,
+        "time_update": 1.0,
+        "time_step": 3.0,
+        "tokens_per_s": 10.0,
+    },
+    {
+        "kind": "train",
+        "step": 2,
+        "reward_mean": 0.3,
+        "accuracy": 0.5,
+        "kl": 0.01,
+        "grad_norm": float("nan"),
+        "skipped": True,
+        "nonfinite": ["loss"],
+        "time_generate": 2.5,
+        "time_update": 1.5,
+        "time_step": 4.0,
+        "tokens_per_s": 12.5,
+    },
     {"kind": "eval", "step": 2, "eval_accuracy": 0.75, "eval_format": 1.0, "time_eval": 1.0},
 ]
 
 
 def test_scalars_tags_numbers_only() -> None:
-    assert scalars(RECORDS[1]) == {"train/reward_mean": 0.1, "train/accuracy": 0.0, "train/grad_norm": 1.5, "train/skipped": 0.0,
-                                   "train/time_generate": 2.0, "train/time_update": 1.0, "train/time_step": 3.0,
-                                   "train/tokens_per_s": 10.0}
+    assert scalars(RECORDS[1]) == {
+        "train/reward_mean": 0.1,
+        "train/accuracy": 0.0,
+        "train/grad_norm": 1.5,
+        "train/skipped": 0.0,
+        "train/time_generate": 2.0,
+        "train/time_update": 1.0,
+        "train/time_step": 3.0,
+        "train/tokens_per_s": 10.0,
+    }
     assert scalars(RECORDS[0])["eval/eval_accuracy"] == 0.25
 
 
@@ -40,7 +71,13 @@ def logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("WANDB_API_KEY", "sk-test-secret-0123456789")  # must never reach the run directory
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    log = MetricsLog(tmp_path, ["jsonl", "tensorboard", "wandb"], 2, name="loggers-test", config={"name": "loggers-test", "run": {"steps": 2}})
+    log = MetricsLog(
+        tmp_path,
+        ["jsonl", "tensorboard", "wandb"],
+        2,
+        name="loggers-test",
+        config={"name": "loggers-test", "run": {"steps": 2}},
+    )
     for r in RECORDS:
         log.write(r)
     log.close()
@@ -87,7 +124,9 @@ def test_api_key_never_written(logged: Path) -> None:
             assert b"sk-test-secret-0123456789" not in f.read_bytes(), f
 
 
-def test_failing_logger_is_dropped_and_jsonl_continues(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_failing_logger_is_dropped_and_jsonl_continues(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     class Broken:
         def write(self, record: dict) -> None:
             raise OSError("disk full")
@@ -122,12 +161,22 @@ def test_missing_logger_package_is_a_recipe_issue(monkeypatch: pytest.MonkeyPatc
     from rlbridge.recipe.checks import check_loggers
     from rlbridge.recipe.schema import Recipe
 
-    r = Recipe.model_validate({"name": "x", "model": {"path": "m"}, "data": {"train": {"path": "builtin:arithmetic"}},
-                               "run": {"loggers": ["console", "wandb", "tensorboard"]}})
+    r = Recipe.model_validate(
+        {
+            "name": "x",
+            "model": {"path": "m"},
+            "data": {"train": {"path": "builtin:arithmetic"}},
+            "run": {"loggers": ["console", "wandb", "tensorboard"]},
+        }
+    )
     out: list = []
     check_loggers(r, out)
     assert out == []
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     check_loggers(r, out)
-    assert [(i.key, i.value) for i in out] == [("run.loggers.1", "wandb")] and "rlbridge[report]" in (out[0].fix or "")
+    assert [(i.key, i.value) for i in out] == [("run.loggers.1", "wandb")] and "rlbridge[report]" in (
+        out[0].fix or ""
+    )

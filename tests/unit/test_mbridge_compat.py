@@ -82,8 +82,15 @@ def test_validate_accepts_mbridge_full_finetuning(tmp_path: Path) -> None:
     """No version rule at validation: the engine handles megatron-core >= 0.17 (LoRA stays refused)."""
     recipe = {
         "name": "t",
-        "model": {"path": str(Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "qwen2.5-7b-instruct")},
-        "trainer": {"engine": "megatron", "bridge": "mbridge", "parallel": {"tensor": 2}, "micro_batch_size": 2},
+        "model": {
+            "path": str(Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "qwen2.5-7b-instruct")
+        },
+        "trainer": {
+            "engine": "megatron",
+            "bridge": "mbridge",
+            "parallel": {"tensor": 2},
+            "micro_batch_size": 2,
+        },
         "rollout": {"tensor_parallel": 2},
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8},
         "reward": {"fn": "arithmetic"},

@@ -34,7 +34,9 @@ def test_micro_batch_shares_sum_to_the_full_batch_loss(mode: str, num_micro: int
     total = sum(fn(logp[r], torch.zeros_like(logp[r]), r)[0] for r in rows)
     ref, _ = L.total_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, agg=mode)  # type: ignore[arg-type]
     if mode == "seq-mean-token-sum-norm":
-        ref = ref * mask.shape[1] / 16.0  # Dr.GRPO's constant is max_response_tokens (16 here), not the padded width
+        ref = (
+            ref * mask.shape[1] / 16.0
+        )  # Dr.GRPO's constant is max_response_tokens (16 here), not the padded width
     assert torch.allclose(total, ref, rtol=1e-12, atol=0), (float(total), float(ref))
 
 
@@ -57,8 +59,18 @@ def test_on_policy_ratio_is_one_and_reports_rollout_agreement() -> None:
     assert m["logprob_diff_mean"] == pytest.approx(0.01) and m["logprob_diff_max"] == pytest.approx(0.01)
 
 
-@pytest.mark.parametrize("algo", [GrpoCfg(), DrGrpoCfg(name="dr_grpo"), DapoCfg(name="dapo"), GspoCfg(name="gspo"),
-                                  RlooCfg(name="rloo"), ReinforcePPCfg(name="reinforce_pp")], ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "algo",
+    [
+        GrpoCfg(),
+        DrGrpoCfg(name="dr_grpo"),
+        DapoCfg(name="dapo"),
+        GspoCfg(name="gspo"),
+        RlooCfg(name="rloo"),
+        ReinforcePPCfg(name="reinforce_pp"),
+    ],
+    ids=lambda a: a.name,
+)
 def test_advantages_per_algorithm(algo: object) -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     _, _, mask = ragged(8, 5)

@@ -53,29 +53,56 @@ def reference(gamma: float, lam: float, coef: float) -> tuple[list[list[float]],
 def test_gae_wiring_matches_a_float64_loop(gamma: float, lam: float, coef: float) -> None:
     mask, values, logp, ref = batch()
     algo = PpoCfg(name="ppo", gamma=gamma, lam=lam, kl={"coef": coef, "where": "reward", "estimator": "k1"})  # type: ignore[arg-type]
-    out = compute_advantages(algo, RolloutCfg(n=1), torch.tensor(REWARDS, dtype=torch.float64), mask,
-                             logp_bt=logp, ref_logp_bt=ref, values_bt=values)
+    out = compute_advantages(
+        algo,
+        RolloutCfg(n=1),
+        torch.tensor(REWARDS, dtype=torch.float64),
+        mask,
+        logp_bt=logp,
+        ref_logp_bt=ref,
+        values_bt=values,
+    )
     want_adv, want_ret = reference(gamma, lam, coef)
     assert out.returns_bt is not None and out.old_values_bt is not None
     for i, n in enumerate(LENGTHS):
-        torch.testing.assert_close(out.adv_bt[i, :n], torch.tensor(want_adv[i], dtype=torch.float64), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(out.returns_bt[i, :n], torch.tensor(want_ret[i], dtype=torch.float64), rtol=1e-12, atol=1e-12)
-        assert (out.adv_bt[i, n:] == 0).all() and (out.returns_bt[i, n:] == 0).all() and (out.old_values_bt[i, n:] == 0).all()
+        torch.testing.assert_close(
+            out.adv_bt[i, :n], torch.tensor(want_adv[i], dtype=torch.float64), rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(
+            out.returns_bt[i, :n], torch.tensor(want_ret[i], dtype=torch.float64), rtol=1e-12, atol=1e-12
+        )
+        assert (
+            (out.adv_bt[i, n:] == 0).all()
+            and (out.returns_bt[i, n:] == 0).all()
+            and (out.old_values_bt[i, n:] == 0).all()
+        )
     assert {"value_ev", "value_mean", "return_mean"} <= set(out.metrics)
     if coef > 0:
         assert out.metrics["kl_coef"] == coef
-        seq_kl = sum(float(logp[i, :n].sum() - ref[i, :n].sum()) for i, n in enumerate(LENGTHS)) / len(LENGTHS)
+        seq_kl = sum(float(logp[i, :n].sum() - ref[i, :n].sum()) for i, n in enumerate(LENGTHS)) / len(
+            LENGTHS
+        )
         assert out.kl_seq_mean == pytest.approx(seq_kl, rel=1e-12)
 
 
 def test_kl_coef_override_is_what_the_reward_uses() -> None:
     mask, values, logp, ref = batch()
     algo = PpoCfg(name="ppo", kl={"coef": 0.1, "where": "reward", "estimator": "k1"}, adaptive_kl_target=1.0)  # type: ignore[arg-type]
-    out = compute_advantages(algo, RolloutCfg(n=1), torch.tensor(REWARDS, dtype=torch.float64), mask,
-                             logp_bt=logp, ref_logp_bt=ref, values_bt=values, kl_coef=0.3)
+    out = compute_advantages(
+        algo,
+        RolloutCfg(n=1),
+        torch.tensor(REWARDS, dtype=torch.float64),
+        mask,
+        logp_bt=logp,
+        ref_logp_bt=ref,
+        values_bt=values,
+        kl_coef=0.3,
+    )
     assert out.metrics["kl_coef"] == 0.3 and out.returns_bt is not None
     want = reference(1.0, 0.95, 0.3)[1]
-    torch.testing.assert_close(out.returns_bt[0, :3], torch.tensor(want[0], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out.returns_bt[0, :3], torch.tensor(want[0], dtype=torch.float64), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_ppo_without_values_is_an_error() -> None:
@@ -116,6 +143,12 @@ def test_adaptive_kl_controller_follows_ziegler() -> None:
 def test_kl_controller_only_with_a_target() -> None:
     assert kl_controller(GrpoCfg()) is None
     assert kl_controller(PpoCfg(name="ppo")) is None
-    ctl = kl_controller(PpoCfg(name="ppo", kl={"coef": 0.2, "where": "reward"}, adaptive_kl_target=3.0,  # type: ignore[arg-type]
-                               adaptive_kl_horizon=500))
+    ctl = kl_controller(
+        PpoCfg(
+            name="ppo",
+            kl={"coef": 0.2, "where": "reward"},
+            adaptive_kl_target=3.0,  # type: ignore[arg-type]
+            adaptive_kl_horizon=500,
+        )
+    )
     assert ctl == AdaptiveKlController(coef=0.2, target=3.0, horizon=500)

@@ -31,14 +31,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ppo_recipe(model_dir: Path, rank: int = 4, **algorithm: Any) -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"rank": rank, "targets": ["all-linear"]},
-        "trainer": {"micro_batch_size": 2, "logprob_chunk_size": 3, "optim": {"lr": 1e-2}},
-        "rollout": {"n": 1}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
-        "algorithm": {"name": "ppo", "critic": {"lr": 1e-2}, **algorithm},
-        "run": {"steps": 6}, "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {"rank": rank, "targets": ["all-linear"]},
+            "trainer": {"micro_batch_size": 2, "logprob_chunk_size": 3, "optim": {"lr": 1e-2}},
+            "rollout": {"n": 1},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+            "algorithm": {"name": "ppo", "critic": {"lr": 1e-2}, **algorithm},
+            "run": {"steps": 6},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 def ragged() -> SeqBatch:
@@ -55,8 +60,12 @@ def test_values_are_read_before_each_response_token_and_zero_on_padding(model_di
     head = critic.module["value_head"]
     for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
         with torch.no_grad():  # one unpadded row: V(s_t) comes from the position that predicts token t
-            hidden = critic.module["backbone"](input_ids=torch.tensor([prompt + response])).last_hidden_state[0]
-            want = head(hidden[len(prompt) - 1 : len(prompt) + len(response) - 1].double().float()).squeeze(-1)
+            hidden = critic.module["backbone"](input_ids=torch.tensor([prompt + response])).last_hidden_state[
+                0
+            ]
+            want = head(hidden[len(prompt) - 1 : len(prompt) + len(response) - 1].double().float()).squeeze(
+                -1
+            )
         torch.testing.assert_close(values[i, : len(response)], want, atol=1e-5, rtol=1e-5)
 
 
@@ -71,15 +80,21 @@ def test_critic_update_trains_adapter_and_head_only(model_dir: Path) -> None:
     returns = torch.where(batch.response_mask > 0, 1.0, 0.0)
     before = critic.trainable_state()
     for _ in range(3):  # LoRA B starts at zero: A moves from the second step on
-        fn = make_value_loss_fn(ppo_recipe(model_dir).algorithm.critic, critic.values(batch), returns,  # type: ignore[union-attr]
-                                batch.response_mask, micro_scale=2.0)  # new old values each step, as in training
+        fn = make_value_loss_fn(
+            ppo_recipe(model_dir).algorithm.critic,
+            critic.values(batch),
+            returns,  # type: ignore[union-attr]
+            batch.response_mask,
+            micro_scale=2.0,
+        )  # new old values each step, as in training
         m = critic.train_step(batch, fn, num_micro_batches=2)
         assert m["critic_skipped"] == 0.0 and m["critic_grad_norm"] > 0
     after = critic.trainable_state()
     assert all(not torch.equal(before[n], after[n]) for n in names)
     assert all(torch.equal(p, frozen[n]) for n, p in critic.module.named_parameters() if not p.requires_grad)
     assert float((critic.values(batch) - returns).abs()[batch.response_mask > 0].mean()) < float(
-        (first - returns).abs()[batch.response_mask > 0].mean())
+        (first - returns).abs()[batch.response_mask > 0].mean()
+    )
 
 
 def test_value_loss_micro_batch_shares_sum_to_the_mini_batch_loss() -> None:
@@ -132,22 +147,48 @@ def test_critic_state_round_trips_through_a_checkpoint_bit_for_bit(model_dir: Pa
 
 
 def test_a_checkpoint_without_a_critic_is_refused(model_dir: Path, tmp_path: Path) -> None:
-    grpo = ppo_recipe(model_dir).model_copy(update={"algorithm": Recipe.model_validate(
-        {"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}}}).algorithm})
-    info = TrainerRole(grpo, str(model_dir)).save_checkpoint(str(tmp_path), 1, {"step": 1}, "name: t\n", keep=1)
+    grpo = ppo_recipe(model_dir).model_copy(
+        update={
+            "algorithm": Recipe.model_validate(
+                {"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}}}
+            ).algorithm
+        }
+    )
+    info = TrainerRole(grpo, str(model_dir)).save_checkpoint(
+        str(tmp_path), 1, {"step": 1}, "name: t\n", keep=1
+    )
     with pytest.raises(Exception, match="holds no critic"):
         TrainerRole(ppo_recipe(model_dir), str(model_dir)).load_checkpoint(info["path"])
 
 
 def test_plan_counts_the_critic() -> None:
-    info = ModelInfo(architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30,
-                     heads=9, kv_heads=3, head_dim=64, vocab=49152, max_positions=8192, tied_embeddings=True)
-    raw: dict[str, Any] = {"name": "t", "model": {"path": "x", "dtype": "float32"}, "lora": {"rank": 16},
-                           "trainer": {"engine": "hf"}, "rollout": {"n": 1},
-                           "data": {"train": {"path": "builtin:arithmetic"}}, "cluster": {"device": "cpu"}}
+    info = ModelInfo(
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        hidden=576,
+        intermediate=1536,
+        layers=30,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        vocab=49152,
+        max_positions=8192,
+        tied_embeddings=True,
+    )
+    raw: dict[str, Any] = {
+        "name": "t",
+        "model": {"path": "x", "dtype": "float32"},
+        "lora": {"rank": 16},
+        "trainer": {"engine": "hf"},
+        "rollout": {"n": 1},
+        "data": {"train": {"path": "builtin:arithmetic"}},
+        "cluster": {"device": "cpu"},
+    }
     grpo = make_plan(Recipe.model_validate({**raw, "algorithm": {"name": "reinforce_pp"}}), info).memory
     ppo = make_plan(Recipe.model_validate({**raw, "algorithm": {"name": "ppo"}}), info).memory
-    full = make_plan(Recipe.model_validate({**raw, "lora": {"rank": 0}, "algorithm": {"name": "ppo"}}), info).memory
+    full = make_plan(
+        Recipe.model_validate({**raw, "lora": {"rank": 0}, "algorithm": {"name": "ppo"}}), info
+    ).memory
     assert grpo is not None and ppo is not None and full is not None
     backbone_gib = info.total_params() * 4 / 1024**3  # tied: the backbone holds every weight
     assert grpo.critic == 0.0

@@ -22,7 +22,13 @@ def base(**over: object) -> dict:
         "model": {"path": QWEN7B, "dtype": "bfloat16"},
         "lora": {"rank": 16, "alpha": 32},
         "trainer": {"engine": "megatron", "parallel": {"tensor": 2}, "micro_batch_size": 2},
-        "rollout": {"engine": "vllm", "n": 4, "tensor_parallel": 2, "max_prompt_tokens": 512, "max_response_tokens": 512},
+        "rollout": {
+            "engine": "vllm",
+            "n": 4,
+            "tensor_parallel": 2,
+            "max_prompt_tokens": 512,
+            "max_response_tokens": 512,
+        },
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8},
         "reward": {"fn": "arithmetic"},
         "cluster": {"nodes": 1, "gpus_per_node": 8},
@@ -56,75 +62,240 @@ def test_base_recipe_is_valid(tmp_path: Path) -> None:
 
 # (description, overrides that break it, expected key, a fragment of the message, overrides that fix it)
 CASES = [
-    ("world not divisible by tp*pp*cp", {"trainer__parallel": {"tensor": 2, "pipeline": 3}}, "trainer.parallel.tensor",
-     "not divisible", {"trainer__parallel": {"tensor": 2, "pipeline": 2}}),
-    ("layers not divisible by pipeline", {"trainer__parallel": {"tensor": 1, "pipeline": 8}}, "trainer.parallel.pipeline",
-     "28 layers", {"trainer__parallel": {"tensor": 1, "pipeline": 4}}),
-    ("layers vs pipeline x virtual", {"trainer__parallel": {"tensor": 2, "pipeline": 2, "virtual_pipeline": 4}},
-     "trainer.parallel.virtual_pipeline", "pipeline 2 x virtual 4", {"trainer__parallel": {"tensor": 2, "pipeline": 2, "virtual_pipeline": 7}}),
-    ("heads vs tp", {"trainer__parallel": {"tensor": 8}}, "trainer.parallel.tensor", "4 KV heads", {"trainer__parallel": {"tensor": 4}}),
-    ("expert parallel on a dense model", {"trainer__parallel": {"tensor": 2, "expert": 2}}, "trainer.parallel.expert",
-     "dense model", {"trainer__parallel": {"tensor": 2, "expert": 1}}),
-    ("sequence parallel needs tp > 1", {"trainer__parallel": {"tensor": 1, "sequence_parallel": True}},
-     "trainer.parallel.sequence_parallel", "tensor parallel > 1", {"trainer__parallel": {"tensor": 2, "sequence_parallel": True}}),
-    ("virtual pipeline needs pp > 1", {"trainer__parallel": {"tensor": 2, "virtual_pipeline": 2}},
-     "trainer.parallel.virtual_pipeline", "needs pipeline > 1", {"trainer__parallel": {"tensor": 2}}),
-    ("rollout tp does not divide GPUs", {"rollout__tensor_parallel": 3}, "rollout.tensor_parallel", "does not divide",
-     {"rollout__tensor_parallel": 4}),
-    ("recompute layers beyond a stage", {"trainer__recompute": {"granularity": "full", "method": "uniform", "num_layers": 29}},
-     "trainer.recompute.num_layers", "28 layers per pipeline stage",
-     {"trainer__recompute": {"granularity": "full", "method": "uniform", "num_layers": 28}}),
-    ("recompute fields without full", {"trainer__recompute": {"granularity": "selective", "num_layers": 2}},
-     "trainer.recompute.num_layers", "only used with granularity full", {"trainer__recompute": {"granularity": "selective"}}),
-    ("mini batch does not divide batch", {"data__mini_batch_size": 3}, "data.mini_batch_size", "does not divide batch_size 8",
-     {"data__mini_batch_size": 4}),
-    ("micro batch does not divide per-rank share", {"trainer__micro_batch_size": 3}, "trainer.micro_batch_size",
-     "not a multiple of micro_batch_size 3", {"trainer__micro_batch_size": 4}),
-    ("mini batch does not split over dp", {"data__batch_size": 1, "rollout__n": 2}, "data.mini_batch_size",
-     "do not split over 4 data-parallel ranks", {"data__batch_size": 2, "rollout__n": 2, "trainer__micro_batch_size": 1}),
-    ("grpo needs n >= 2", {"rollout__n": 1, "trainer__micro_batch_size": 1, "data__batch_size": 8}, "rollout.n", "at least 2",
-     {"rollout__n": 2, "trainer__micro_batch_size": 1}),
-    ("sequence longer than positions", {"rollout__max_response_tokens": 32768}, "rollout.max_response_tokens",
-     "exceeds the model's 32768 positions", {"rollout__max_response_tokens": 32256}),
-    ("adapter sync without LoRA", {"lora": {"rank": 0}, "rollout__weight_sync": "adapter"}, "rollout.weight_sync", "needs LoRA",
-     {"lora": {"rank": 0}, "rollout__weight_sync": "merged"}),
-    ("LoRA rank above vLLM max", {"lora": {"rank": 32}, "rollout__weight_sync": "adapter", "rollout__max_lora_rank": 16}, "lora.rank",
-     "greater than rollout.max_lora_rank 16", {"lora": {"rank": 32}, "rollout__weight_sync": "adapter", "rollout__max_lora_rank": 32}),
-    ("mbridge with LoRA", {"trainer__bridge": "mbridge"}, "trainer.bridge", "no LoRA", {"trainer__bridge": "mbridge", "lora": {"rank": 0}}),
-    ("unknown LoRA target", {"lora": {"rank": 8, "targets": ["linear_qkv", "qkv_proj"]}}, "lora.targets", "qkv_proj",
-     {"lora": {"rank": 8, "targets": ["linear_qkv", "o_proj"]}}),
-    ("canonical targets need canonical_lora", {"lora": {"rank": 8, "targets": ["linear_q"]}}, "lora.targets", "canonical_lora",
-     {"lora": {"rank": 8, "targets": ["linear_q"], "type": "canonical_lora"}}),
-    ("reward fn does not import", {"reward": {"fn": "no_such_pkg.mod:fn"}}, "reward.fn", "", {"reward": {"fn": "gsm8k"}}),
-    ("data path missing", {"data__train": {"path": "/nonexistent/train.jsonl"}}, "data.train.path", "file not found",
-     {"data__train": {"path": "builtin:arithmetic"}}),
-    ("data format unsupported", {"data__train": {"path": "train.csv"}}, "data.train.path", "unsupported dataset format",
-     {"data__train": {"path": "builtin:arithmetic"}}),
-    ("hf engine with tensor parallel", {"trainer__engine": "hf", "cluster__gpus_per_node": 1, "rollout__tensor_parallel": 1},
-     "trainer.parallel.tensor", "hf engine has no tensor", {"trainer__engine": "hf", "trainer__parallel": {}, "cluster__gpus_per_node": 1,
-                                                           "rollout__tensor_parallel": 1}),
-    ("sequence parallel on cpu", {"trainer__parallel": {"tensor": 2, "sequence_parallel": True}, "cluster__device": "cpu"},
-     "trainer.parallel.sequence_parallel", "gloo", {"trainer__parallel": {"tensor": 2}, "cluster__device": "cpu"}),
-    ("distributed optimizer on cpu", {"trainer__distributed_optimizer": True, "cluster__device": "cpu"}, "trainer.distributed_optimizer",
-     "gloo", {"trainer__distributed_optimizer": False, "cluster__device": "cpu"}),
-    ("ppo on megatron with a pipeline", {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "pipeline": 2}},
-     "trainer.parallel.pipeline", "PPO's critic on the megatron engine does not support a pipeline",
-     {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "pipeline": 1}}),
-    ("ppo on megatron with sequence parallel", {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "sequence_parallel": True}},
-     "trainer.parallel.sequence_parallel", "full hidden states", {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2}}),
-    ("adaptive KL needs the KL in the reward", {"algorithm": {"name": "ppo", "adaptive_kl_target": 6.0, "kl": {"coef": 0.1}},
-                                                "trainer__engine": "hf", "trainer__parallel": {}, "cluster__gpus_per_node": 1,
-                                                "rollout__tensor_parallel": 1},
-     "algorithm.adaptive_kl_target", "kl.where is loss",
-     {"algorithm": {"name": "ppo", "adaptive_kl_target": 6.0, "kl": {"coef": 0.1, "where": "reward"}}, "trainer__engine": "hf",
-      "trainer__parallel": {}, "cluster__gpus_per_node": 1, "rollout__tensor_parallel": 1}),
-    ("context parallel on cpu", {"trainer__parallel": {"tensor": 2, "context": 2}, "cluster__device": "cpu"},
-     "trainer.parallel.context", "Transformer Engine", {"trainer__parallel": {"tensor": 2, "context": 1}, "cluster__device": "cpu"}),
+    (
+        "world not divisible by tp*pp*cp",
+        {"trainer__parallel": {"tensor": 2, "pipeline": 3}},
+        "trainer.parallel.tensor",
+        "not divisible",
+        {"trainer__parallel": {"tensor": 2, "pipeline": 2}},
+    ),
+    (
+        "layers not divisible by pipeline",
+        {"trainer__parallel": {"tensor": 1, "pipeline": 8}},
+        "trainer.parallel.pipeline",
+        "28 layers",
+        {"trainer__parallel": {"tensor": 1, "pipeline": 4}},
+    ),
+    (
+        "layers vs pipeline x virtual",
+        {"trainer__parallel": {"tensor": 2, "pipeline": 2, "virtual_pipeline": 4}},
+        "trainer.parallel.virtual_pipeline",
+        "pipeline 2 x virtual 4",
+        {"trainer__parallel": {"tensor": 2, "pipeline": 2, "virtual_pipeline": 7}},
+    ),
+    (
+        "heads vs tp",
+        {"trainer__parallel": {"tensor": 8}},
+        "trainer.parallel.tensor",
+        "4 KV heads",
+        {"trainer__parallel": {"tensor": 4}},
+    ),
+    (
+        "expert parallel on a dense model",
+        {"trainer__parallel": {"tensor": 2, "expert": 2}},
+        "trainer.parallel.expert",
+        "dense model",
+        {"trainer__parallel": {"tensor": 2, "expert": 1}},
+    ),
+    (
+        "sequence parallel needs tp > 1",
+        {"trainer__parallel": {"tensor": 1, "sequence_parallel": True}},
+        "trainer.parallel.sequence_parallel",
+        "tensor parallel > 1",
+        {"trainer__parallel": {"tensor": 2, "sequence_parallel": True}},
+    ),
+    (
+        "virtual pipeline needs pp > 1",
+        {"trainer__parallel": {"tensor": 2, "virtual_pipeline": 2}},
+        "trainer.parallel.virtual_pipeline",
+        "needs pipeline > 1",
+        {"trainer__parallel": {"tensor": 2}},
+    ),
+    (
+        "rollout tp does not divide GPUs",
+        {"rollout__tensor_parallel": 3},
+        "rollout.tensor_parallel",
+        "does not divide",
+        {"rollout__tensor_parallel": 4},
+    ),
+    (
+        "recompute layers beyond a stage",
+        {"trainer__recompute": {"granularity": "full", "method": "uniform", "num_layers": 29}},
+        "trainer.recompute.num_layers",
+        "28 layers per pipeline stage",
+        {"trainer__recompute": {"granularity": "full", "method": "uniform", "num_layers": 28}},
+    ),
+    (
+        "recompute fields without full",
+        {"trainer__recompute": {"granularity": "selective", "num_layers": 2}},
+        "trainer.recompute.num_layers",
+        "only used with granularity full",
+        {"trainer__recompute": {"granularity": "selective"}},
+    ),
+    (
+        "mini batch does not divide batch",
+        {"data__mini_batch_size": 3},
+        "data.mini_batch_size",
+        "does not divide batch_size 8",
+        {"data__mini_batch_size": 4},
+    ),
+    (
+        "micro batch does not divide per-rank share",
+        {"trainer__micro_batch_size": 3},
+        "trainer.micro_batch_size",
+        "not a multiple of micro_batch_size 3",
+        {"trainer__micro_batch_size": 4},
+    ),
+    (
+        "mini batch does not split over dp",
+        {"data__batch_size": 1, "rollout__n": 2},
+        "data.mini_batch_size",
+        "do not split over 4 data-parallel ranks",
+        {"data__batch_size": 2, "rollout__n": 2, "trainer__micro_batch_size": 1},
+    ),
+    (
+        "grpo needs n >= 2",
+        {"rollout__n": 1, "trainer__micro_batch_size": 1, "data__batch_size": 8},
+        "rollout.n",
+        "at least 2",
+        {"rollout__n": 2, "trainer__micro_batch_size": 1},
+    ),
+    (
+        "sequence longer than positions",
+        {"rollout__max_response_tokens": 32768},
+        "rollout.max_response_tokens",
+        "exceeds the model's 32768 positions",
+        {"rollout__max_response_tokens": 32256},
+    ),
+    (
+        "adapter sync without LoRA",
+        {"lora": {"rank": 0}, "rollout__weight_sync": "adapter"},
+        "rollout.weight_sync",
+        "needs LoRA",
+        {"lora": {"rank": 0}, "rollout__weight_sync": "merged"},
+    ),
+    (
+        "LoRA rank above vLLM max",
+        {"lora": {"rank": 32}, "rollout__weight_sync": "adapter", "rollout__max_lora_rank": 16},
+        "lora.rank",
+        "greater than rollout.max_lora_rank 16",
+        {"lora": {"rank": 32}, "rollout__weight_sync": "adapter", "rollout__max_lora_rank": 32},
+    ),
+    (
+        "mbridge with LoRA",
+        {"trainer__bridge": "mbridge"},
+        "trainer.bridge",
+        "no LoRA",
+        {"trainer__bridge": "mbridge", "lora": {"rank": 0}},
+    ),
+    (
+        "unknown LoRA target",
+        {"lora": {"rank": 8, "targets": ["linear_qkv", "qkv_proj"]}},
+        "lora.targets",
+        "qkv_proj",
+        {"lora": {"rank": 8, "targets": ["linear_qkv", "o_proj"]}},
+    ),
+    (
+        "canonical targets need canonical_lora",
+        {"lora": {"rank": 8, "targets": ["linear_q"]}},
+        "lora.targets",
+        "canonical_lora",
+        {"lora": {"rank": 8, "targets": ["linear_q"], "type": "canonical_lora"}},
+    ),
+    (
+        "reward fn does not import",
+        {"reward": {"fn": "no_such_pkg.mod:fn"}},
+        "reward.fn",
+        "",
+        {"reward": {"fn": "gsm8k"}},
+    ),
+    (
+        "data path missing",
+        {"data__train": {"path": "/nonexistent/train.jsonl"}},
+        "data.train.path",
+        "file not found",
+        {"data__train": {"path": "builtin:arithmetic"}},
+    ),
+    (
+        "data format unsupported",
+        {"data__train": {"path": "train.csv"}},
+        "data.train.path",
+        "unsupported dataset format",
+        {"data__train": {"path": "builtin:arithmetic"}},
+    ),
+    (
+        "hf engine with tensor parallel",
+        {"trainer__engine": "hf", "cluster__gpus_per_node": 1, "rollout__tensor_parallel": 1},
+        "trainer.parallel.tensor",
+        "hf engine has no tensor",
+        {
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+    ),
+    (
+        "sequence parallel on cpu",
+        {"trainer__parallel": {"tensor": 2, "sequence_parallel": True}, "cluster__device": "cpu"},
+        "trainer.parallel.sequence_parallel",
+        "gloo",
+        {"trainer__parallel": {"tensor": 2}, "cluster__device": "cpu"},
+    ),
+    (
+        "distributed optimizer on cpu",
+        {"trainer__distributed_optimizer": True, "cluster__device": "cpu"},
+        "trainer.distributed_optimizer",
+        "gloo",
+        {"trainer__distributed_optimizer": False, "cluster__device": "cpu"},
+    ),
+    (
+        "ppo on megatron with a pipeline",
+        {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "pipeline": 2}},
+        "trainer.parallel.pipeline",
+        "PPO's critic on the megatron engine does not support a pipeline",
+        {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "pipeline": 1}},
+    ),
+    (
+        "ppo on megatron with sequence parallel",
+        {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2, "sequence_parallel": True}},
+        "trainer.parallel.sequence_parallel",
+        "full hidden states",
+        {"algorithm": {"name": "ppo"}, "trainer__parallel": {"tensor": 2}},
+    ),
+    (
+        "adaptive KL needs the KL in the reward",
+        {
+            "algorithm": {"name": "ppo", "adaptive_kl_target": 6.0, "kl": {"coef": 0.1}},
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+        "algorithm.adaptive_kl_target",
+        "kl.where is loss",
+        {
+            "algorithm": {"name": "ppo", "adaptive_kl_target": 6.0, "kl": {"coef": 0.1, "where": "reward"}},
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+    ),
+    (
+        "context parallel on cpu",
+        {"trainer__parallel": {"tensor": 2, "context": 2}, "cluster__device": "cpu"},
+        "trainer.parallel.context",
+        "Transformer Engine",
+        {"trainer__parallel": {"tensor": 2, "context": 1}, "cluster__device": "cpu"},
+    ),
 ]
 
 
 @pytest.mark.parametrize(("desc", "bad", "key", "fragment", "good"), CASES, ids=[c[0] for c in CASES])
-def test_check_fails_and_passes(tmp_path: Path, desc: str, bad: dict, key: str, fragment: str, good: dict) -> None:
+def test_check_fails_and_passes(
+    tmp_path: Path, desc: str, bad: dict, key: str, fragment: str, good: dict
+) -> None:
     issues = check(tmp_path, base(**bad))
     assert key in keys(issues), f"{desc}: expected an issue on {key}, got {issues}"
     assert any(fragment in msg for k, msg in issues if k == key), issues
@@ -133,16 +304,24 @@ def test_check_fails_and_passes(tmp_path: Path, desc: str, bad: dict, key: str, 
 
 
 def test_moe_expert_checks(tmp_path: Path) -> None:
-    moe = {"model": {"path": MOE}, "lora": {"rank": 8, "targets": ["linear_qkv"]}, "rollout__tensor_parallel": 4,
-           "cluster__gpus_per_node": 8}
+    moe = {
+        "model": {"path": MOE},
+        "lora": {"rank": 8, "targets": ["linear_qkv"]},
+        "rollout__tensor_parallel": 4,
+        "cluster__gpus_per_node": 8,
+    }
     ok = base(**moe, trainer__parallel={"tensor": 1, "expert": 8})
     assert check(tmp_path, ok) == []
     bad_experts = base(**moe, trainer__parallel={"tensor": 1, "expert": 3})
     issues = check(tmp_path, bad_experts)
     assert "trainer.parallel.expert" in keys(issues)
-    tp_and_ep = base(**moe, trainer__parallel={"tensor": 2, "expert": 8})  # 8 ranks per stage hold 8 expert groups
+    tp_and_ep = base(
+        **moe, trainer__parallel={"tensor": 2, "expert": 8}
+    )  # 8 ranks per stage hold 8 expert groups
     assert check(tmp_path, tp_and_ep) == []
-    bad_group = base(**moe, trainer__parallel={"tensor": 1, "pipeline": 2, "expert": 8})  # 4 ranks per stage < 8
+    bad_group = base(
+        **moe, trainer__parallel={"tensor": 1, "pipeline": 2, "expert": 8}
+    )  # 4 ranks per stage < 8
     assert "trainer.parallel.expert" in keys(check(tmp_path, bad_group))
 
 

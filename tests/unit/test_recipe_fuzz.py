@@ -25,13 +25,50 @@ VALID = {
     "run": {"steps": 2},
     "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
 }
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=True),
-                    st.text(max_size=12), st.sampled_from(["megatron", "hf", "grpo", "ppo", "adapter", "cpu", "-1", "1e309"]))
-values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=3)),
-                      max_leaves=8)
-paths = st.lists(st.sampled_from(["name", "model", "path", "dtype", "lora", "rank", "trainer", "parallel", "tensor",
-                                  "rollout", "n", "algorithm", "name", "kl", "data", "train", "batch_size", "reward", "fn",
-                                  "run", "cluster", "gpus_per_node", "typo"]), min_size=1, max_size=4)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["megatron", "hf", "grpo", "ppo", "adapter", "cpu", "-1", "1e309"]),
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=3)),
+    max_leaves=8,
+)
+paths = st.lists(
+    st.sampled_from(
+        [
+            "name",
+            "model",
+            "path",
+            "dtype",
+            "lora",
+            "rank",
+            "trainer",
+            "parallel",
+            "tensor",
+            "rollout",
+            "n",
+            "algorithm",
+            "name",
+            "kl",
+            "data",
+            "train",
+            "batch_size",
+            "reward",
+            "fn",
+            "run",
+            "cluster",
+            "gpus_per_node",
+            "typo",
+        ]
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 
 def mutate(recipe: dict, path: list[str], value: object, delete: bool) -> object:
@@ -75,8 +112,15 @@ def test_structural_mutations(tmp_path_factory, mutations) -> None:  # type: ign
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
-@given(text=st.lists(st.sampled_from(list("{}[]:-,!&*#|>'\"%@` \n\tabc12.\u00ff") + ["!!python/object:os.system ", "name: t\n",
-                                     "model:", "rollout: {n: ", "- "]), max_size=40).map("".join))
+@given(
+    text=st.lists(
+        st.sampled_from(
+            list("{}[]:-,!&*#|>'\"%@` \n\tabc12.\u00ff")
+            + ["!!python/object:os.system ", "name: t\n", "model:", "rollout: {n: ", "- "]
+        ),
+        max_size=40,
+    ).map("".join)
+)
 def test_garbage_yaml(tmp_path_factory, text: str) -> None:  # type: ignore[no-untyped-def]
     run(tmp_path_factory.getbasetemp(), text)
 

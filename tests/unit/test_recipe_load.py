@@ -71,14 +71,23 @@ def test_algorithm_union_keys_and_unknown_name(tmp_path: Path) -> None:
 
 def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
     f = write(tmp_path, MINIMAL)
-    r = load_recipe(f, ["rollout.n=8", "trainer.parallel.tensor=2", "lora.targets=[linear_qkv]", "run.dir=null"])
-    assert r.rollout.n == 8 and r.trainer.parallel.tensor == 2 and r.lora.targets == ["linear_qkv"] and r.run.dir is None
+    r = load_recipe(
+        f, ["rollout.n=8", "trainer.parallel.tensor=2", "lora.targets=[linear_qkv]", "run.dir=null"]
+    )
+    assert (
+        r.rollout.n == 8
+        and r.trainer.parallel.tensor == 2
+        and r.lora.targets == ["linear_qkv"]
+        and r.run.dir is None
+    )
     issues = issues_of(f, "rollout.n=zero", "rollout.nn=3")
     assert {i.key: i.where for i in issues} == {"rollout.n": "--set", "rollout.nn": "--set"}
     assert issues_of(f, "rollout.n")[0].key == "--set"
 
 
-@pytest.mark.parametrize("text", ["", "- a\n- b\n", "just a string", "a: [1, 2\n", "\tname: x\n", "name: t\nname: u\n"])
+@pytest.mark.parametrize(
+    "text", ["", "- a\n- b\n", "just a string", "a: [1, 2\n", "\tname: x\n", "name: t\nname: u\n"]
+)
 def test_malformed_files(tmp_path: Path, text: str) -> None:
     assert issues_of(write(tmp_path, text))
 
@@ -96,7 +105,9 @@ def test_missing_and_binary_files(tmp_path: Path) -> None:
 
 
 def test_reward_fn_or_terms(tmp_path: Path) -> None:
-    r = load_recipe(write(tmp_path, MINIMAL + "reward: {terms: [{fn: arithmetic}, {fn: format, weight: 0.5}]}\n"))
+    r = load_recipe(
+        write(tmp_path, MINIMAL + "reward: {terms: [{fn: arithmetic}, {fn: format, weight: 0.5}]}\n")
+    )
     assert [t.fn for t in r.reward.resolved_terms()] == ["arithmetic", "format"]
     issues = issues_of(write(tmp_path, MINIMAL + "reward: {fn: gsm8k, terms: [{fn: format}]}\n"))
     assert issues[0].key == "reward" and "either" in issues[0].message

@@ -59,7 +59,9 @@ def test_copy_then_validate(tmp_path: Path) -> None:
     res = runner.invoke(app, ["recipes", "copy", "quickstart", str(dest)])
     assert res.exit_code == 1 and "--force" in res.output
     assert runner.invoke(app, ["recipes", "copy", "quickstart", str(dest), "--force"]).exit_code == 0
-    res = runner.invoke(app, ["recipes", "copy", "ppo-smollm2-cpu", str(tmp_path)])  # a directory: keeps the name
+    res = runner.invoke(
+        app, ["recipes", "copy", "ppo-smollm2-cpu", str(tmp_path)]
+    )  # a directory: keeps the name
     assert res.exit_code == 0 and (tmp_path / "ppo-smollm2-cpu.yaml").is_file()
 
 
@@ -76,9 +78,26 @@ def test_a_built_wheel_ships_the_recipes(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "recipes", src / "recipes")
-    shutil.copytree(ROOT / "rlbridge", src / "rlbridge", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")],
-                         capture_output=True, text=True, timeout=120)
+    shutil.copytree(
+        ROOT / "rlbridge", src / "rlbridge", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if res.returncode != 0 and "No module named pip" in res.stderr:
         pytest.skip("pip is not available in this interpreter")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -86,7 +105,13 @@ def test_a_built_wheel_ships_the_recipes(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert sorted(Path(n).stem for n in names if n.startswith("rlbridge/recipes/")) == REPO_RECIPES
     code = "from rlbridge.recipe.shipped import shipped; print(' '.join(s.name for s in shipped()))"
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(wheel)}, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(wheel)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == REPO_RECIPES

@@ -22,21 +22,67 @@ from rlbridge.report import PLOTS, read_run, render_report
 runner = CliRunner()
 
 
-def make_run(root: Path, *, steps_done: int, planned: int = 4, status: dict | None = None, torn: bool = False) -> Path:
+def make_run(
+    root: Path, *, steps_done: int, planned: int = 4, status: dict | None = None, torn: bool = False
+) -> Path:
     root.mkdir(parents=True)
-    (root / "recipe.yaml").write_text(yaml.safe_dump({"name": "unit", "model": {"path": "m", "dtype": "float32"},
-                                                      "run": {"steps": planned}, "trainer": {"optim": {"clip_grad": 1.0}}}))
-    lines = [{"kind": "eval", "step": 0, "eval_accuracy": 0.0, "eval_format": 0.5, "eval_samples": 4.0, "time_eval": 1.0}]
+    (root / "recipe.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "unit",
+                "model": {"path": "m", "dtype": "float32"},
+                "run": {"steps": planned},
+                "trainer": {"optim": {"clip_grad": 1.0}},
+            }
+        )
+    )
+    lines = [
+        {
+            "kind": "eval",
+            "step": 0,
+            "eval_accuracy": 0.0,
+            "eval_format": 0.5,
+            "eval_samples": 4.0,
+            "time_eval": 1.0,
+        }
+    ]
     for s in range(1, steps_done + 1):
-        lines.append({"kind": "train", "step": s, "reward_mean": 0.1 * s, "reward_std": 0.05, "accuracy": 0.25, "kl": None,
-                      "entropy": 1.0, "grad_norm": "nan" if s == 2 else 0.5, "skipped": int(s == 2), "time_generate": 2.0,
-                      "time_update": 1.0, "time_step": 3.0, "tokens_per_s": 20.0})
+        lines.append(
+            {
+                "kind": "train",
+                "step": s,
+                "reward_mean": 0.1 * s,
+                "reward_std": 0.05,
+                "accuracy": 0.25,
+                "kl": None,
+                "entropy": 1.0,
+                "grad_norm": "nan" if s == 2 else 0.5,
+                "skipped": int(s == 2),
+                "time_generate": 2.0,
+                "time_update": 1.0,
+                "time_step": 3.0,
+                "tokens_per_s": 20.0,
+            }
+        )
     if steps_done == planned:
-        lines.append({"kind": "eval", "step": planned, "eval_accuracy": 0.5, "eval_format": 1.0, "eval_samples": 4.0, "time_eval": 1.0})
-    text = "".join(json.dumps(x) + "\n" for x in lines) + ('{"kind": "train", "step": 9, "rew' if torn else "")
+        lines.append(
+            {
+                "kind": "eval",
+                "step": planned,
+                "eval_accuracy": 0.5,
+                "eval_format": 1.0,
+                "eval_samples": 4.0,
+                "time_eval": 1.0,
+            }
+        )
+    text = "".join(json.dumps(x) + "\n" for x in lines) + (
+        '{"kind": "train", "step": 9, "rew' if torn else ""
+    )
     (root / "metrics.jsonl").write_text(text)
     if status is not None:
-        (root / "status.json").write_text(json.dumps({"host": socket.gethostname(), "time": time.time(), **status}))
+        (root / "status.json").write_text(
+            json.dumps({"host": socket.gethostname(), "time": time.time(), **status})
+        )
     return root
 
 
@@ -58,13 +104,16 @@ def test_finished_run_report(tmp_path: Path) -> None:
     assert "| generate | 2.00 | 67% |" in md and "1 step(s) skipped" in md
 
 
-@pytest.mark.parametrize(("status", "state"), [
-    ({"state": "running", "pid": os.getpid()}, "running"),
-    ({"state": "running", "pid": None}, "crashed"),  # pid filled in below: a process that has exited
-    ({"state": "failed", "pid": 1, "error": "trainer and rollout log-probs disagree"}, "crashed"),
-    ({"state": "interrupted", "pid": 1}, "crashed"),
-    ({"state": "running", "pid": 1, "host": "another-host"}, "running"),
-])
+@pytest.mark.parametrize(
+    ("status", "state"),
+    [
+        ({"state": "running", "pid": os.getpid()}, "running"),
+        ({"state": "running", "pid": None}, "crashed"),  # pid filled in below: a process that has exited
+        ({"state": "failed", "pid": 1, "error": "trainer and rollout log-probs disagree"}, "crashed"),
+        ({"state": "interrupted", "pid": 1}, "crashed"),
+        ({"state": "running", "pid": 1, "host": "another-host"}, "running"),
+    ],
+)
 def test_status_from_status_file(tmp_path: Path, status: dict, state: str) -> None:
     if status["pid"] is None:
         status = {**status, "pid": dead_pid()}
@@ -101,7 +150,9 @@ def test_run_that_died_before_its_first_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text(yaml.safe_dump({"name": "early", "run": {"steps": 5}}))
-    (run / "status.json").write_text(json.dumps({"state": "failed", "pid": 1, "host": socket.gethostname(), "error": "no GPU"}))
+    (run / "status.json").write_text(
+        json.dumps({"state": "failed", "pid": 1, "host": socket.gethostname(), "error": "no GPU"})
+    )
     rep = render_report(run)
     assert all(p.stat().st_size > 0 for p in rep.plots)
     md = rep.markdown.read_text()
@@ -116,7 +167,9 @@ def test_not_a_run_directory_exit_codes(tmp_path: Path) -> None:
 
 
 def test_report_does_not_import_heavy_libraries() -> None:
-    code = ("import sys; from rlbridge.cli import app; import rlbridge.report; "
-            "print([m for m in ('torch', 'matplotlib', 'ray', 'vllm', 'wandb', 'tensorboard') if m in sys.modules])")
+    code = (
+        "import sys; from rlbridge.cli import app; import rlbridge.report; "
+        "print([m for m in ('torch', 'matplotlib', 'ray', 'vllm', 'wandb', 'tensorboard') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

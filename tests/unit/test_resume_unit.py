@@ -44,21 +44,39 @@ def test_resolved_recipe_loads_again(path: Path) -> None:
 
 
 def make_run(tmp_path: Path, model_dir: Path, steps: tuple[int, ...] = (2, 4)) -> Path:
-    data = {"name": "r", "model": {"path": str(model_dir), "dtype": "float32"},
-            "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-            "trainer": {"engine": "hf", "micro_batch_size": 4}, "rollout": {"engine": "vllm", "n": 4,
-            "max_prompt_tokens": 64, "max_response_tokens": 24, "max_lora_rank": 8},
-            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
-            "reward": {"terms": [{"fn": "length"}]}, "run": {"steps": 4, "save_every": 2},
-            "cluster": {"device": "cpu"}}
+    data = {
+        "name": "r",
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
+        "trainer": {"engine": "hf", "micro_batch_size": 4},
+        "rollout": {
+            "engine": "vllm",
+            "n": 4,
+            "max_prompt_tokens": 64,
+            "max_response_tokens": 24,
+            "max_lora_rank": 8,
+        },
+        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
+        "reward": {"terms": [{"fn": "length"}]},
+        "run": {"steps": 4, "save_every": 2},
+        "cluster": {"device": "cpu"},
+    }
     run = tmp_path / "run"
     run.mkdir()
     text = resolved_yaml(Recipe.model_validate(data))
     (run / "recipe.yaml").write_text(text)
     for step in steps:
-        ckpt.save_checkpoint(run, step, tensors={"trainable": {"w": torch.full((2,), float(step))}},
-                             state={"step": step}, recipe_yaml=text, keep=5)
-    records = [{"kind": "eval", "step": 0}] + [{"kind": k, "step": s} for s in range(1, 5) for k in ("train", "checkpoint")]
+        ckpt.save_checkpoint(
+            run,
+            step,
+            tensors={"trainable": {"w": torch.full((2,), float(step))}},
+            state={"step": step},
+            recipe_yaml=text,
+            keep=5,
+        )
+    records = [{"kind": "eval", "step": 0}] + [
+        {"kind": k, "step": s} for s in range(1, 5) for k in ("train", "checkpoint")
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tra')
     return run
 
@@ -68,7 +86,12 @@ def test_unsafe_set_is_refused_with_exit_2(tmp_path: Path, model_dir: Path) -> N
     before = (run / "recipe.yaml").read_text()
     res = runner.invoke(app, ["resume", str(run), "--set", "lora.rank=16", "--set", "run.steps=6"])
     assert res.exit_code == 2, res.output
-    assert "lora.rank" in res.output and "changed from 8 to 16" in res.output and "cannot resume" in res.output and "Traceback" not in res.output
+    assert (
+        "lora.rank" in res.output
+        and "changed from 8 to 16" in res.output
+        and "cannot resume" in res.output
+        and "Traceback" not in res.output
+    )
     assert "run.steps" not in res.output.split("lora.rank", 1)[0]  # only the unsafe key is an error
     assert (run / "recipe.yaml").read_text() == before  # nothing was changed
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 10

@@ -34,27 +34,57 @@ FIX = "tests.fixtures.reward_fns"
 
 
 # ------------------------------------------------------------------------------------------ parsing
-@pytest.mark.parametrize(("text", "value"), [
-    ("1234", 1234), ("1,234", 1234), ("$1,234.00", 1234), ("1234.", 1234), (" -5 ", -5), ("-$5", -5),
-    ("3.50", Fraction(7, 2)), ("0.5", Fraction(1, 2)), ("12 apples", None), ("1,23", None), ("", None),
-])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1234", 1234),
+        ("1,234", 1234),
+        ("$1,234.00", 1234),
+        ("1234.", 1234),
+        (" -5 ", -5),
+        ("-$5", -5),
+        ("3.50", Fraction(7, 2)),
+        ("0.5", Fraction(1, 2)),
+        ("12 apples", None),
+        ("1,23", None),
+        ("", None),
+    ],
+)
 def test_parse_number(text: str, value: Fraction | int | None) -> None:
     assert parse_number(text) == value
 
 
-@pytest.mark.parametrize(("text", "value"), [
-    ("1,2,3", 3), ("10-5", 5), ("x = -5", -5), ("1,2345", 2345), ("it is 5.", 5), ("no digits", None),
-    ("f(3)-2", 2), ("costs $12.50 each", Fraction(25, 2)),
-])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1,2,3", 3),
+        ("10-5", 5),
+        ("x = -5", -5),
+        ("1,2345", 2345),
+        ("it is 5.", 5),
+        ("no digits", None),
+        ("f(3)-2", 2),
+        ("costs $12.50 each", Fraction(25, 2)),
+    ],
+)
 def test_last_number(text: str, value: Fraction | int | None) -> None:
     assert last_number(text) == value
 
 
-@pytest.mark.parametrize(("completion", "value"), [
-    ("so 3 + 4 = 7\n#### 7", 7), ("#### $1,234.00.", 1234), ("#### 5 then more text 9", 5),
-    ("#### maybe\nThe answer is 12", 12), ("The final answer is: 42, not 41", 42),
-    ("we get \\boxed{18} and 20 more", 18), ("first 3 then 4", 4), ("#### 1\n#### 2", 2), ("nothing", None),
-])
+@pytest.mark.parametrize(
+    ("completion", "value"),
+    [
+        ("so 3 + 4 = 7\n#### 7", 7),
+        ("#### $1,234.00.", 1234),
+        ("#### 5 then more text 9", 5),
+        ("#### maybe\nThe answer is 12", 12),
+        ("The final answer is: 42, not 41", 42),
+        ("we get \\boxed{18} and 20 more", 18),
+        ("first 3 then 4", 4),
+        ("#### 1\n#### 2", 2),
+        ("nothing", None),
+    ],
+)
 def test_extract_answer(completion: str, value: int | None) -> None:
     assert extract_answer(completion) == value
 
@@ -92,8 +122,14 @@ def test_gsm8k_reward_on_the_whole_test_set() -> None:
     misses = []
     for i, row in enumerate(rows):
         gold = int(row["answer"].split("#### ")[-1].strip().replace(",", ""))
-        positives = [f"The answer is {gold:,}.", f"#### {gold}", f"${gold}", f"So the total is ${gold:,}.00",
-                     f"\\boxed{{{gold}}}", row["answer"]]
+        positives = [
+            f"The answer is {gold:,}.",
+            f"#### {gold}",
+            f"${gold}",
+            f"So the total is ${gold:,}.00",
+            f"\\boxed{{{gold}}}",
+            row["answer"],
+        ]
         negatives = [f"#### {gold + 1}", f"The answer is {gold * 10 + 7:,}.", "I do not know."]
         misses += [(i, c, 1.0) for c in positives if gsm8k_reward(row["question"], c, row) != 1.0]
         misses += [(i, c, 0.0) for c in negatives if gsm8k_reward(row["question"], c, row) != 0.0]
@@ -107,19 +143,22 @@ def test_check_reward_fn_accepts(spec: str) -> None:
     assert callable(resolve_reward_fn(spec))
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ("gsm8", "did you mean 'gsm8k'"),
-    ("no_such_module_rlb:fn", "cannot import module 'no_such_module_rlb'"),
-    (f"{FIX}:missing", "has no attribute 'missing'"),
-    (f"{FIX}:two_args", "must accept 3 positional arguments"),
-    (f"{FIX}:keyword_sample", "must accept 3 positional arguments"),
-    (f"{FIX}:NOT_CALLABLE", "is a int, not a function"),
-    (f"{FIX}:async_reward", "is async"),
-    ("mod:", "not of the form package.module:function"),
-    ("a:b:c", "not of the form package.module:function"),
-    ("my-mod:fn", "not of the form package.module:function"),
-    ("", "must be a builtin name"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("gsm8", "did you mean 'gsm8k'"),
+        ("no_such_module_rlb:fn", "cannot import module 'no_such_module_rlb'"),
+        (f"{FIX}:missing", "has no attribute 'missing'"),
+        (f"{FIX}:two_args", "must accept 3 positional arguments"),
+        (f"{FIX}:keyword_sample", "must accept 3 positional arguments"),
+        (f"{FIX}:NOT_CALLABLE", "is a int, not a function"),
+        (f"{FIX}:async_reward", "is async"),
+        ("mod:", "not of the form package.module:function"),
+        ("a:b:c", "not of the form package.module:function"),
+        ("my-mod:fn", "not of the form package.module:function"),
+        ("", "must be a builtin name"),
+    ],
+)
 def test_check_reward_fn_rejects(spec: str, message: str) -> None:
     problem = check_reward_fn(spec)
     assert problem is not None and message in problem, problem
@@ -132,8 +171,10 @@ def test_check_reward_fn_never_raises_on_non_strings() -> None:
 
 
 def test_rewards_module_imports_only_the_standard_library() -> None:
-    code = ("import sys, rlbridge.data.rewards; "
-            "print([m for m in ('torch', 'transformers', 'numpy', 'math_verify', 'pydantic') if m in sys.modules])")
+    code = (
+        "import sys, rlbridge.data.rewards; "
+        "print([m for m in ('torch', 'transformers', 'numpy', 'math_verify', 'pydantic') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
 
@@ -155,9 +196,14 @@ def test_pool_isolates_every_kind_of_failure(capfd: pytest.CaptureFixture[str]) 
     modes = [None, "raise", None, "nan", "str", None, "sleep", "print", None, "exit", "os_exit", None]
     samples = [{"answer": str(i), **({"mode": m} if m else {})} for i, m in enumerate(modes)]
     completions = [str(i) if i % 3 else "wrong" for i in range(len(modes))]
-    expected_errors = {1: "ValueError: reward exploded on purpose", 3: "returned nan, not a finite number",
-                       4: "returned str '1.0', not a float", 6: "ran past reward.timeout_s=1.0s",
-                       9: "SystemExit: 3", 10: "exited with code 7"}
+    expected_errors = {
+        1: "ValueError: reward exploded on purpose",
+        3: "returned nan, not a finite number",
+        4: "returned str '1.0', not a float",
+        6: "ran past reward.timeout_s=1.0s",
+        9: "SystemExit: 3",
+        10: "exited with code 7",
+    }
     cfg = RewardCfg(fn=f"{FIX}:chaos", timeout_s=1.0, workers=2, error_budget=100)
     with RewardPool(cfg) as pool:
         first = _pids(pool)
@@ -168,7 +214,9 @@ def test_pool_isolates_every_kind_of_failure(capfd: pytest.CaptureFixture[str]) 
         for line, (i, text) in zip(result.errors, sorted(expected_errors.items()), strict=True):
             assert line.startswith(f"sample {i}, {FIX}:chaos: ") and text in line, line
         assert "exited with code 7" in str(result.last_traceback)
-        assert len(pool._workers) == 2 and all(_dead(pid) for pid in first - _pids(pool))  # hung/exited ones replaced
+        assert len(pool._workers) == 2 and all(
+            _dead(pid) for pid in first - _pids(pool)
+        )  # hung/exited ones replaced
         before = _pids(pool)
         again = pool.score(["p"] * 3, ["0", "x", "2"], [{"answer": "0"}, {"answer": "1"}, {"answer": "2"}])
         assert again.scores == [1.0, 0.0, 1.0] and again.num_errors == 0
@@ -196,12 +244,16 @@ def test_error_budget_raises_with_the_traceback() -> None:
             pool.score(["p", "p"], ["1", "2"], samples)
     message = str(info.value)
     assert "2 reward errors so far exceed reward.error_budget=1" in message
-    assert "Traceback" in message and "raise ValueError(\"reward exploded on purpose\")" in message
+    assert "Traceback" in message and 'raise ValueError("reward exploded on purpose")' in message
     assert isinstance(info.value, RlbridgeError)
 
 
 def test_weighted_terms_mix_builtins_and_user_functions() -> None:
-    terms = [RewardTerm(fn="gsm8k"), RewardTerm(fn="format", weight=0.5), RewardTerm(fn=f"{FIX}:half", weight=2.0)]
+    terms = [
+        RewardTerm(fn="gsm8k"),
+        RewardTerm(fn="format", weight=0.5),
+        RewardTerm(fn=f"{FIX}:half", weight=2.0),
+    ]
     with RewardPool(RewardCfg(terms=terms, workers=1)) as pool:
         result = pool.score(["q"] * 3, ["#### 7", "it is 7", "#### 8"], [{"answer": "#### 7"}] * 3)
     assert result.scores == [2.5, 2.0, 1.5]

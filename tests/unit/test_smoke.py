@@ -21,7 +21,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_smoke_plan_keeps_the_layout_and_validates(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_smoke_plan_keeps_the_layout_and_validates(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(ROOT)
     recipe_file = ROOT / "recipes" / name
     data = tmp_path / "d.jsonl"
@@ -32,7 +34,9 @@ def test_smoke_plan_keeps_the_layout_and_validates(name: str, monkeypatch: pytes
     plan = plan_smoke(original, config)
     c, p = plan.config, original.trainer.parallel
     assert c["model_type"] == config["model_type"] and c["architectures"] == config["architectures"]
-    assert c["num_hidden_layers"] % (p.pipeline * (p.virtual_pipeline or 1)) == 0 and c["num_hidden_layers"] >= 2
+    assert (
+        c["num_hidden_layers"] % (p.pipeline * (p.virtual_pipeline or 1)) == 0 and c["num_hidden_layers"] >= 2
+    )
     assert c["num_attention_heads"] % p.tensor == 0 and c["num_key_value_heads"] % p.tensor == 0
     assert c["num_attention_heads"] > c["num_key_value_heads"]  # grouped-query attention kept
     assert c["hidden_size"] == c["num_attention_heads"] * HEAD_DIM
@@ -42,7 +46,9 @@ def test_smoke_plan_keeps_the_layout_and_validates(name: str, monkeypatch: pytes
     issues: list = []
     check_model_shape(smoke, ModelInfo.from_config(c), issues)
     assert not issues, issues
-    assert smoke.cluster.device == "cpu" and smoke.world_size == original.world_size and smoke.cluster.nodes == 1
+    assert (
+        smoke.cluster.device == "cpu" and smoke.world_size == original.world_size and smoke.cluster.nodes == 1
+    )
     assert smoke.trainer.parallel.tensor == p.tensor and smoke.trainer.parallel.pipeline == p.pipeline
     assert smoke.trainer.parallel.expert == p.expert and smoke.lora == original.lora
     assert smoke.trainer.recompute == original.trainer.recompute and smoke.run.steps == 2

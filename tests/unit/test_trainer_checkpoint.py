@@ -23,17 +23,27 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def recipe(model_dir: Path, rank: int = 4, dtype: str = "float32") -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": str(model_dir), "dtype": dtype},
-        "lora": {"rank": rank, "targets": ["linear_qkv", "linear_fc2"]},
-        "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 1}},
-        "rollout": {"n": 2}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
-        "run": {"steps": 6}, "cluster": {"device": "cpu"},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": str(model_dir), "dtype": dtype},
+            "lora": {"rank": rank, "targets": ["linear_qkv", "linear_fc2"]},
+            "trainer": {
+                "micro_batch_size": 2,
+                "optim": {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 1},
+            },
+            "rollout": {"n": 2},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
+            "run": {"steps": 6},
+            "cluster": {"device": "cpu"},
+        }
+    )
 
 
 def batch(scale: float = 1.0) -> tuple[SeqBatch, torch.Tensor]:
-    b = SeqBatch.from_token_lists([[1, 2, 3], [4, 5], [6, 7, 8], [9]], [[10, 11], [12, 13, 14], [15], [16, 17]], pad_id=256)
+    b = SeqBatch.from_token_lists(
+        [[1, 2, 3], [4, 5], [6, 7, 8], [9]], [[10, 11], [12, 13, 14], [15], [16, 17]], pad_id=256
+    )
     adv = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand(4, b.response_width) * b.response_mask
     return b, adv * scale
 
@@ -44,7 +54,9 @@ def update(t: TrainerRole, scale: float) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(("rank", "dtype"), [(4, "float32"), (0, "bfloat16")])
-def test_restored_trainer_continues_bit_identically(model_dir: Path, tmp_path: Path, rank: int, dtype: str) -> None:
+def test_restored_trainer_continues_bit_identically(
+    model_dir: Path, tmp_path: Path, rank: int, dtype: str
+) -> None:
     """Also bfloat16 full fine-tuning, whose checkpoint must hold the float32 masters (engines/master.py)."""
     a = TrainerRole(recipe(model_dir, rank, dtype), str(model_dir))
     for scale in (1.0, -0.5):
@@ -70,7 +82,9 @@ def test_checkpoint_holds_adapters_and_optimizer_only(model_dir: Path, tmp_path:
     update(t, 1.0)
     info = t.save_checkpoint(str(tmp_path), 1, {"step": 1}, "name: t\n", keep=2)
     path = Path(info["path"])
-    assert ckpt.verify_checkpoint(path) is None and info["bytes"] == sum(f.stat().st_size for f in path.iterdir())
+    assert ckpt.verify_checkpoint(path) is None and info["bytes"] == sum(
+        f.stat().st_size for f in path.iterdir()
+    )
     trainable = load_file(str(path / "trainable.safetensors"))
     assert trainable and all(".lora_A." in k or ".lora_B." in k for k in trainable)
     optim = load_file(str(path / "optimizer.safetensors"))

@@ -19,17 +19,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def role(model_dir: Path, **health: object) -> TrainerRole:
-    r = Recipe.model_validate({
-        "name": "t", "model": {"path": str(model_dir), "dtype": "float32"}, "lora": {"rank": 4, "targets": ["linear_qkv"]},
-        "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}}, "rollout": {"n": 2},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2}, "run": {"health": health},
-        "cluster": {"device": "cpu"},
-    })
+    r = Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "lora": {"rank": 4, "targets": ["linear_qkv"]},
+            "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}},
+            "rollout": {"n": 2},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
+            "run": {"health": health},
+            "cluster": {"device": "cpu"},
+        }
+    )
     return TrainerRole(r, str(model_dir))
 
 
 def batch() -> tuple[SeqBatch, torch.Tensor, torch.Tensor]:
-    b = SeqBatch.from_token_lists([[1, 2, 3], [4, 5], [6, 7, 8], [9]], [[10, 11], [12, 13, 14], [15], [16, 17]], pad_id=256)
+    b = SeqBatch.from_token_lists(
+        [[1, 2, 3], [4, 5], [6, 7, 8], [9]], [[10, 11], [12, 13, 14], [15], [16, 17]], pad_id=256
+    )
     adv = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand(4, b.response_width) * b.response_mask
     return b, adv, torch.zeros_like(adv)
 
@@ -40,7 +48,9 @@ def test_gates_pass_on_a_healthy_run(model_dir: Path) -> None:
     for _ in range(2):
         lp = t.logprobs(b)
         m = t.update(b, adv, lp, None)
-        assert m["grad_norm"] > 0 and m["logprob_diff_max"] < 1e-5  # on-policy: trainer == the given log-probs
+        assert (
+            m["grad_norm"] > 0 and m["logprob_diff_max"] < 1e-5
+        )  # on-policy: trainer == the given log-probs
     assert t._gate_done
 
 
@@ -59,7 +69,9 @@ def test_zero_gradients_stop_the_run(model_dir: Path) -> None:
     t = role(model_dir)
     for _, p in t.engine.model.named_parameters():  # type: ignore[attr-defined]
         if p.requires_grad:
-            p.register_hook(lambda g: torch.zeros_like(g))  # the silent "grad_norm = 0" bug of LoRA + recompute
+            p.register_hook(
+                lambda g: torch.zeros_like(g)
+            )  # the silent "grad_norm = 0" bug of LoRA + recompute
     b, adv, lp = batch()
     with pytest.raises(HealthError, match="grad_norm is 0"):
         t.update(b, adv, lp, None)

@@ -63,8 +63,10 @@ def _recipe(**algorithm: Any) -> Recipe:
 
 def _batch() -> tuple[SeqBatch, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    responses = [torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(8)]
+    responses = [
+        torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(8)
+    ]
     batch = SeqBatch.from_token_lists([[1, 2]] * 8, responses, pad_id=0)
     adv = torch.randn(8, 1, generator=g).expand(8, batch.response_width) * batch.response_mask
     rollout = torch.randn(8, batch.response_width, generator=g) * 0.01 - 2.0
@@ -94,6 +96,9 @@ def test_logprob_shares_concatenate_to_the_batch() -> None:
     recipe = _recipe()
     batch, _, _ = _batch()
     full = TrainerRole(recipe, "unused", engine_factory=lambda: FakeEngine(0, 1)).logprobs(batch)
-    shares = [TrainerRole(recipe, "unused", engine_factory=lambda r=r: FakeEngine(r, 3)).logprobs(batch) for r in range(3)]
+    shares = [
+        TrainerRole(recipe, "unused", engine_factory=lambda r=r: FakeEngine(r, 3)).logprobs(batch)
+        for r in range(3)
+    ]
     assert [len(s) for s in shares] == [3, 3, 2]
     torch.testing.assert_close(torch.cat(shares), full)

@@ -10,10 +10,12 @@ EXPLAINED = re.compile(r"# type: ignore\[[a-z-]+(,[a-z-]+)*\]  # \S")
 
 
 def test_every_type_ignore_has_codes_and_a_reason() -> None:
-    bare = [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
-            for path in sorted(PACKAGE.rglob("*.py"))
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-            if "type: ignore" in line and not EXPLAINED.search(line)]
+    bare = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "type: ignore" in line and not EXPLAINED.search(line)
+    ]
     assert not bare, "type: ignore without [codes] and a reason:\n" + "\n".join(bare)
 
 

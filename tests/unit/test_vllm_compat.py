@@ -50,7 +50,9 @@ def test_a_16_bit_model_asks_vllm_for_a_float32_output_layer_unless_the_recipe_s
     from rlbridge.rollout.vllm import engine_kwargs
 
     def overrides(dtype: str, **cfg: object) -> object:
-        kw = engine_kwargs("m", RolloutCfg(**cfg), ModelCfg(path="m", dtype=dtype), lora_rank=0, seed=0, cpu=True)
+        kw = engine_kwargs(
+            "m", RolloutCfg(**cfg), ModelCfg(path="m", dtype=dtype), lora_rank=0, seed=0, cpu=True
+        )
         return kw.get("hf_overrides")
 
     assert overrides("bfloat16") == {"head_dtype": "float32"}
@@ -66,7 +68,9 @@ def test_head_dtype_reads_what_the_engine_holds_and_falls_back_to_the_model_dtyp
 
     from rlbridge.rollout.vllm import head_dtype
 
-    engine = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace(head_dtype=torch.float32)))
+    engine = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace(head_dtype=torch.float32))
+    )
     assert head_dtype(engine, "bfloat16") == "float32"
     older = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace()))
     assert head_dtype(older, "bfloat16") == "bfloat16"

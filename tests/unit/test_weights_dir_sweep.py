@@ -11,10 +11,17 @@ from rlbridge.rollout.weights_dir import ram_tempdir, sweep_stale
 
 
 def test_sweep_removes_only_what_dead_processes_left(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
-    names = {"dead": f"rlbridge-merged-{dead_pid}-abc123", "mine": f"rlbridge-adapter-{os.getpid()}-xyz_9",
-             "old": "rlbridge-merged-0k17ghab", "new": "rlbridge-adapter-9vclb95k", "other": "psm_1234"}
+    names = {
+        "dead": f"rlbridge-merged-{dead_pid}-abc123",
+        "mine": f"rlbridge-adapter-{os.getpid()}-xyz_9",
+        "old": "rlbridge-merged-0k17ghab",
+        "new": "rlbridge-adapter-9vclb95k",
+        "other": "psm_1234",
+    }
     for name in names.values():
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"x")

@@ -62,50 +62,75 @@ def test_redirect_output_catches_python_c_level_and_child_output(tmp_path: Path)
     assert res.stdout == "before\n" and res.stderr == ""  # nothing after the redirect reached the terminal
     lines = path.read_text().splitlines()
     assert lines[0] == "an earlier run"  # appended, not truncated
-    assert set(lines[1:]) == {"python stdout", "python stderr", "C-level fd 1", "C-level fd 2", "child process",
-                              f"offset {len('an earlier run') + 1}"}  # where this process's lines start
+    assert set(lines[1:]) == {
+        "python stdout",
+        "python stderr",
+        "C-level fd 1",
+        "C-level fd 2",
+        "child process",
+        f"offset {len('an earlier run') + 1}",
+    }  # where this process's lines start
 
 
 def test_tail_reads_progress_bars_as_their_latest_state(tmp_path: Path) -> None:
     path = tmp_path / "rollout.log"
     assert logs.tail(path) == [] and logs.last_line(path) is None  # not there (yet)
-    path.write_text(CPU_LOG[:CPU_LOG.index("INFO 12-01 14:43:44")])
-    assert logs.last_line(path) == "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:03<00:00,  3.66s/it]"
+    path.write_text(CPU_LOG[: CPU_LOG.index("INFO 12-01 14:43:44")])
+    assert (
+        logs.last_line(path)
+        == "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:03<00:00,  3.66s/it]"
+    )
     assert logs.tail(path, 2)[0].startswith("Loading safetensors checkpoint shards:   0%")
     path.write_text("x" * 500 + "\n\n")
     assert logs.last_line(path, width=20) == "x" * 17 + "..."
     path.write_text(CUDA_LOG)  # vLLM's process / time / source prefix is left out
-    assert logs.last_line(path) == "INFO init engine (profile, create kv cache, warmup model) took 47.50 seconds"
+    assert (
+        logs.last_line(path) == "INFO init engine (profile, create kv cache, warmup model) took 47.50 seconds"
+    )
 
 
 def test_vllm_phases_in_the_cpu_and_cuda_wordings() -> None:
     assert logs.vllm_phases(CPU_LOG) == {"load": 3.71}  # eager on CPU: no compile, no CUDA graphs
     cuda = logs.vllm_phases(CUDA_LOG)
-    assert cuda == {"load": 3.104, "compile": 33.02, "CUDA graphs": 12.0}  # "Model loading" over "Loading weights"
+    assert cuda == {
+        "load": 3.104,
+        "compile": 33.02,
+        "CUDA graphs": 12.0,
+    }  # "Model loading" over "Loading weights"
     assert logs.describe_phases(cuda) == "load 3.1 s, compile 33 s, CUDA graphs 12 s"
-    newer = ("Model loading took 0.24 GiB memory and 1.5 seconds\ntorch.compile took 20.00 s in total\n"
-             "Model loading took 0.24 GiB memory and 1.9 seconds\n")  # vLLM 0.32's wording; two TP workers
+    newer = (
+        "Model loading took 0.24 GiB memory and 1.5 seconds\ntorch.compile took 20.00 s in total\n"
+        "Model loading took 0.24 GiB memory and 1.9 seconds\n"
+    )  # vLLM 0.32's wording; two TP workers
     assert logs.vllm_phases(newer) == {"load": 1.9, "compile": 20.0}
-    assert logs.vllm_phases("init engine (profile, create kv cache, warmup model) took 9.1 s (compilation: 4.20 s)") \
-        == {"compile": 4.2}
+    assert logs.vllm_phases(
+        "init engine (profile, create kv cache, warmup model) took 9.1 s (compilation: 4.20 s)"
+    ) == {"compile": 4.2}
     assert logs.vllm_phases("nothing here") == {} and logs.describe_phases({}) == ""
-    ours = "2026-12-01 15:02:10,001 INFO rlbridge.rollout.vllm: vLLM imported in 12.3 s\n"  # VllmRollout's line
+    ours = (
+        "2026-12-01 15:02:10,001 INFO rlbridge.rollout.vllm: vLLM imported in 12.3 s\n"  # VllmRollout's line
+    )
     assert logs.describe_phases(logs.vllm_phases(ours + CPU_LOG)) == "import 12 s, load 3.7 s"
 
 
-@pytest.mark.parametrize(("line", "stage"), [
-    ("Loading safetensors checkpoint shards:  50% Completed | 1/2", "loading the weights"),
-    ("INFO [monitor.py:34] Starting torch.compile", "compiling (torch.compile)"),
-    ("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  40%|", "capturing CUDA graphs"),
-    ("INFO [gpu_worker.py:298] Available KV cache memory: 12.15 GiB", "allocating the KV cache"),
-    ("something else entirely", None),
-])
+@pytest.mark.parametrize(
+    ("line", "stage"),
+    [
+        ("Loading safetensors checkpoint shards:  50% Completed | 1/2", "loading the weights"),
+        ("INFO [monitor.py:34] Starting torch.compile", "compiling (torch.compile)"),
+        ("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  40%|", "capturing CUDA graphs"),
+        ("INFO [gpu_worker.py:298] Available KV cache memory: 12.15 GiB", "allocating the KV cache"),
+        ("something else entirely", None),
+    ],
+)
 def test_stage_of_a_log_line(line: str, stage: str | None) -> None:
     assert logs.stage(["Starting to load model x", line]) == (stage or "loading the weights")
     assert logs.stage([line]) == stage
 
 
-def test_driver_log_takes_library_logging_and_warnings(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_driver_log_takes_library_logging_and_warnings(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     lib = logging.getLogger("some_library")  # configured as transformers and Ray configure theirs
     own = logging.StreamHandler(sys.stderr)
     lib.addHandler(own)
@@ -115,7 +140,9 @@ def test_driver_log_takes_library_logging_and_warnings(tmp_path: Path, capfd: py
     try:
         with logs.DriverLog(path, show=shown.append) as driver:
             lib.warning("library chatter")
-            logging.getLogger("rlbridge.data.datasets").warning("data.train: 3 rows skipped")  # ours: shown too
+            logging.getLogger("rlbridge.data.datasets").warning(
+                "data.train: 3 rows skipped"
+            )  # ours: shown too
             logging.getLogger("other.module").info("root-propagated info")
             warnings.warn("a deprecation", FutureWarning, stacklevel=1)
             late = logging.getLogger("late_library")
@@ -125,8 +152,13 @@ def test_driver_log_takes_library_logging_and_warnings(tmp_path: Path, capfd: py
             late.warning("late chatter")
         assert own in lib.handlers and len(lib.handlers) == 1  # put back
         text = path.read_text()
-        for expected in ("library chatter", "root-propagated info", "FutureWarning: a deprecation", "late chatter",
-                         "data.train: 3 rows skipped"):
+        for expected in (
+            "library chatter",
+            "root-propagated info",
+            "FutureWarning: a deprecation",
+            "late chatter",
+            "data.train: 3 rows skipped",
+        ):
             assert expected in text
         assert shown == ["data.train: 3 rows skipped"]
         err = capfd.readouterr().err
@@ -161,10 +193,15 @@ def test_a_workers_own_warnings_reach_the_driver_once(tmp_path: Path) -> None:
     for path in files:  # two ranks, the same warnings
         subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True, timeout=60)
         echo.check(path, path.stem)
-    assert shown == [("trainer-rank0", "rollout.max_lora_rank=12 is not a vLLM LoRA size"),
-                     ("trainer-rank0", "UserWarning: recompute.method is ignored")]
+    assert shown == [
+        ("trainer-rank0", "rollout.max_lora_rank=12 is not a vLLM LoRA size"),
+        ("trainer-rank0", "UserWarning: recompute.method is ignored"),
+    ]
     text = files[1].read_text()
-    assert "INFO rlbridge.rollout.vllm: weights v1 loaded" in text and "FutureWarning: a library deprecation" in text
+    assert (
+        "INFO rlbridge.rollout.vllm: weights v1 loaded" in text
+        and "FutureWarning: a library deprecation" in text
+    )
     with files[1].open("a") as f:
         f.write(f"{logs.OWN_WARNING}a new one, half writ")
     echo.check(files[1], "trainer-rank1")
@@ -190,13 +227,17 @@ class _Handle:
         return None
 
 
-def _fake_ray(monkeypatch: pytest.MonkeyPatch, ready_after: dict[str, float], answers: dict[str, Any]) -> None:
+def _fake_ray(
+    monkeypatch: pytest.MonkeyPatch, ready_after: dict[str, float], answers: dict[str, Any]
+) -> None:
     """ray.wait / ray.get over string refs: ref r is ready `ready_after[r]` seconds after the first wait."""
     from rlbridge.cluster import ray_cluster as rc
 
     start: list[float] = []
 
-    def wait(refs: list[str], num_returns: int = 1, timeout: float = 0.0, fetch_local: bool = True) -> tuple[list[str], list[str]]:
+    def wait(
+        refs: list[str], num_returns: int = 1, timeout: float = 0.0, fetch_local: bool = True
+    ) -> tuple[list[str], list[str]]:
         start.append(start[0] if start else time.monotonic())
         time.sleep(0.01)
         done = [r for r in refs if time.monotonic() - start[0] >= ready_after[r]][:num_returns]
@@ -207,7 +248,8 @@ def _fake_ray(monkeypatch: pytest.MonkeyPatch, ready_after: dict[str, float], an
 
 
 def test_startup_heartbeat_then_timeout_names_the_worker_its_phase_and_log(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rlbridge.cluster import ray_cluster as rc
 
     rollout_log, trainer_log = log_file(tmp_path, "rollout"), log_file(tmp_path, "trainer")
@@ -219,14 +261,23 @@ def test_startup_heartbeat_then_timeout_names_the_worker_its_phase_and_log(
     lines: list[str] = []
     ready: list[str] = []
     with pytest.raises(RlbridgeError) as info:
-        rc.wait_started([(trainer, "t"), (rollout, "r")], timeout_s=0.35, log=lines.append,
-                        on_ready=lambda w, answer: ready.append(w.name), heartbeat_s=0.1)
+        rc.wait_started(
+            [(trainer, "t"), (rollout, "r")],
+            timeout_s=0.35,
+            log=lines.append,
+            on_ready=lambda w, answer: ready.append(w.name),
+            heartbeat_s=0.1,
+        )
     assert ready == ["trainer"]
     assert lines and all(line.startswith("rollout: still starting (") for line in lines)
     assert lines[0].endswith("its log: INFO [monitor.py:34] Starting torch.compile")
     message = str(info.value)
-    for part in ("rollout (compiling (torch.compile)", str(rollout_log), "Starting torch.compile",
-                 "cluster.startup_timeout_s"):
+    for part in (
+        "rollout (compiling (torch.compile)",
+        str(rollout_log),
+        "Starting torch.compile",
+        "cluster.startup_timeout_s",
+    ):
         assert part in message, message
     assert "trainer" not in message  # it had started
 
@@ -234,7 +285,9 @@ def test_startup_heartbeat_then_timeout_names_the_worker_its_phase_and_log(
 def test_startup_timeout_of_a_worker_whose_process_never_started(tmp_path: Path) -> None:
     from rlbridge.cluster import ray_cluster as rc
 
-    message = rc.startup_timeout_message([rc.Worker("trainer", _Handle(), log_file(tmp_path, "trainer"))], 901.2)
+    message = rc.startup_timeout_message(
+        [rc.Worker("trainer", _Handle(), log_file(tmp_path, "trainer"))], 901.2
+    )
     assert message.startswith("gave up after 901 s waiting for the workers to start: trainer (its log ")
     assert "trainer.log is empty: has its Ray worker process started?)" in message
     assert message.endswith("raise cluster.startup_timeout_s")
@@ -246,8 +299,12 @@ def test_startup_wait_returns_the_answers_in_order(tmp_path: Path, monkeypatch: 
     workers = [rc.Worker(name, _Handle(), log_file(tmp_path, name)) for name in ("trainer", "rollout")]
     _fake_ray(monkeypatch, {"t": 0.05, "r": 0.0}, {"t": "T", "r": "R"})
     order: list[str] = []
-    got = rc.wait_started(list(zip(workers, ["t", "r"], strict=True)), timeout_s=10, log=print,
-                          on_ready=lambda w, answer: order.append(w.name))
+    got = rc.wait_started(
+        list(zip(workers, ["t", "r"], strict=True)),
+        timeout_s=10,
+        log=print,
+        on_ready=lambda w, answer: order.append(w.name),
+    )
     assert got == ["T", "R"] and order == ["rollout", "trainer"]
 
 
@@ -268,7 +325,9 @@ def test_a_dead_worker_error_shows_its_log(tmp_path: Path, monkeypatch: pytest.M
         rc.Worker("rollout", _Handle(), path).wait("ref")
     message = str(info.value)
     assert message.startswith("rollout worker died: ")
-    assert f"the last lines of its log ({path}):\n  line 21\n" in message and message.endswith("Capturing CUDA graphs:  40%")
+    assert f"the last lines of its log ({path}):\n  line 21\n" in message and message.endswith(
+        "Capturing CUDA graphs:  40%"
+    )
 
 
 # ------------------------------------------------------------------------------------ stall warning
@@ -294,7 +353,9 @@ def test_stall_watch_warns_about_a_phase_far_slower_than_before() -> None:
         pass  # another phase has its own history
     assert watch.limit("update") is not None and len(timer.seconds) == 2
     time.sleep(0.05)
-    assert not [t for t in threading.enumerate() if t.name.startswith("rlbridge-stall-")]  # each ends with its phase
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith("rlbridge-stall-")
+    ]  # each ends with its phase
 
 
 def test_worker_log_lines_print_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:

@@ -207,8 +207,10 @@ def _mbridge_settings(built: Built) -> dict[str, Any]:
 
 def build_mbridge(built: Built, recipe: Recipe) -> Model:
     if compat.versions()["mbridge"] is None:
-        raise RlbridgeError("trainer.bridge=mbridge needs mbridge: pip install mbridge==0.15.1, "
-                            "or set trainer.bridge: megatron-bridge")
+        raise RlbridgeError(
+            "trainer.bridge=mbridge needs mbridge: pip install mbridge==0.15.1, "
+            "or set trainer.bridge: megatron-bridge"
+        )
     from mbridge import AutoBridge as MBridge
 
     compat.mbridge_model_type()  # megatron-core >= 0.17 removed a name mbridge 0.15 reads (compat.py)

@@ -305,7 +305,11 @@ def mbridge_model_type() -> bool:
     current = getattr(mbridge_util, "ModelType", None)
     if isinstance(current, _ModelTypeWithoutEncoderDecoder):
         return True
-    if current is None or hasattr(current, "encoder_and_decoder") or not hasattr(current, "encoder_or_decoder"):
+    if (
+        current is None
+        or hasattr(current, "encoder_and_decoder")
+        or not hasattr(current, "encoder_or_decoder")
+    ):
         return False
     mbridge_util.ModelType = _ModelTypeWithoutEncoderDecoder(current)
     return True

@@ -71,8 +71,10 @@ class MegatronCritic:
         compat.activate()
         B.check_backend(recipe)
         if recipe.trainer.bridge != "megatron-bridge":
-            raise RlbridgeError("PPO's critic on the megatron engine is built through Megatron-Bridge: set "
-                                "trainer.bridge: megatron-bridge")
+            raise RlbridgeError(
+                "PPO's critic on the megatron engine is built through Megatron-Bridge: set "
+                "trainer.bridge: megatron-bridge"
+            )
         self.recipe = recipe
         self.lr = float(recipe.algorithm.critic.lr)  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
         self.num_optimizer_steps = 0
@@ -87,9 +89,10 @@ class MegatronCritic:
             def value_head(chunks: list[nn.Module]) -> list[nn.Module]:
                 for chunk in chunks:
                     if not hasattr(chunk, "output_layer"):
-                        raise RlbridgeError("the critic needs the last pipeline stage (trainer.parallel.pipeline 1)")
-                    head = ValueHead(hidden, 1, dtype=torch.float32,
-                                     device=next(chunk.parameters()).device)
+                        raise RlbridgeError(
+                            "the critic needs the last pipeline stage (trainer.parallel.pipeline 1)"
+                        )
+                    head = ValueHead(hidden, 1, dtype=torch.float32, device=next(chunk.parameters()).device)
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
                         nn.init.normal_(head.weight, std=1.0 / (hidden + 1))  # as TRL / OpenRLHF value heads
@@ -104,8 +107,13 @@ class MegatronCritic:
             sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, recipe.lora.enabled)
             head_names = frozenset(n for n, _ in params.named_parameters(self.model) if n.startswith(HEAD))
             if recipe.lora.enabled:
-                sets = params.ParamSets(sets.at_wrap, sets.trainable, sets.optimizer, sets.grad_buffers,
-                                        sets.adapters | head_names)
+                sets = params.ParamSets(
+                    sets.at_wrap,
+                    sets.trainable,
+                    sets.optimizer,
+                    sets.grad_buffers,
+                    sets.adapters | head_names,
+                )
             params.check_param_sets(sets)
         self._trainable = params.trainable(self.model)
         self.device = next(self.model[0].parameters()).device
@@ -132,7 +140,9 @@ class MegatronCritic:
 
         with compat.device_scope(), forward.train_mode(self.model, False):
             results = forward.run_schedule(self.model, self._split(batch, num), stage, forward_only=True)
-            out = forward.broadcast_from_last_stage(torch.cat([r["values"] for r in results]) if results else None)
+            out = forward.broadcast_from_last_stage(
+                torch.cat([r["values"] for r in results]) if results else None
+            )
         mask = batch.response_mask.to(out.device) > 0
         return torch.where(mask, out.float(), torch.zeros((), dtype=torch.float32)).to(batch.input_ids.device)
 
@@ -141,6 +151,7 @@ class MegatronCritic:
         """One critic optimizer step over `batch` in `num_micro_batches` row groups (megatron's schedule
         backpropagates loss_fn(...) / num_micro_batches each, DDP averages over data-parallel replicas).
         Metrics: the loss closure's (micro-batch mean), critic_grad_norm (before clipping), critic_skipped."""
+
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             values = self._values(output, mb)
             mask = batch.response_mask[mb.rows].to(values.device) > 0

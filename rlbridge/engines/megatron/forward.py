@@ -152,13 +152,16 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
             name = type(layer).__name__
             raise TypeError(f"float32 logits need megatron's ColumnParallelLinear output layer, got {name}")
         if layer.gradient_accumulation_fusion:  # it writes the weight's gradient into main_grad itself
-            warnings.warn("gradient_accumulation_fusion is on: the output layer keeps model-dtype (rounded) logits",
-                          stacklevel=2)
+            warnings.warn(
+                "gradient_accumulation_fusion is on: the output layer keeps model-dtype (rounded) logits",
+                stacklevel=2,
+            )
             continue
         impl = layer._forward_impl
 
-        def float32_impl(input: torch.Tensor, weight: torch.Tensor, *args: Any, _impl: Any = impl,
-                         **kwargs: Any) -> Any:
+        def float32_impl(
+            input: torch.Tensor, weight: torch.Tensor, *args: Any, _impl: Any = impl, **kwargs: Any
+        ) -> Any:
             if kwargs.get("bias") is not None:
                 kwargs["bias"] = kwargs["bias"].float()
             return _impl(input.float(), weight.float(), *args, **kwargs)
