@@ -106,6 +106,8 @@ class Session:
         self._stack = ExitStack()
         self._start_time = 0.0
         """When the workers were asked for (time.monotonic)."""
+        self._multi_node = False
+        """The workers run on a cluster of several nodes (cluster.address or cluster.nodes > 1)."""
         self._announced: list[rc.Worker] = []
         """The workers whose start-up gets its own line (the hf trainer, the rollout; not megatron ranks)."""
 
@@ -177,12 +179,15 @@ class Session:
         rc.connect(r.cluster, plan, log_plain)
         self.driver_log.apply()  # Ray's loggers, as ray.init left them
         bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
+        if r.cluster.address:
+            rc.check_nodes(r.cluster)
         self._pg = rc.reserve(
             bundles,
             timeout_s=r.cluster.placement_timeout_s,
             log=log_plain,
             fail_fast=r.cluster.address is None,
         )
+        place = self._placement(len(bundles) - len(plan.rollout_bundles))
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1
@@ -196,19 +201,20 @@ class Session:
                 TrainerRole,
                 "trainer",
                 self._pg,
-                0,
+                place.slots[0],
                 num_cpus=share,
                 num_gpus=gpu * share,
                 log_file=rundir.log_file(self.run_dir, "trainer"),
                 echo=self.echo,
                 args=(r, str(self.model_dir)),
                 kwargs={"num_threads": threads},
+                node=self._node(place, 0),
             )
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.submit("rlbridge_started")))
         rollout_cls = _rollout_class(r)
-        rollout_bundle = 0 if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
+        rollout_bundle = place.slots[0] if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
         rollout = rc.start_worker(
             rollout_cls,
             "rollout",
@@ -220,6 +226,7 @@ class Session:
             echo=self.echo,
             args=(str(self.model_dir), r.rollout, r.model),
             kwargs=_rollout_kwargs(r, threads),
+            node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
         )
         self.rollout = rollout
         self._announced.append(rollout)
@@ -237,6 +244,8 @@ class Session:
                 run_dir=self.run_dir,
                 log=log_plain,
                 echo=self.echo,
+                slots=place.slots,
+                nodes=[self._node(place, i) for i in range(r.world_size)],
             )
             client = self.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
@@ -249,6 +258,37 @@ class Session:
             )
             trainer.formed(answers[-len(joins) :], log_plain)
         return Workers(client, rollout, memory)
+
+    def _placement(self, num_trainer: int) -> rc.Placement:
+        """Where the trainer's devices landed, node by node; printed on a cluster of several nodes, with a warning
+        when that differs from the plan's cluster.nodes x cluster.gpus_per_node."""
+        place = rc.placement(self._pg, num_trainer)
+        c = self.recipe.cluster
+        self._multi_node = bool(c.address) or len({n.id for n in place.nodes + place.rollout_nodes}) > 1
+        if self._multi_node:
+            for line in place.describe():
+                log_plain(
+                    f"placement: {line}"
+                    + (" (and the rollout)" if line.startswith("node 0:") and c.colocate else "")
+                )
+            counts = [place.node_of_slot.count(j) for j in range(len(place.nodes))]
+            if c.address and counts != [c.gpus_per_node] * c.nodes:
+                log(
+                    "[yellow]warning[/] "
+                    + escape(
+                        f"Ray placed the trainer's devices {counts} per node, not the plan's "
+                        f"cluster.nodes {c.nodes} x gpus_per_node {c.gpus_per_node}: the nodes' "
+                        "free resources differ from the recipe's"
+                    )
+                )
+        return place
+
+    def _node(self, place: rc.Placement, device: int) -> rc.NodeInfo | None:
+        """The node of trainer device `device`, named in its worker's errors (clusters of several nodes only)."""
+        return place.nodes[place.node_of_slot[device]] if self._multi_node else None
+
+    def _rollout_node(self, place: rc.Placement) -> rc.NodeInfo | None:
+        return place.rollout_nodes[0] if self._multi_node and place.rollout_nodes else None
 
     def _started(self, worker: rc.Worker, answer: Any) -> None:
         """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the

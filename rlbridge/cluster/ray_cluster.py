@@ -4,6 +4,10 @@ Placement is computed by plan.py; here it is only realized. Waiting for resource
 missing every few seconds and fails after `cluster.placement_timeout_s` with the numbers; a worker that
 dies makes the next call raise with the worker's own error instead of hanging.
 
+On a cluster of several nodes (cluster.address): before reserving, the alive nodes are checked against
+cluster.nodes x cluster.gpus_per_node (an error lists every node and what it lacks); after, each bundle's node is
+read back so that ranks are laid out node by node (`Placement`), printed, and named in a dead worker's error.
+
 Each worker writes its output to its own log file (cluster/logs.py; Ray forwards nothing to the driver's
 terminal). Waiting for the workers to start prints a heartbeat with the last line of each one's log and
 fails after `cluster.startup_timeout_s`; an error names the worker's log, and a dead worker's last lines
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,9 @@ from rlbridge.recipe.schema import ClusterCfg
 Log = Callable[[str], None]
 HEARTBEAT_S = 30.0
 """While workers start: a line per worker still starting, this often."""
+NODE_SETTLE_S = 20.0
+"""After a worker on a cluster of several nodes died: how long to wait for the GCS to say whether its node died
+too (its health check takes seconds), so that the error can say which."""
 
 
 def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
@@ -52,7 +61,13 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
     env = {"env_vars": env_vars}
     if cfg.address:
         log(f"connecting to the Ray cluster at {cfg.address}")
-        ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=False)
+        _check_reachable(cfg.address)
+        try:
+            ray.init(address=cfg.address, include_dashboard=False, runtime_env=env, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RlbridgeError(
+                f"cannot join the Ray cluster at cluster.address {cfg.address}: {_tail(str(e), 3)}"
+            ) from None
     else:
         needed_cpu = sum(b.get("CPU", 0) for node in plan.bundles_per_node for b in node) + sum(
             b.get("CPU", 0) for b in plan.rollout_bundles
@@ -69,6 +84,82 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
             configure_logging=False,
         )
     log(f"ray {'connected' if cfg.address else 'started'} ({time.monotonic() - start:.1f} s)")
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A TCP connection to the head's GCS port, so that an address with nothing behind it fails in seconds with
+    what to do (ray.init would retry for a minute and end in a traceback)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise RlbridgeError(
+            f"cluster.address {address!r} is not HOST:PORT (the head's `ray start --head --port PORT`)"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RlbridgeError(
+            f"no Ray cluster at cluster.address {address}: {e.strerror or e}. Start one with "
+            f"`ray start --head --port {port}` on {host} (and `ray start --address={address}` on the other "
+            "nodes), or fix cluster.address (null starts a local one)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """An alive node of the Ray cluster."""
+
+    id: str
+    ip: str
+    head: bool
+    resources: dict[str, float]
+
+    def label(self) -> str:
+        return f"{self.ip} (ray node {self.id[:8]}{', head' if self.head else ''})"
+
+
+def alive_nodes() -> list[NodeInfo]:
+    """The cluster's alive nodes, the head first."""
+    found = [
+        NodeInfo(
+            str(n["NodeID"]),
+            str(n["NodeManagerAddress"]),
+            "node:__internal_head__" in n["Resources"],
+            {k: float(v) for k, v in n["Resources"].items()},
+        )
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
+    return sorted(found, key=lambda n: not n.head)
+
+
+def check_nodes(cfg: ClusterCfg) -> list[NodeInfo]:
+    """Fails at once, listing every node, when the cluster has fewer alive nodes than cluster.nodes, or fewer
+    nodes with cluster.gpus_per_node devices each. (A cluster that autoscales would have to be grown first.)"""
+    unit = "GPU" if cfg.device == "cuda" else "CPU"
+    nodes = alive_nodes()
+    listing = "; ".join(f"{n.label()}: {unit} {n.resources.get(unit, 0):g}" for n in nodes)
+    if len(nodes) < cfg.nodes:
+        raise RlbridgeError(
+            f"cluster.nodes is {cfg.nodes} but the Ray cluster at {cfg.address} has {len(nodes)} alive node"
+            f"{'s' if len(nodes) != 1 else ''} ({listing}): start the missing ones with `ray start --address={cfg.address}` "
+            f"on each host, or set cluster.nodes: {len(nodes)}"
+        )
+    by_size = sorted(nodes, key=lambda n: -n.resources.get(unit, 0))[: cfg.nodes]
+    short = [n for n in by_size if n.resources.get(unit, 0) < cfg.gpus_per_node]
+    if short:
+        lacks = "; ".join(
+            f"{n.label()} has {n.resources.get(unit, 0):g} {unit}, {cfg.gpus_per_node - n.resources.get(unit, 0):g} "
+            "short"
+            for n in short
+        )
+        flag = "--num-gpus" if unit == "GPU" else "--num-cpus"
+        raise RlbridgeError(
+            f"the plan needs {cfg.nodes} nodes with {cfg.gpus_per_node} {unit} each (cluster.nodes x cluster.gpus_per_node) "
+            f"but the Ray cluster at {cfg.address} has too few: {lacks} (all nodes: {listing}). Start the nodes with "
+            f"`ray start ... {flag} {cfg.gpus_per_node}`, or lower cluster.gpus_per_node / cluster.nodes"
+        )
+    return nodes
 
 
 def _missing(bundles: list[dict[str, float]]) -> str:
@@ -116,14 +207,77 @@ def reserve(
         log(f"waiting for Ray resources ({waited:.0f} s): {_missing(bundles)}")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a reserved placement group's bundles landed: `slots[i]` is the bundle of trainer device i (rank i),
+    chosen so that devices fill the nodes in order (node 0: the node of bundle 0, which also holds a colocated
+    rollout); `nodes[j]` is plan node j's Ray node."""
+
+    slots: list[int]
+    nodes: list[NodeInfo]
+    node_of_slot: list[int]
+    """Plan node index of each trainer device (same order as slots)."""
+    rollout_nodes: list[NodeInfo]
+    """The nodes of a separate rollout's bundles (after the trainer's), in bundle order; empty when colocated."""
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"node {j}: {n.label()}: trainer devices {', '.join(str(i) for i, k in enumerate(self.node_of_slot) if k == j)}"
+            for j, n in enumerate(self.nodes)
+        ]
+        return lines + [f"rollout device {i}: {n.label()}" for i, n in enumerate(self.rollout_nodes)]
+
+
+def placement(pg: PlacementGroup, num_trainer: int) -> Placement:
+    """Read back which node each bundle landed on; the first `num_trainer` (the trainer's) ordered node by node."""
+    table = ray.util.placement_group_table(pg)
+    node_ids = [str(table["bundles_to_node_id"][i]) for i in range(len(table["bundles_to_node_id"]))]
+    slots, order, node_of_slot = by_node(node_ids[:num_trainer])
+    info = {n.id: n for n in alive_nodes()}
+
+    def node(nid: str) -> NodeInfo:
+        return info.get(nid, NodeInfo(nid, "?", False, {}))
+
+    return Placement(
+        slots, [node(nid) for nid in order], node_of_slot, [node(nid) for nid in node_ids[num_trainer:]]
+    )
+
+
+def by_node(node_ids: list[str]) -> tuple[list[int], list[str], list[int]]:
+    """Bundles (bundle i on node node_ids[i]) ordered node by node: (the bundle of each device, the nodes in
+    order of first use (bundle 0's first), the node index of each device). Ranks that follow this order keep
+    megatron's fastest-varying groups (tensor parallel) on one node."""
+    order = list(dict.fromkeys(node_ids))
+    slots = sorted(range(len(node_ids)), key=lambda i: (order.index(node_ids[i]), i))
+    return slots, order, [order.index(node_ids[i]) for i in slots]
+
+
+def node_alive(node_id: str, *, settle_s: float = 0.0) -> bool:
+    """Whether the node is alive; with settle_s, asks again for up to that long while it still is (the GCS
+    notices a lost node a few seconds after the workers on it are gone)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        alive = any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.5)
+
+
 class Worker:
     """One Ray actor with error translation: calls return results or raise RlbridgeError naming the worker
     and its log file."""
 
     def __init__(
-        self, name: str, handle: Any, log_file: Path | None = None, echo: logs.WarningEcho | None = None
+        self,
+        name: str,
+        handle: Any,
+        log_file: Path | None = None,
+        echo: logs.WarningEcho | None = None,
+        node: NodeInfo | None = None,
     ) -> None:
         self.name = name
+        self.node = node
+        """Where it runs, on a cluster of several nodes: named when it dies."""
         self.handle = handle
         self.log_file = log_file
         self.echo = echo
@@ -152,7 +306,9 @@ class Worker:
                 raise RlbridgeError(
                     f"{self.name} worker failed while starting{self._where()}:\n{_tail(str(e))}"
                 ) from None
-            raise RlbridgeError(f"{self.name} worker died: {_tail(str(e), 6)}{self._last_lines()}") from None
+            raise RlbridgeError(
+                f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}"
+            ) from None
         except GetTimeoutError:
             raise RlbridgeError(
                 f"{self.name} worker did not answer within {timeout} s{self._where()}"
@@ -160,6 +316,14 @@ class Worker:
         if self.echo is not None and self.log_file is not None:
             self.echo.check(self.log_file, self.name)
         return answer
+
+    def _on_node(self) -> str:
+        if self.node is None:
+            return ""
+        gone = not node_alive(self.node.id, settle_s=NODE_SETTLE_S)
+        return f" on node {self.node.label()}" + (
+            ", which is no longer alive (its host or raylet stopped)" if gone else ""
+        )
 
     def _where(self) -> str:
         return f" (its log: {self.log_file})" if self.log_file else ""
@@ -193,6 +357,7 @@ def start_worker(
     echo: logs.WarningEcho | None = None,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
+    node: NodeInfo | None = None,
 ) -> Worker:
     """An actor of `cls` whose output goes to `log_file` (its rlbridge warnings: echoed by `echo`);
     `Worker.submit("rlbridge_started")` answers once its constructor has finished (see `_logged`)."""
@@ -206,7 +371,9 @@ def start_worker(
             placement_group=pg, placement_group_bundle_index=bundle
         ),
     )
-    return Worker(name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo)
+    return Worker(
+        name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo, node
+    )
 
 
 @functools.cache
@@ -301,6 +468,11 @@ def startup_timeout_message(late: list[Worker], waited: float) -> str:
 def node_ip() -> str:
     """This process's node address as Ray sees it (a worker's, inside an actor)."""
     return str(ray.util.get_node_ip_address())
+
+
+def node_id() -> str:
+    """This process's Ray node id (a worker's, inside an actor)."""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def share(value: Any) -> Any:

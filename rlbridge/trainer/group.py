@@ -53,6 +53,25 @@ FAILURE_GRACE_S = 3.0
 """After a rank fails, how long to collect the other ranks' errors before stopping them all."""
 
 
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds IPv4 address `ip` (Linux), or None. Gloo binds to the address of the
+    host name unless GLOO_SOCKET_IFNAME names an interface; where the host name resolves to 127.0.0.1 (common in
+    /etc/hosts), ranks on other hosts could not reach it. The node's IP as Ray sees it is the one they reach."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
 class TrainerRank(TrainerRole):
     """One rank of a multi-process trainer, inside a Ray actor. Constructing it is cheap; `join` forms the
     process group and builds the engine (TrainerRole.__init__ then runs, with the engine factory)."""
@@ -82,6 +101,10 @@ class TrainerRank(TrainerRole):
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(port)
         )
+        gloo_if = os.environ.get("GLOO_SOCKET_IFNAME") or (None if cuda else interface_of(rc.node_ip()))
+        # gloo would take the host name's address, often 127.0.0.1: unreachable from other hosts
+        if gloo_if and not cuda:
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo_if
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"tcp://{host}:{port}",
@@ -95,7 +118,13 @@ class TrainerRank(TrainerRole):
         )  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
         assert isinstance(self.engine, RankedEngine)
-        return {**self.engine.coordinates(), "pid": os.getpid(), "host": rc.node_ip()}
+        return {
+            **self.engine.coordinates(),
+            "pid": os.getpid(),
+            "host": rc.node_ip(),
+            "node": rc.node_id(),
+            "gloo_if": None if cuda else gloo_if,
+        }
 
 
 class TrainerGroup:
@@ -116,7 +145,8 @@ class TrainerGroup:
         for worker, c in zip(self.ranks, coords, strict=True):
             worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
             log(
-                f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']}"
+                f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
+                f"(ray node {c['node'][:8]})" + (f", gloo via {c['gloo_if']}" if c.get("gloo_if") else "")
             )
 
     # ------------------------------------------------------------------------------ Worker's interface
@@ -211,12 +241,16 @@ def start_trainer_group(
     run_dir: Path,
     log: Log,
     echo: WarningEcho | None = None,
+    slots: list[int] | None = None,
+    nodes: list[rc.NodeInfo | None] | None = None,
 ) -> tuple[TrainerGroup, list[Any]]:
     """One TrainerRank per device of the plan (rank i on bundle i, its output in logs/trainer-rank<i>.log).
     Returns the group and the ranks' `join` calls, which form the process group and build the engine: the
     caller waits for them (ray_cluster.wait_started, beside the rollout's start) and hands the answers to
-    `TrainerGroup.formed`."""
+    `TrainerGroup.formed`. slots: rank i's bundle (ray_cluster.Placement.slots, node by node; default bundle i);
+    nodes: rank i's node, named in its errors."""
     world = recipe.world_size
+    slots = slots or list(range(world))
     threads = max(1, (os.cpu_count() or 1) // world) if recipe.cluster.device == "cpu" else None
     timeout = recipe.cluster.collective_timeout_s
     ranks = [
@@ -224,13 +258,14 @@ def start_trainer_group(
             TrainerRank,
             f"trainer rank {i}",
             pg,
-            i,
+            slots[i],
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             log_file=rundir.log_file(run_dir, f"trainer-rank{i}"),
             echo=echo,
             args=(recipe, str(model_dir)),
             kwargs={"rank": i, "world": world, "num_threads": threads},
+            node=nodes[i] if nodes else None,
         )
         for i in range(world)
     ]
@@ -242,4 +277,7 @@ def start_trainer_group(
     host, port = group._wait(
         [ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S
     )[0]
+    log(
+        f"rendezvous: tcp://{host}:{port} (rank 0's node{': ' + nodes[0].label() if nodes and nodes[0] else ''})"
+    )
     return group, [w.submit("join", host, port, timeout) for w in ranks]

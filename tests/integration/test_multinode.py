@@ -1,0 +1,343 @@
+"""`rlbridge train` on a real two-node Ray cluster (tests/fixtures/multinode.py: `ray start --head` with
+node_a, `ray start --address=...` with node_b, one CPU each), as docs/multi-node.md tells an operator to run it.
+
+* megatron at tensor 2 with one rank per node (cluster.nodes 2 x gpus_per_node 1, gloo across the nodes, the
+  rendezvous on rank 0's node) trains the smoke recipe with hf rollouts: the console shows where each device
+  landed and each rank's Ray node (read inside the rank), the two differ, and every step's numbers equal the
+  single-node run of the same layout (cluster.nodes 1 x gpus_per_node 2, a local Ray);
+* bad input fails in seconds with one clear line and no traceback: an address with nothing behind it, more
+  nodes than the cluster has, nodes with fewer devices than cluster.gpus_per_node;
+* node_b killed (its whole process group: raylet, agents, the workers on it) mid-run: the hf trainer and its
+  separate rollout (one per node, weights crossing nodes every step) stop with an error naming the worker, its
+  node ("no longer alive") and the resume command; with node_b started again `rlbridge resume` finishes, each
+  step once, equal to the single-node run. The same for megatron's ranks (megatron does not checkpoint yet:
+  no resume there).
+
+The hf engine runs in one process (no data parallelism), so its cross-node layout is trainer | rollout. On one
+machine both nodes share one IP: node ids, per-node resources, placement, cross-node object transfer and a
+node's death are real; separate hosts (a rendezvous address that is not the driver's, firewalls) are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlbridge.run import checkpoint as ckpt
+from rlbridge.trainer.group import interface_of
+from tests.fixtures.multinode import RAY_ENV, TwoNodeCluster, two_node_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+STEPS = 3
+BASE = [
+    "recipes/smoke-megatron-cpu.yaml",
+    "--set",
+    f"run.steps={STEPS}",
+    "--set",
+    "run.save_every=1",
+    "--set",
+    "rollout.engine=hf",
+    "--set",
+    "trainer.parallel.pipeline=1",
+    "--set",
+    "data.val=null",
+]
+"""Tensor 2, no pipeline; hf rollouts (no vLLM start-up on a 1-CPU node); a checkpoint each step."""
+HF = [
+    "recipes/smoke-megatron-cpu.yaml",
+    "--set",
+    f"run.steps={STEPS}",
+    "--set",
+    "run.save_every=1",
+    "--set",
+    "rollout.engine=hf",
+    "--set",
+    "trainer.engine=hf",
+    "--set",
+    "trainer.parallel.tensor=1",
+    "--set",
+    "trainer.parallel.pipeline=1",
+    "--set",
+    "data.val=null",
+    "--set",
+    "cluster.colocate=false",
+    "--set",
+    "cluster.gpus_per_node=1",
+]
+"""The hf engine (one trainer process, which checkpoints) and a separate hf rollout: two devices."""
+COMPARED = ["reward_mean", "loss", "grad_norm", "kl", "logprob_diff_mean", "entropy"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[TwoNodeCluster]:
+    yield from two_node_cluster(num_cpus=1)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    cache = tmp_path_factory.mktemp("rlbridge_cache")
+    return {
+        **os.environ,
+        **RAY_ENV,
+        "PYTHONPATH": str(ROOT),
+        "RLBRIDGE_CACHE": str(cache),
+        "PYTHONWARNINGS": "ignore",
+        "COLUMNS": "200",
+    }
+
+
+def on(cluster: TwoNodeCluster, nodes: int = 2, per_node: int = 1) -> list[str]:
+    return [
+        "--set",
+        f"cluster.address={cluster.address}",
+        "--set",
+        f"cluster.nodes={nodes}",
+        "--set",
+        f"cluster.gpus_per_node={per_node}",
+    ]
+
+
+def rlbridge(env: dict[str, str], *args: str, timeout: float = 400) -> tuple[int, str]:
+    start = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbridge", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(f"rlbridge {' '.join(args[:2])} ...: {time.time() - start:.0f} s")
+    return res.returncode, " ".join((res.stdout + res.stderr).split())
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"]
+
+
+def same_numbers(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key, ra[key], rb[key])
+
+
+@pytest.fixture(scope="module")
+def single_node(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same layout on one node (a local Ray): tensor 2 over cluster.nodes 1 x gpus_per_node 2."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    rc, out = rlbridge(env, "train", *BASE, "--set", "cluster.gpus_per_node=2", "--run-dir", str(run))
+    assert rc == 0, out[-6000:]
+    return train_records(run)
+
+
+def test_the_fixture_starts_two_nodes_with_their_own_resources(cluster: TwoNodeCluster) -> None:
+    nodes = cluster.alive_nodes()
+    assert len(nodes) == 2 and len({n["id"] for n in nodes}) == 2
+    by_name = {name: n for n in nodes for name in ("node_a", "node_b") if name in n["resources"]}
+    assert set(by_name) == {"node_a", "node_b"} and by_name["node_a"] is not by_name["node_b"]
+    assert all(n["resources"]["CPU"] == 1 for n in nodes)
+    assert cluster.head.raylet().pid != cluster.worker.raylet().pid
+
+
+def test_bad_cluster_input_fails_in_seconds_without_traceback(
+    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nothing = f"127.0.0.1:{s.getsockname()[1]}"  # closed again below: nothing listens there
+    cases = {
+        "no cluster": (
+            [
+                "--set",
+                f"cluster.address={nothing}",
+                "--set",
+                "cluster.nodes=2",
+                "--set",
+                "cluster.gpus_per_node=1",
+            ],
+            [f"no Ray cluster at cluster.address {nothing}", "ray start --head --port"],
+        ),
+        "more nodes": (
+            on(cluster, nodes=4),
+            [
+                "cluster.nodes is 4 but the Ray cluster at",
+                "has 2 alive nodes",
+                "ray node",
+                "set cluster.nodes: 2",
+            ],
+        ),
+        "fewer devices": (
+            on(cluster, nodes=2, per_node=2),
+            ["the plan needs 2 nodes with 2 CPU each", "has 1 CPU, 1 short", "--num-cpus 2"],
+        ),
+    }
+    for name, (args, expected) in cases.items():
+        start = time.monotonic()
+        rc, out = rlbridge(
+            env,
+            "train",
+            *BASE,
+            "--set",
+            "trainer.parallel.tensor=1",
+            *args,
+            "--run-dir",
+            str(tmp_path / name.replace(" ", "-")),
+        )
+        took = time.monotonic() - start
+        assert rc == 1, (name, out[-3000:])
+        assert "Traceback" not in out, (name, out[-3000:])
+        for text in expected:
+            assert text in out, (name, text, out[-3000:])
+        print(f"{name}: {took:.0f} s: {out[out.index('error') :][:400] if 'error' in out else out[-400:]}")
+
+
+def test_tp2_across_two_nodes_equals_one_node(
+    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path, single_node: list[dict]
+) -> None:
+    run = tmp_path / "run"
+    rc, out = rlbridge(env, "train", *BASE, *on(cluster), "--run-dir", str(run))
+    assert rc == 0, out[-6000:]
+    placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)[^)]*\): trainer devices (\d)", out)
+    assert [(n, d) for n, _, d in placed] == [("0", "0"), ("1", "1")], out[-6000:]
+    ranks = re.findall(
+        r"trainer rank (\d): pid \d+, dp 0 tp (\d) pp 0, host (\S+) \(ray node (\w+)\), gloo via (\w+)", out
+    )
+    assert sorted(r[:2] + r[3:4] for r in ranks) == [("0", "0", placed[0][1]), ("1", "1", placed[1][1])], out[
+        -6000:
+    ]
+    assert all(
+        interface_of(host) == iface for *_, host, _, iface in ranks
+    )  # gloo on the node's IP, not the host name's
+    assert placed[0][1] != placed[1][1]
+    assert re.search(
+        r"rendezvous: tcp://[\d.]+:\d+ \(rank 0's node: [\d.]+ \(ray node " + placed[0][1], out
+    ), out[-6000:]
+    same_numbers(train_records(run), single_node)
+    print(
+        "\n".join(
+            m[0] for m in re.finditer(r"(placement|rendezvous|trainer rank \d): .*?(?= rlbridge |$)", out)
+        )
+    )
+
+
+def node_b_id(cluster: TwoNodeCluster) -> str:
+    return next(str(n["id"]) for n in cluster.alive_nodes() if "node_b" in n["resources"])
+
+
+def kill_node_b_during(
+    cluster: TwoNodeCluster, env: dict[str, str], args: list[str], after: str
+) -> tuple[int, str]:
+    """`rlbridge train ARGS`, node_b killed (its whole process group: raylet, agents, the workers on it) as soon
+    as the console prints a line starting with `after`; (exit code, console)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbridge", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    killed_at = None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed_at is None and line.startswith(after):
+                cluster.worker.kill()
+                killed_at = time.monotonic()
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    out = " ".join("".join(lines).split())
+    assert killed_at is not None, out[-6000:]
+    print(f"exit {rc} {time.monotonic() - killed_at:.1f} s after node_b was killed")
+    return rc, out
+
+
+@pytest.fixture(scope="module")
+def single_node_hf(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The hf layout of the lost-node test on one node (a local Ray)."""
+    run = tmp_path_factory.mktemp("single-hf") / "run"
+    rc, out = rlbridge(env, "train", *HF, "--run-dir", str(run))
+    assert rc == 0, out[-6000:]
+    return train_records(run)
+
+
+def test_a_lost_node_stops_the_run_and_resume_finishes(
+    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path, single_node_hf: list[dict]
+) -> None:
+    """The hf trainer and its separate rollout, one on each node (1 CPU each): weights cross nodes every step."""
+    run = tmp_path / "run"
+    lost = node_b_id(cluster)
+    try:
+        rc, out = kill_node_b_during(
+            cluster,
+            env,
+            [*HF, "--set", f"cluster.address={cluster.address}", "--run-dir", str(run)],
+            after="saved step 1",
+        )
+    finally:
+        cluster.start_worker()  # a healthy cluster again: node_b back, as a new Ray node
+    assert rc == 1 and "Traceback" not in out, out[-6000:]
+    placed = re.findall(r"placement: (node 0|rollout device 0): \S+ \(ray node (\w+)", out)
+    assert len(placed) == 2 and placed[0][1] != placed[1][1], out[
+        -6000:
+    ]  # trainer and rollout on different nodes
+    assert lost[:8] in {placed[0][1], placed[1][1]}
+    victim = "trainer" if placed[0][1] == lost[:8] else "rollout"
+    assert re.search(
+        victim + r" worker died on node [\d.]+ \(ray node " + lost[:8] + r"\), which is no longer alive", out
+    ), out[-6000:]
+    assert f"resume from {run}/checkpoints/step_000001 (step 1) with: rlbridge resume {run}" in out, out[
+        -6000:
+    ]
+    assert [c.step for c in ckpt.list_checkpoints(run) if c.complete] == [1]  # sha256 checked
+
+    rc, out = rlbridge(env, "resume", str(run))
+    assert rc == 0, out[-6000:]
+    records = train_records(run)
+    assert [r["step"] for r in records] == list(
+        range(1, STEPS + 1)
+    )  # each step once: nothing lost, nothing twice
+    same_numbers(records, single_node_hf)
+
+
+def test_a_lost_node_stops_the_megatron_ranks(
+    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The tensor-parallel peer on node_b goes away mid-step: the rank there is named with its node. (The
+    megatron engine does not checkpoint yet, so there is nothing to resume from.)"""
+    lost = node_b_id(cluster)
+    try:
+        rc, out = kill_node_b_during(
+            cluster, env, [*BASE, *on(cluster), "--run-dir", str(tmp_path / "run")], after="step 1/"
+        )
+    finally:
+        cluster.start_worker()
+    assert rc == 1 and "Traceback" not in out, out[-6000:]
+    placed = dict(re.findall(r"placement: node \d: \S+ \(ray node (\w+)[^)]*\): trainer devices (\d)", out))
+    rank = placed[
+        lost[:8]
+    ]  # the rank on node_b (Ray may put either rank there: node_b may be node 0 of the plan)
+    assert re.search(
+        rf"trainer rank {rank} \(dp 0, tp {rank}, pp 0\) worker died on node [\d.]+ \(ray node {lost[:8]}\), "
+        "which is no longer alive",
+        out,
+    ), out[-6000:]
+    assert "all trainer ranks were stopped" in out
+    assert (
+        "Connection closed by peer [127.0.0.1]" not in out
+    )  # gloo's peer is the node's address (GLOO_SOCKET_IFNAME)
