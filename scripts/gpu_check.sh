@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh 2      # `rlbridge train` via the CLI: {hf, megatron} x {merged, adapter}, 2 steps each,
 #                                    # one run per GPU at a time, then kill -9 + resume of a CLI run and its export-hf
 #                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
+#   bash scripts/gpu_check.sh 3      # the megatron quickstart (bf16): kill -9 after a checkpoint, resume, export-hf
+#                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (not yet run)
 #   bash scripts/gpu_check.sh all    # all four files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
 #
