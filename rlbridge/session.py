@@ -341,7 +341,13 @@ class Session:
         ref = self.trainer.export_weights(self.recipe.rollout.weight_sync, as_files=same_node)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version
-        self.memory.load(lambda: rollout.call("load_weights", ref, v))
+        try:
+            self.memory.load(lambda: rollout.call("load_weights", ref, v))
+        except (
+            rc.InputLost
+        ):  # the trainer died while exporting: say so (which rank, which node), not the rollout
+            self.trainer.raise_if_lost(ref)
+            raise
         return self.trainer.last_export_bytes()
 
     def release_rollout_memory(self) -> None:

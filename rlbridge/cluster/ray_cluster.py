@@ -263,6 +263,11 @@ def node_alive(node_id: str, *, settle_s: float = 0.0) -> bool:
         time.sleep(0.5)
 
 
+class InputLost(RlbridgeError):
+    """A task's input, a reference another worker was to produce, was lost with that worker. The caller knows
+    which worker that was: asked with Worker.wait(ref), it raises the error that names it (and its node)."""
+
+
 class Worker:
     """One Ray actor with error translation: calls return results or raise RlbridgeError naming the worker
     and its log file."""
@@ -298,6 +303,10 @@ class Worker:
             cause = e.cause if isinstance(e.cause, BaseException) else None
             if isinstance(cause, RlbridgeError):
                 raise type(cause)(f"{self.name}: {cause}") from None
+            if isinstance(cause, RayActorError):  # an input it was handed died with the worker producing it
+                raise InputLost(
+                    f"{self.name} worker could not get its input: the worker producing it is gone ({cause!r})"
+                ) from None
             raise RlbridgeError(
                 f"{self.name} worker failed: {cause!r}{self._where()}\n{_tail(str(e))}"
             ) from None

@@ -54,6 +54,11 @@ class Trainer(Protocol):
 
     def last_export_bytes(self) -> int: ...
 
+    def raise_if_lost(self, export: Any) -> None:
+        """Raises the trainer's own error (which worker, on which node) when the worker that was to produce
+        `export` is gone; returns when it is not."""
+        ...
+
     # ---------------------------------------------------------------- PPO's critic
     def values(self, batch: SeqBatch) -> torch.Tensor:
         """[b, R] the critic's values before the update."""
@@ -117,6 +122,9 @@ class RayTrainer:
     def last_export_bytes(self) -> int:
         return int(self._call(TrainerRole.last_export_bytes))
 
+    def raise_if_lost(self, export: Any) -> None:
+        self.workers.wait(export)
+
     def checkpoint_support(self) -> str | None:
         return self._call(TrainerRole.checkpoint_support)
 
@@ -165,6 +173,9 @@ class LocalTrainer:
 
     def last_export_bytes(self) -> int:
         return self.role.last_export_bytes()
+
+    def raise_if_lost(self, export: Any) -> None:
+        pass  # in this process: nothing to lose
 
     def checkpoint_support(self) -> str | None:
         return self.role.checkpoint_support()

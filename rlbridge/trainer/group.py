@@ -173,6 +173,10 @@ class TrainerGroup:
         self._wait(refs, method, fetch=lambda i: i != 0)
         return refs[0]
 
+    def wait(self, ref: Any, timeout: float | None = None) -> Any:
+        """A reference from `submit` (rank 0's result): its value, or rank 0's error."""
+        return self.ranks[0].wait(ref, timeout=timeout)
+
     def kill(self) -> None:
         for worker in self.ranks:
             worker.kill()
