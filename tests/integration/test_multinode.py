@@ -318,8 +318,9 @@ def test_a_lost_node_stops_the_run_and_resume_finishes(
 def test_a_lost_node_stops_the_megatron_ranks(
     cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path
 ) -> None:
-    """The tensor-parallel peer on node_b goes away mid-step: the rank there is named with its node. (The
-    megatron engine does not checkpoint yet, so there is nothing to resume from.)"""
+    """The tensor-parallel peer on node_b goes away mid-step (or mid-save: megatron runs checkpoint every
+    step here): the rank there is named with its node. Resuming a megatron run is tests/integration/
+    test_resume_megatron.py's (one node)."""
     lost = node_b_id(cluster)
     try:
         rc, out = kill_node_b_during(
