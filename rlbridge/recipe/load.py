@@ -166,7 +166,7 @@ _ALGO_TAGS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"}
 
 
 def _dotted(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc]
+    parts = [str(p) or repr(p) for p in loc]  # an empty key ('': in the YAML) is shown as ''
     if len(parts) > 1 and parts[0] == "algorithm" and parts[1] in _ALGO_TAGS:
         del parts[1]
     return ".".join(parts) if parts else "<recipe>"

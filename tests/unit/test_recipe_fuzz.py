@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -121,6 +121,7 @@ def test_structural_mutations(tmp_path_factory, mutations) -> None:  # type: ign
         max_size=40,
     ).map("".join)
 )
+@example(text="'':")  # an empty key: its error once had an empty key name (found by this test, 2026-12-01)
 def test_garbage_yaml(tmp_path_factory, text: str) -> None:  # type: ignore[no-untyped-def]
     run(tmp_path_factory.getbasetemp(), text)
 
