@@ -16,6 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rlbridge.report.run import read_run
+
 STEP_MEANS = (
     "reward_mean",
     "logprob_diff_mean",
@@ -36,9 +38,8 @@ STEP_MEANS = (
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    run = read_run(run_dir)  # rlbridge report's reader: one record per step, also for a resumed run
+    train, evals = run.train, run.evals
     out: dict[str, Any] = {"steps": len(train)}
     if evals:
         out["accuracy_before"] = evals[0].get("eval_accuracy")
