@@ -7,6 +7,7 @@ with a failing and a passing recipe.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -514,6 +515,85 @@ def check_rollout_correction(r: Recipe, out: Issues) -> None:
             )
 
 
+def check_async(r: Recipe, out: Issues) -> None:
+    """rollout.mode async (docs/async.md): what the overlapped pipeline cannot do, and the staleness bound."""
+    ro, rc = r.rollout, r.algorithm.rollout_correction
+    if ro.mode != "async":
+        return
+    if ro.max_staleness == 0:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                "async generates ahead of the trainer, at least one weight version behind; 0 is the synchronous loop",
+                value="0",
+                fix="set rollout.max_staleness: 1 (or more), or rollout.mode: sync",
+            )
+        )
+    corrected = rc.bypass or rc.weights != "none"
+    if ro.max_staleness > 1 and not corrected:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"samples up to {ro.max_staleness} weight versions old and a loss without an off-policy "
+                "correction: the gradient is biased by how far the rollout policy has drifted",
+                value=str(ro.max_staleness),
+                fix="set algorithm.rollout_correction.weights: token (truncated importance sampling) or "
+                "algorithm.rollout_correction.bypass: true, or rollout.max_staleness: 1",
+            )
+        )
+    if getattr(r.algorithm, "dynamic_sampling", False):
+        out.append(
+            RecipeIssue(
+                "algorithm.dynamic_sampling",
+                "dynamic sampling refills a step's batch by generating again with the newest weights, "
+                "which an async pipeline has already moved past",
+                value="true",
+                fix="set algorithm.dynamic_sampling: false, or rollout.mode: sync",
+            )
+        )
+    if ro.max_staleness >= r.run.steps:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"the run has {r.run.steps} steps: a pipeline {ro.max_staleness} steps deep never overlaps",
+                value=str(ro.max_staleness),
+                fix=f"set rollout.max_staleness below run.steps ({r.run.steps}), or rollout.mode: sync",
+            )
+        )
+
+
+def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """async on shared GPUs: vLLM stays resident next to the trainer, so both must fit at once (plan.memory)."""
+    c = r.cluster
+    if r.rollout.mode != "async" or not c.colocate or c.device != "cuda" or r.rollout.engine != "vllm":
+        return
+    from rlbridge.plan import batches, memory
+
+    p = r.trainer.parallel
+    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
+    mem = memory(r, m, dp, batches(r, dp))
+    if mem.trainer_total + mem.rollout_total <= mem.capacity:
+        return
+    margin = 1.0  # GiB for CUDA contexts and fragmentation
+    fits = math.floor((mem.capacity - mem.trainer_total - margin) / mem.capacity * 100) / 100
+    need = (mem.rollout_weights + 0.5) / mem.capacity  # the weights and a small KV cache
+    fix = (
+        f"set rollout.gpu_memory_utilization: {fits} (or lower), or cluster.colocate: false"
+        if fits >= need
+        else "set cluster.colocate: false (the rollout on devices of its own), or rollout.mode: sync"
+    )
+    out.append(
+        RecipeIssue(
+            "rollout.gpu_memory_utilization",
+            f"async keeps vLLM resident next to the trainer: the trainer's ~{mem.trainer_total:.1f} GiB and vLLM's "
+            f"{r.rollout.gpu_memory_utilization} x {mem.capacity:.0f} GiB = {mem.rollout_total:.1f} GiB exceed "
+            f"the {mem.capacity:.0f} GiB per device",
+            value=str(r.rollout.gpu_memory_utilization),
+            fix=fix,
+        )
+    )
+
+
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
     for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
@@ -589,6 +669,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_lora,
     check_algorithm,
     check_rollout_correction,
+    check_async,
     check_files,
     check_reward,
     check_loggers,
@@ -619,4 +700,5 @@ def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelIn
         out.append(RecipeIssue("model.path", str(e), value=r.model.path))
         return out, None
     check_model_shape(r, info, out)
+    check_async_memory(r, info, out)
     return out, info

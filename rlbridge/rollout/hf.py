@@ -36,9 +36,18 @@ class HFRollout:
     """transformers.generate behind the RolloutEngine protocol (rlbridge/rollout/base.py)."""
 
     def __init__(
-        self, model_dir: str | Path, rollout_cfg: RolloutCfg, model_cfg: ModelCfg, *, seed: int
+        self,
+        model_dir: str | Path,
+        rollout_cfg: RolloutCfg,
+        model_cfg: ModelCfg,
+        *,
+        seed: int,
+        num_threads: int | None = None,
     ) -> None:
         from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:  # CPU: async runs give the rollout its own share of the cores
+            torch.set_num_threads(num_threads)
 
         self.weight_version = 0
         self.cfg = rollout_cfg

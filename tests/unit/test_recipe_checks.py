@@ -289,6 +289,45 @@ CASES = [
         "Transformer Engine",
         {"trainer__parallel": {"tensor": 2, "context": 1}, "cluster__device": "cpu"},
     ),
+    (
+        "async with max_staleness 0",
+        {"rollout__mode": "async", "rollout__max_staleness": 0},
+        "rollout.max_staleness",
+        "synchronous loop",
+        {"rollout__mode": "async", "rollout__max_staleness": 1},
+    ),
+    (
+        "async staleness above 1 without an off-policy correction",
+        {"rollout__mode": "async", "rollout__max_staleness": 2},
+        "rollout.max_staleness",
+        "off-policy correction",
+        {
+            "rollout__mode": "async",
+            "rollout__max_staleness": 2,
+            "algorithm": {"name": "grpo", "rollout_correction": {"weights": "token"}},
+        },
+    ),
+    (
+        "async with DAPO's dynamic sampling",
+        {"rollout__mode": "async", "algorithm": {"name": "dapo"}},
+        "algorithm.dynamic_sampling",
+        "async pipeline",
+        {"rollout__mode": "async", "algorithm": {"name": "dapo", "dynamic_sampling": False}},
+    ),
+    (
+        "async pipeline deeper than the run",
+        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 1},
+        "rollout.max_staleness",
+        "never overlaps",
+        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 2},
+    ),
+    (
+        "async: vLLM resident next to the trainer does not fit",
+        {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.9},
+        "rollout.gpu_memory_utilization",
+        "resident next to the trainer",
+        {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.5},
+    ),
 ]
 
 
