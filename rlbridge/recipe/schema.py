@@ -493,6 +493,19 @@ class Recipe(Section):
     run: RunCfg = RunCfg()
     cluster: ClusterCfg = ClusterCfg()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm_name(cls, data: Any) -> Any:
+        """An algorithm section without `name` is GRPO's, the default (e.g. only `--set algorithm.kl.coef=0.1`
+        on a recipe without the section): without this pydantic could not pick the section's type."""
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("algorithm"), dict)
+            and "name" not in data["algorithm"]
+        ):
+            return {**data, "algorithm": {"name": "grpo", **data["algorithm"]}}
+        return data
+
     @property
     def world_size(self) -> int:
         return self.cluster.nodes * self.cluster.gpus_per_node
