@@ -143,6 +143,9 @@ def train_step(
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step)
+    if source is not None and source.overlapped:  # the load below would wait for them: time it as what it is
+        with timer("rollout_wait"):
+            source.wait_sent()
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()
     record = {

@@ -74,6 +74,12 @@ class RolloutSource:
             raise RlbridgeError(f"step {step}: its rollouts were never sent (async pipeline bug)")
         return item.rows, self._resolve(item)
 
+    def wait_sent(self) -> None:
+        """Wait for every generation sent so far (async): the next weight load queues behind them on the rollout
+        worker anyway, and waiting here keeps the generation's time out of the `sync` phase."""
+        for item in self.pending.values():
+            self._resolve(item)
+
     def done(self, step: int) -> None:
         """Step `step` trained on its rollouts: they are no longer in flight."""
         self.pending.pop(step, None)
