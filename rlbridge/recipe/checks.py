@@ -203,6 +203,8 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                     fix=f"set trainer.parallel.expert to {_choices(divisors(m.num_experts))}",
                 )
             )
+        if r.trainer.engine == "megatron":
+            check_moe_megatron(r, out)
     elif p.expert > 1 or p.expert_tensor > 1:
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
@@ -228,6 +230,32 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 "lora.targets",
                 f"LoRA target names are not known for model_type {m.model_type!r}",
                 fix=f"use a model of type {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, or full fine-tuning (lora.rank: 0)",
+            )
+        )
+
+
+def check_moe_megatron(r: Recipe, out: Issues) -> None:
+    """What megatron-core allows for an MoE model, and what the CPU (gloo) build gets right (docs/moe.md)."""
+    p = r.trainer.parallel
+    if p.tensor > 1 and not p.sequence_parallel:
+        fix = "set trainer.parallel.sequence_parallel: true"
+        if r.cluster.device == "cpu":
+            fix = "set trainer.parallel.tensor: 1 (sequence parallelism needs reduce-scatter, which CPU/gloo lacks)"
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.tensor",
+                f"megatron-core trains an MoE model at tensor parallel {p.tensor} only with sequence parallelism",
+                fix=fix,
+            )
+        )
+    if r.cluster.device == "cpu" and p.expert > 1:
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.expert",
+                "expert parallelism on CPU (gloo all-to-all) runs but computes wrong logits (seen with "
+                "megatron-core 0.16.1; docs/moe.md)",
+                value=str(p.expert),
+                fix="set trainer.parallel.expert: 1 on CPU; expert parallelism needs GPUs",
             )
         )
 

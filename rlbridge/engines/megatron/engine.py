@@ -35,6 +35,7 @@ from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P
+from rlbridge.engines.megatron.moe import MoeBook
 from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import total_optimizer_steps
@@ -69,7 +70,12 @@ class MegatronTrainEngine:
             self.param_sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, self.lora)
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()
+            export.install_sequential_expert_export()
         self._trainable = params.trainable(self.model)
+        self.moe: MoeBook | None = None
+        """Router hooks and expert map of an MoE model (None for a dense one); read by the first-step gate."""
+        if getattr(self.built.provider, "num_moe_experts", None):
+            self.moe = MoeBook(self.model, self._trainable)
         self.device = next(self.model[0].parameters()).device
         self._reference_weights: list[torch.Tensor] | None = None
         if not self.lora and recipe.algorithm.kl.coef > 0:

@@ -11,12 +11,17 @@ RL trainer needs around it, each one a bug class from USER_REPORTS:
 * tensors replicated across pipeline stages: the bridge refuses any tensor found on two PP ranks ("Tensor
   exists on more than one PP rank"), although some models legitimately replicate tensors. The patch below
   accepts duplicates whose specs and values are identical on every owner and fails loudly otherwise;
+* experts without Transformer Engine: megatron-core builds a SequentialMLP (`experts.local_experts.<e>.linear_fc1`)
+  instead of TE's grouped layers (`experts.linear_fc1.weight<e>`); Megatron-Bridge's `gather_from_ep_ranks` reads
+  the expert number only from the grouped spelling (`int(name.split(".weight")[-1])`: ValueError on
+  `int("")`), so every MoE export failed. `install_sequential_expert_export` reads it from either spelling;
 * adapters: PEFT names (`base_model.model.<hf name>.lora_A.weight`) and an adapter_config that
   `peft.PeftModel.from_pretrained` loads.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -141,3 +146,48 @@ def install_pp_duplicate_check() -> None:
         return
     _broadcast_from_pp_owners._rlbridge = True  # type: ignore[attr-defined]  # megatron reads these attributes that it sets on tensors itself
     cls.broadcast_from_pp_rank = _broadcast_from_pp_owners
+
+
+# ------------------------------------------------------------------ experts of a SequentialMLP
+_SEQUENTIAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _experts_per_rank(self: Any, megatron_module: Any) -> int:
+    per_rank = None
+    if megatron_module is not None:
+        per_rank = int(self._get_config(megatron_module).num_moe_experts) // self.ep_size
+    try:
+        return int(self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank"))
+    except TypeError:  # Megatron-Bridge versions without the cache-key argument
+        return int(self.broadcast_obj_from_pp_rank(per_rank))
+
+
+def install_sequential_expert_export() -> None:
+    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring). Idempotent."""
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    original = cls.gather_from_ep_ranks
+    if getattr(original, "_rlbridge", False):
+        return
+
+    def gather_from_ep_ranks(
+        self: Any, megatron_weights: Any, megatron_module: Any, hf_param_name: Any
+    ) -> dict[str, torch.Tensor]:
+        m = _SEQUENTIAL_EXPERT.search(str(self.megatron_param))
+        if m is None:
+            return original(self, megatron_weights, megatron_module, hf_param_name)  # type: ignore[no-any-return]  # Megatron-Bridge is untyped
+        per_rank = _experts_per_rank(self, megatron_module)
+        local = int(m.group(1)) % per_rank
+        names = [
+            re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * k}", str(hf_param_name))
+            for k in range(self.ep_size)
+        ]
+        if self.ep_size == 1:
+            return {names[0]: megatron_weights}
+        gathered = [torch.empty_like(megatron_weights) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, megatron_weights.contiguous(), group=self.ep_group)
+        return dict(zip(names, gathered, strict=True))
+
+    gather_from_ep_ranks._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    cls.gather_from_ep_ranks = gather_from_ep_ranks  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose (see the docstring above)

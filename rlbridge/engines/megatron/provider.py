@@ -130,6 +130,10 @@ FUSIONS_OFF: tuple[str, ...] = (
     "apply_rope_fusion",
     "cross_entropy_loss_fusion",
 )
+# MoE without Transformer Engine: permutation and router fusions are TE kernels, and a grouped GEMM under the
+# local spec would build megatron-core's legacy GroupedMLP (`experts.weight1`), which no bridge maps: the
+# experts become a SequentialMLP of per-expert linear layers (`experts.local_experts.<e>.linear_fc1`).
+MOE_WITHOUT_TE: tuple[str, ...] = ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm")
 
 
 @dataclass
@@ -216,7 +220,7 @@ def apply_backend(provider: Any) -> None:
 
     if not compat.have_transformer_engine():
         provider.transformer_layer_spec = local_layer_spec
-        for name in FUSIONS_OFF:
+        for name in (*FUSIONS_OFF, *MOE_WITHOUT_TE):
             if hasattr(provider, name):
                 setattr(provider, name, False)
     if compat.cpu_mode():
