@@ -13,7 +13,13 @@ from pathlib import Path
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
-from rlbridge.recipe.targets import CANONICAL_ONLY, SUPPORTED_MODEL_TYPES, unknown_targets
+from rlbridge.recipe.targets import (
+    CANONICAL_ONLY,
+    EXPERT_PARAMETERS,
+    SUPPORTED_MODEL_TYPES,
+    hf_targets,
+    unknown_targets,
+)
 
 Issues = list[RecipeIssue]
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -205,6 +211,7 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
             )
         if r.trainer.engine == "megatron":
             check_moe_megatron(r, out)
+        check_moe_lora(r, out)
     elif p.expert > 1 or p.expert_tensor > 1:
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
@@ -232,6 +239,55 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 fix=f"use a model of type {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, or full fine-tuning (lora.rank: 0)",
             )
         )
+
+
+def check_moe_lora(r: Recipe, out: Issues) -> None:
+    """LoRA on the routed experts of an MoE model (targets linear_fc1 / linear_fc2): what each side supports
+    (docs/moe.md)."""
+    lora = r.lora
+    if not lora.enabled:
+        return
+    expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS]
+    if not expert_targets:
+        return
+    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.weight_sync",
+                "adapter sync of expert LoRA is not offered: vLLM's LoRA on fused MoE layers was not verified with "
+                "rlbridge's adapter exports (vLLM rejects 3D expert adapters, SkyRL #1852; the CPU build has no "
+                "fused-MoE LoRA kernels), while a merged sync carries every expert's delta",
+                value="adapter",
+                fix="set rollout.weight_sync: merged, or adapt attention only (lora.targets: [linear_qkv, linear_proj])",
+            )
+        )
+    if r.trainer.engine == "hf":
+        if lora.dropout > 0:
+            out.append(
+                RecipeIssue(
+                    "lora.dropout",
+                    "peft's LoRA on stacked expert weights (target_parameters) has no dropout",
+                    value=str(lora.dropout),
+                    fix="set lora.dropout: 0.0, or leave the experts out of lora.targets",
+                )
+            )
+        if lora.type == "dora":
+            out.append(
+                RecipeIssue(
+                    "lora.type",
+                    "peft's LoRA on stacked expert weights (target_parameters) cannot be DoRA",
+                    value="dora",
+                    fix="set lora.type: lora, or leave the experts out of lora.targets",
+                )
+            )
+        if len({"gate_proj", "up_proj"} & set(expert_targets)) == 1:
+            out.append(
+                RecipeIssue(
+                    "lora.targets",
+                    "an expert's gate and up projections are one stacked tensor (gate_up_proj): adapt both or neither",
+                    fix="use linear_fc1 (gate and up) instead of only one of them",
+                )
+            )
 
 
 def check_moe_megatron(r: Recipe, out: Issues) -> None:

@@ -348,3 +348,28 @@ def test_messages_carry_numbers_and_fix(tmp_path: Path) -> None:
     issues = check(tmp_path, base(trainer__micro_batch_size=3))
     msg = dict(issues)["trainer.micro_batch_size"]
     assert "8 sequences per mini-batch" in msg and "set trainer.micro_batch_size to" in msg
+
+
+def test_moe_expert_lora_checks(tmp_path: Path) -> None:
+    moe = {"model": {"path": MOE}, "rollout__tensor_parallel": 4}
+    par = {"tensor": 1, "expert": 8}
+    experts = {"rank": 8, "targets": ["linear_qkv", "linear_fc1", "linear_fc2"]}
+    assert check(tmp_path, base(**moe, lora=experts, trainer__parallel=par)) == []  # merged sync
+    adapter = check(
+        tmp_path, base(**moe, lora=experts, trainer__parallel=par, rollout__weight_sync="adapter")
+    )
+    assert keys(adapter) == {"rollout.weight_sync"} and "SkyRL #1852" in adapter[0][1]
+    attention_only = {"rank": 8, "targets": ["linear_qkv", "linear_proj"]}
+    assert (
+        check(
+            tmp_path, base(**moe, lora=attention_only, trainer__parallel=par, rollout__weight_sync="adapter")
+        )
+        == []
+    )
+    hf = {"engine": "hf", "parallel": {"tensor": 1}, "micro_batch_size": 2}
+    bad = {"rank": 8, "dropout": 0.1, "type": "dora", "targets": ["gate_proj"]}
+    issues = check(
+        tmp_path,
+        base(model={"path": MOE}, lora=bad, trainer=hf, rollout__tensor_parallel=1, cluster__gpus_per_node=1),
+    )
+    assert {"lora.dropout", "lora.type", "lora.targets"} <= keys(issues), issues
