@@ -366,7 +366,9 @@ class HFTrainEngine:
             )
         if drop_tied:
             state = remove_tied_weights_from_state_dict(state, self.hf_model)
-        return revert_weight_conversion(self.hf_model, state)
+        state = revert_weight_conversion(self.hf_model, state)
+        # stacked MoE experts come back as per-expert views of one tensor: safetensors refuses shared storage
+        return {k: v.clone() if v._base is not None else v for k, v in state.items()}
 
     def _merged_lora_weights(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = hf_moe.merged_expert_weights(self.hf_model, ADAPTER)

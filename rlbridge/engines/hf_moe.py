@@ -122,3 +122,62 @@ class HfMoeBook:
                 )
                 out.setdefault((layer, e), []).append(part)
         return out
+
+
+_MEGATRON_EXPERT = re.compile(
+    r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.adapter\.linear_(in|out)\.weight"
+)
+
+
+def megatron_experts_to_packed(
+    model: nn.Module, tensors: dict[str, Tensor], *, scale: float, adapter: str = "default"
+) -> dict[str, Tensor]:
+    """A megatron checkpoint's per-expert LoRA (`...local_experts.<e>.linear_fc1.adapter.linear_in.weight`, canonical
+    names: global layer and expert numbers, full tensors) -> the packed peft tensors of `model` (a peft model whose
+    experts carry `target_parameters` LoRA), under `model.named_parameters()` names.
+
+    Megatron's fc1 adapter is one A [r, hidden] shared by gate and up and one B [2 x intermediate, r] with rows
+    [gate; up], its delta `scale * B @ A` (scale = alpha / rank); fc2's maps onto down_proj. peft packs k >= r
+    rank slots per expert: expert e's slots get A in the first r rows and zeros after, B in the first r columns and
+    zeros after, B multiplied by scale / peft's scaling so the delta is exactly Megatron's."""
+    per: dict[tuple[int, str], dict[int, dict[str, Tensor]]] = {}
+    for name, t in tensors.items():
+        m = _MEGATRON_EXPERT.fullmatch(name)
+        if m is None:
+            raise ValueError(f"{name!r} is not a megatron expert LoRA tensor")
+        layer, expert, target, side = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        param = "gate_up_proj" if target == "linear_fc1" else "down_proj"
+        per.setdefault((layer, param), {}).setdefault(expert, {})[side] = t
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, Tensor] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraParamWrapper) or adapter not in module.lora_A:
+            continue
+        layer = layer_of(module_name)
+        experts = per.pop((layer, module.parameter_name), None) if layer is not None else None
+        if experts is None:
+            continue
+        a_param, b_param = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        num = int(module.num_experts)
+        if sorted(experts) != list(range(num)):
+            raise ValueError(
+                f"layer {layer} {module.parameter_name}: LoRA of experts {sorted(experts)}, not 0..{num - 1}"
+            )
+        a_packed = torch.zeros_like(a_param, dtype=torch.float32).reshape(num, -1, a_param.shape[-1])
+        b_packed = torch.zeros_like(b_param, dtype=torch.float32).reshape(b_param.shape[0], -1, num)
+        ratio = scale / float(module.scaling[adapter])
+        for e, parts in experts.items():
+            a, b = parts["in"].float(), parts["out"].float()
+            r = a.shape[0]
+            if r > a_packed.shape[1] or a.shape[1] != a_packed.shape[2] or b.shape[0] != b_packed.shape[0]:
+                raise ValueError(
+                    f"layer {layer} expert {e} {module.parameter_name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} "
+                    f"do not fit peft's packed {tuple(a_param.shape)} / {tuple(b_param.shape)}"
+                )
+            a_packed[e, :r] = a
+            b_packed[:, :r, e] = b * ratio
+        out[names[id(a_param)]] = a_packed.reshape(a_param.shape).to(a_param.dtype)
+        out[names[id(b_param)]] = b_packed.reshape(b_param.shape).to(b_param.dtype)
+    if per:
+        raise ValueError(f"megatron expert LoRA without a peft expert module: {sorted(per)[:3]}")
+    return out
