@@ -124,6 +124,12 @@ class HfMoeBook:
         return out
 
 
+def _weight_of(linear: nn.Module) -> nn.Parameter:
+    weight = linear.weight
+    assert isinstance(weight, nn.Parameter)
+    return weight
+
+
 _MEGATRON_EXPERT = re.compile(
     r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.adapter\.linear_(in|out)\.weight"
 )
@@ -145,19 +151,20 @@ def megatron_experts_to_packed(
         m = _MEGATRON_EXPERT.fullmatch(name)
         if m is None:
             raise ValueError(f"{name!r} is not a megatron expert LoRA tensor")
-        layer, expert, target, side = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        number, expert, target, side = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
         param = "gate_up_proj" if target == "linear_fc1" else "down_proj"
-        per.setdefault((layer, param), {}).setdefault(expert, {})[side] = t
+        per.setdefault((number, param), {}).setdefault(expert, {})[side] = t
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, Tensor] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, LoraParamWrapper) or adapter not in module.lora_A:
             continue
-        layer = layer_of(module_name)
-        experts = per.pop((layer, module.parameter_name), None) if layer is not None else None
+        found = layer_of(module_name)
+        experts = per.pop((found, module.parameter_name), None) if found is not None else None
         if experts is None:
             continue
-        a_param, b_param = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        layer = found
+        a_param, b_param = _weight_of(module.lora_A[adapter]), _weight_of(module.lora_B[adapter])
         num = int(module.num_experts)
         if sorted(experts) != list(range(num)):
             raise ValueError(
