@@ -3,7 +3,8 @@
 expert, on gloo ranks (docs/moe.md).
 
 Tolerances (float32): logits vs transformers rel. error < 1e-5 (measured 4.0e-7 at TP1, 5.1e-7 at TP2); merged
-export loaded by `from_pretrained` vs the trainer's logits < 1e-5 (measured 9.4e-7).
+export loaded by `from_pretrained`, and the adapter export loaded by peft, vs the trainer's logits < 1e-5 (measured
+9.4e-7 and 5.1e-7).
 
 * TP1: after two steps every expert that received tokens trained (each of its adapter tensors changed), the
   router and every other frozen tensor did not move, forwards without gradients are not counted as routing;
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_reference import load_hf, load_hf_files, logits, rel, seq_batch
+from hf_reference import load_hf, load_hf_files, logits, peft_model, rel, seq_batch
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +87,18 @@ def test_merged_export_applies_every_expert_delta(tp1: dict[str, Any], moe_dir: 
         for e in range(4):
             gate = merged[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"]
             assert not gate.equal(gate_up[e, : gate.shape[0]].detach()), (layer, e)
+
+
+def test_adapter_export_loads_in_peft(tp1: dict[str, Any], moe_dir: str, tmp_path: Path) -> None:
+    """The bridge's adapter export names each expert's LoRA per expert (`mlp.experts.<e>.gate_proj.lora_A`); peft
+    0.21 on transformers 5 converts those into its packed expert LoRA on load (measured 5.1e-7)."""
+    adapter = tp1["adapter"]
+    assert (
+        sum(".mlp.experts." in k for k in adapter) == 2 * 4 * 3 * 2
+    )  # layers x experts x (gate, up, down) x (A, B)
+    model = peft_model(moe_dir, adapter, tp1["adapter_config"], tmp_path / "adapter")
+    assert sum("experts" in n and "lora" in n for n, _ in model.named_parameters()) > 0
+    assert rel(logits(model, seq_batch(tp1["batch_full"])), tp1["logits_trained"]) < 1e-5
 
 
 def test_a_detached_expert_adapter_is_reported_by_name(moe_dir: str, run_workers: Any) -> None:
