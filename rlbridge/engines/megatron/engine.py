@@ -57,6 +57,7 @@ class MegatronTrainEngine:
         self._warned_micro = False
         with compat.device_scope():
             self.built = P.build(recipe)
+            export.install_sequential_expert_export()  # before the weights load (expert numbering at EP > 1)
             self._owns_parallel_state = B.init_parallel(self.built.provider, recipe.run.seed)
             if recipe.trainer.bridge == "mbridge":
                 self.bundle = B.build_mbridge(self.built, recipe)
@@ -70,7 +71,6 @@ class MegatronTrainEngine:
             self.param_sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, self.lora)
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()
-            export.install_sequential_expert_export()
         self._trainable = params.trainable(self.model)
         self.moe: MoeBook | None = None
         """Router hooks and expert map of an MoE model (None for a dense one); read by the first-step gate."""

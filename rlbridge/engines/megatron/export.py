@@ -162,9 +162,42 @@ def _experts_per_rank(self: Any, megatron_module: Any) -> int:
         return int(self.broadcast_obj_from_pp_rank(per_rank))
 
 
+def _global_sequential_expert_names() -> None:
+    """Megatron-Bridge 0.3.1's `_megatron_local_name_to_global` turns local expert numbers into global ones only in
+    TE's grouped names (`experts.linear_fc1.weight<e>`). A SequentialMLP's `experts.local_experts.<e>` kept its
+    local number, so at expert parallel > 1 every rank loaded (and exported under) experts 0..k-1: the model of EP
+    rank r > 0 silently held the wrong experts (seen at EP2 on CPU: logits rel. error 0.70 vs transformers). The
+    wrapper renumbers `local_experts.<e>` of non-adapter tensors as the grouped case does."""
+    from megatron.bridge.models.conversion import model_bridge
+
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, "_rlbridge", False):
+        return
+
+    def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
+        name = str(original(models, config, param_name, vp_stage))
+        m = _SEQUENTIAL_EXPERT.search(name)
+        if m is None or ".adapter." in name:
+            return name
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size()
+        if ep_size <= 1:
+            return name
+        per_rank = int(config.num_moe_experts) // ep_size
+        number = per_rank * ps.get_expert_model_parallel_rank() + int(m.group(1))
+        return name[: m.start()] + f".local_experts.{number}." + name[m.end() :]
+
+    local_name_to_global._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    model_bridge._megatron_local_name_to_global = local_name_to_global
+
+
 def install_sequential_expert_export() -> None:
-    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring). Idempotent."""
+    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring), and number their
+    experts globally at expert parallel > 1 (`_global_sequential_expert_names`). Idempotent."""
     from megatron.bridge.models.conversion import param_mapping
+
+    _global_sequential_expert_names()
 
     cls = param_mapping.MegatronParamMapping
     original = cls.gather_from_ep_ranks
