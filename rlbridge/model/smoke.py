@@ -13,7 +13,7 @@ and shrinks the rest so two steps take about a minute: layers (pipeline x virtua
 recompute needs per stage), head_dim 32, hidden = heads x 32, a byte-level vocabulary (260 ids), short
 responses, the smallest batch the batch rules allow. Settings that cannot run on CPU are turned off:
 sequence parallel and the distributed optimizer (gloo has no reduce-scatter), context parallel (needs
-Transformer Engine's attention), expert parallel (without TE the per-expert layers' export at EP > 1 is wrong,
+Transformer Engine's attention), expert parallel (without TE, training at EP > 1 does not reproduce EP 1 yet,
 docs/moe.md; its ranks become data-parallel ranks). Rollouts use the hf engine (vLLM's CPU build would load as well but
 starts slowly; the weight sync goes through the same export). Every change is returned as a `--set`
 override with a note, and printed.
@@ -178,8 +178,8 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
         setting(
             "trainer.parallel.expert",
             1,
-            f"trainer.parallel.expert {p.expert} -> 1: without Transformer Engine the experts are per-expert layers "
-            "whose merged export at expert parallel > 1 is wrong (docs/moe.md)",
+            f"trainer.parallel.expert {p.expert} -> 1: without Transformer Engine, training at expert parallel > 1 "
+            "does not reproduce expert parallel 1 yet (docs/moe.md)",
         )
     if r.trainer.grad_reduce_dtype != "float32":
         setting("trainer.grad_reduce_dtype", "float32")

@@ -322,11 +322,11 @@ def test_moe_expert_checks(tmp_path: Path) -> None:
     # megatron-core trains MoE at TP > 1 only with sequence parallelism (MoELayer.forward raises otherwise)
     no_sp = check(tmp_path, base(**moe, trainer__parallel={"tensor": 2, "expert": 8}))
     assert [k for k, m in no_sp if "sequence parallelism" in m] == ["trainer.parallel.tensor"], no_sp
-    # on CPU: neither TP > 1 (no reduce-scatter for sequence parallelism) nor EP > 1 (wrong export, docs/moe.md)
+    # on CPU: neither TP > 1 (no reduce-scatter for sequence parallelism) nor EP > 1 (training differs from EP1, docs/moe.md)
     cpu = base(**moe, trainer__parallel={"tensor": 2, "expert": 2}, cluster__device="cpu")
     cpu_issues = check(tmp_path, cpu)
     assert "CPU/gloo lacks" in dict(cpu_issues)["trainer.parallel.tensor"]
-    assert "merged export" in dict(cpu_issues)["trainer.parallel.expert"]
+    assert "not trusted" in dict(cpu_issues)["trainer.parallel.expert"]
     bad_group = base(
         **moe, trainer__parallel={"tensor": 1, "pipeline": 2, "expert": 8}
     )  # 4 ranks per stage < 8

@@ -66,8 +66,8 @@ def check_backend(recipe: Recipe) -> None:
         problems.append("trainer.parallel.sequence_parallel needs reduce-scatter, which gloo (CPU) lacks")
     if par.expert > 1 and not compat.have_transformer_engine():
         problems.append(
-            "trainer.parallel.expert > 1 without Transformer Engine: the experts are per-expert layers "
-            "(SequentialMLP) whose merged export at expert parallel > 1 is wrong (docs/moe.md); set it to 1"
+            "trainer.parallel.expert > 1 without Transformer Engine: training with per-expert layers "
+            "(SequentialMLP) at expert parallel 2 does not reproduce expert parallel 1 yet (docs/moe.md); set it to 1"
         )
     if recipe.trainer.bridge == "mbridge" and recipe.lora.enabled:
         problems.append(

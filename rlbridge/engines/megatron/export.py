@@ -177,7 +177,7 @@ def _global_sequential_expert_names() -> None:
     def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
         name = str(original(models, config, param_name, vp_stage))
         m = _SEQUENTIAL_EXPERT.search(name)
-        if m is None or ".adapter." in name:
+        if m is None:
             return name
         from megatron.core import parallel_state as ps
 
@@ -192,12 +192,70 @@ def _global_sequential_expert_names() -> None:
     model_bridge._megatron_local_name_to_global = local_name_to_global
 
 
+def _merge_sequential_expert_adapters() -> None:
+    """At expert parallel > 1 the base weight of a SequentialMLP expert comes back gathered from every EP rank (one
+    HF name per rank, in rank order), but Megatron-Bridge 0.3.1 merges this rank's adapter into all of them. The
+    wrapper gathers the adapter over the EP group too and merges rank k's adapter into rank k's expert."""
+    from megatron.bridge.models.conversion import peft_bridge
+
+    cls = peft_bridge.MegatronPeftBridge
+    original = cls._merge_lora_adapter_weights
+    if getattr(original, "_rlbridge", False):
+        return
+
+    def merge(
+        self: Any, megatron_model: Any, converted: dict[str, torch.Tensor], adapter_weights: Any
+    ) -> Any:
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size()
+        sequential = len(adapter_weights) == 1 and ".local_experts." in adapter_weights[0].global_base_prefix
+        if not sequential or ep_size <= 1:
+            return original(self, megatron_model, converted, adapter_weights)
+        import dataclasses
+
+        weight = adapter_weights[0]
+        group = ps.get_expert_model_parallel_group()
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            out = [torch.empty_like(t) for _ in range(ep_size)]
+            dist.all_gather(out, t.contiguous(), group=group)
+            return out
+
+        ins, outs = gather(weight.linear_in_weight.weight), gather(weight.linear_out_weight.weight)
+        per_rank = int(megatron_model[0].config.num_moe_experts) // ep_size
+        owner: dict[str, int] = {}
+        for n in converted:
+            m = re.search(r"experts\.(\d+)\.", n)
+            if m is None:
+                raise ValueError(f"gathered expert tensor {n!r} names no expert")
+            owner[n] = int(m.group(1)) // per_rank  # the EP rank that holds this expert (and its adapter)
+        merged: dict[str, torch.Tensor] = {}
+        for k in range(ep_size):
+            part = {n: t for n, t in converted.items() if owner[n] == k}
+            if not part:
+                continue
+            own = dataclasses.replace(
+                weight,
+                linear_in_weight=weight.linear_in_weight._replace(weight=ins[k]),
+                linear_out_weight=weight.linear_out_weight._replace(weight=outs[k]),
+            )
+            result = original(self, megatron_model, part, [own])
+            merged.update(part if result is None else result)
+        return merged
+
+    merge._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    cls._merge_lora_adapter_weights = merge  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose
+
+
 def install_sequential_expert_export() -> None:
-    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring), and number their
-    experts globally at expert parallel > 1 (`_global_sequential_expert_names`). Idempotent."""
+    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring), number their
+    experts globally at expert parallel > 1 (`_global_sequential_expert_names`) and merge each EP rank's expert
+    adapters into its own experts (`_merge_sequential_expert_adapters`). Idempotent."""
     from megatron.bridge.models.conversion import param_mapping
 
     _global_sequential_expert_names()
+    _merge_sequential_expert_adapters()
 
     cls = param_mapping.MegatronParamMapping
     original = cls.gather_from_ep_ranks

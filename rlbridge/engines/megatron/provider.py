@@ -289,5 +289,11 @@ def build(recipe: Recipe) -> Built:
     )
     apply_table(built, recipe)
     apply_backend(provider)
+    # MoE: the trainer optimizes the RL objective only, as the hf engine does (transformers adds no router loss
+    # unless output_router_logits). Megatron-Bridge's Qwen3-MoE provider sets a load-balancing loss (1e-3) whose
+    # gradient, with the router frozen under LoRA, would reach the adapters through the hidden states.
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(provider, name, None):
+            setattr(provider, name, 0.0 if name == "moe_aux_loss_coeff" else None)
     built.peft = make_peft(recipe, built.peft_settings)
     return built
