@@ -6,15 +6,14 @@ and the same parallel layout. The smoke run keeps:
 
 * the architecture: model type, attention layout (grouped-query ratio, up to 4 query heads per KV head),
   biases, tied or untied embeddings, MoE routing (fewer, smaller experts);
-* the parallel layout: tensor, pipeline, virtual pipeline, expert tensor sizes and the world size (one CPU worker
+* the parallel layout: tensor, pipeline, virtual pipeline, expert sizes and the world size (one CPU worker
   process per device, gloo), recompute, LoRA, the algorithm, data, reward and batch arithmetic rules;
 
 and shrinks the rest so two steps take about a minute: layers (pipeline x virtual stages x the layers
 recompute needs per stage), head_dim 32, hidden = heads x 32, a byte-level vocabulary (260 ids), short
 responses, the smallest batch the batch rules allow. Settings that cannot run on CPU are turned off:
 sequence parallel and the distributed optimizer (gloo has no reduce-scatter), context parallel (needs
-Transformer Engine's attention), expert parallel (without TE, training at EP > 1 does not reproduce EP 1 yet,
-docs/moe.md; its ranks become data-parallel ranks). Rollouts use the hf engine (vLLM's CPU build would load as well but
+Transformer Engine's attention). Rollouts use the hf engine (vLLM's CPU build would load as well but
 starts slowly; the weight sync goes through the same export). Every change is returned as a `--set`
 override with a note, and printed.
 """
@@ -173,13 +172,6 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
             1,
             f"trainer.parallel.context {p.context} -> 1: context parallel needs Transformer Engine's attention; "
             "its ranks become data-parallel ranks",
-        )
-    if p.expert > 1:
-        setting(
-            "trainer.parallel.expert",
-            1,
-            f"trainer.parallel.expert {p.expert} -> 1: without Transformer Engine, training at expert parallel > 1 "
-            "does not reproduce expert parallel 1 yet (docs/moe.md)",
         )
     if r.trainer.grad_reduce_dtype != "float32":
         setting("trainer.grad_reduce_dtype", "float32")

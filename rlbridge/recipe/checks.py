@@ -309,7 +309,7 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
 
 
 def check_moe_megatron(r: Recipe, out: Issues) -> None:
-    """What megatron-core allows for an MoE model, and what the CPU (gloo) build gets right (docs/moe.md)."""
+    """What megatron-core allows for an MoE model (docs/moe.md)."""
     p = r.trainer.parallel
     if p.tensor > 1 and not p.sequence_parallel:
         fix = "set trainer.parallel.sequence_parallel: true"
@@ -320,17 +320,6 @@ def check_moe_megatron(r: Recipe, out: Issues) -> None:
                 "trainer.parallel.tensor",
                 f"megatron-core trains an MoE model at tensor parallel {p.tensor} only with sequence parallelism",
                 fix=fix,
-            )
-        )
-    if r.cluster.device == "cpu" and p.expert > 1:
-        out.append(
-            RecipeIssue(
-                "trainer.parallel.expert",
-                "expert parallelism without Transformer Engine (always so on CPU) is not trusted yet: at EP2 the "
-                "forward and the merged export match, but training does not reproduce EP1 (first-step grad norm "
-                "0.3% off, weights 0.07 apart after two steps; docs/moe.md)",
-                value=str(p.expert),
-                fix="set trainer.parallel.expert: 1 on CPU",
             )
         )
 

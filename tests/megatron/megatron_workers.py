@@ -700,24 +700,24 @@ def checkpoint_suite(
 
 
 def moe_suite(
-    model: str, tp: int = 1, ep: int = 1, train: bool = True, detach_expert: int | None = None
+    model: str,
+    tp: int = 1,
+    ep: int = 1,
+    train: bool = True,
+    detach_expert: int | None = None,
+    grads: bool = False,
 ) -> dict[str, Any]:
     """The tiny Qwen3-MoE with LoRA on attention and experts at TP x EP: logits; with `train`, two steps with the
     tokens routed per expert and the per-expert report (engines/moe.py), frozen tensors (router included) before
     and after, the trainer's logits and the merged and adapter exports. `detach_expert`: layer 0's expert of that
-    index computes its fc1 adapter detached from autograd (Megatron-Bridge #5635's failure), a negative control."""
+    index computes its fc1 adapter detached from autograd (Megatron-Bridge #5635's failure), a negative control.
+    `grads`: first-step gradients from layout-independent adapter values (compared across layouts)."""
     from megatron.core.utils import unwrap_model
 
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.engines.moe import expert_report
 
     recipe = make_recipe(model, lora=lora(), trainer=trainer(tp=tp, parallel={"tensor": tp, "expert": ep}))
-    if (
-        ep > 1
-    ):  # the engine refuses EP > 1 without TE (its export is wrong); the load and forward are tested here
-        from rlbridge.engines.megatron import build
-
-        build.check_backend = lambda recipe: None
     engine = MegatronTrainEngine(recipe)
     full, ragged = full_batch(vocab=260), ragged_batch(vocab=260)
     res: dict[str, Any] = {"batch_full": batch_dict(full), "logits_init": full_logits(engine, full)}
@@ -727,6 +727,10 @@ def moe_suite(
     )
     res["expert_of"] = {n: list(k) for n, k in engine.moe.expert_of.items()} if engine.moe else {}
     res["trainable"] = sorted(n for n, _ in engine._trainable)
+    if (
+        grads
+    ):  # layout-independent adapter values (keyed by global layer and expert), then first-step gradients
+        res["grads"] = _global_expert_grads(engine, ragged)
     if not train:
         engine.close()
         return res
@@ -771,3 +775,23 @@ def moe_suite(
         res["adapter_error"] = f"{type(e).__name__}: {e}"
     engine.close()
     return res
+
+
+def _global_expert_grads(engine: Any, batch: SeqBatch) -> dict[str, torch.Tensor]:
+    """Adapters set from generators keyed by their layout-free name (`L<layer>.E<expert>.<rest>` for experts: LoRA's
+    random init depends on the layout, megatron draws expert parameters from an expert-parallel RNG), then this
+    rank's first-step gradients under those names."""
+
+    def key_of(name: str) -> str:
+        if engine.moe is not None and name in engine.moe.expert_of:
+            layer, e = engine.moe.expert_of[name]
+            return f"L{layer}.E{e}." + name.split(".local_experts.")[1].split(".", 1)[1]
+        return name
+
+    with torch.no_grad():
+        for name, p in engine._trainable:
+            g = torch.Generator().manual_seed(zlib.crc32(key_of(name).encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    engine.optimizer.reload_model_params()
+    grads = engine.gradients(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    return {key_of(n): g.clone() for n, g in grads.items()}

@@ -11,10 +11,10 @@ export loaded by `from_pretrained`, and the adapter export loaded by peft, vs th
   the merged export holds every expert's delta (logits equal the trainer's);
 * a negative control: one expert's fc1 adapter computed detached from autograd (Megatron-Bridge #5635's failure)
   is reported dead by name, while the others train;
-* TP2 and EP2: the forward (log-probs) matches transformers; at EP2 two steps train each rank's experts and the
-  merged export holds the trainer's model. Training an MoE model at TP > 1 needs sequence parallelism (megatron-core
-  refuses otherwise), which needs reduce-scatter, which gloo lacks; EP2 training does not reproduce EP1 yet
-  (docs/moe.md): validation and the engine refuse both.
+* TP2 and EP2: the forward (log-probs) matches transformers; at EP2 each rank's first-step gradients equal TP1's
+  (same adapter values), two steps train each rank's experts and the merged export holds the trainer's model.
+  Training an MoE model at TP > 1 needs sequence parallelism (megatron-core refuses otherwise), which needs
+  reduce-scatter, which gloo lacks: validation says so.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def tp1(moe_dir: str, run_workers: Any) -> dict[str, Any]:
-    return run_workers("moe_suite", 1, timeout=180, model=moe_dir)[0]
+    return run_workers("moe_suite", 1, timeout=180, model=moe_dir, grads=True)[0]
 
 
 def test_logits_match_transformers_tp1(tp1: dict[str, Any], moe_dir: str) -> None:
@@ -111,12 +111,13 @@ def test_a_detached_expert_adapter_is_reported_by_name(moe_dir: str, run_workers
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_logits_match_transformers_tp2_ep2(
-    layout: str, moe_dir: str, run_workers: Any, tmp_path: Path
+    layout: str, moe_dir: str, run_workers: Any, tmp_path: Path, tp1: dict[str, Any]
 ) -> None:
     """EP2: each rank loads its own experts (rank 1: experts 2 and 3; Megatron-Bridge 0.3.1 loaded experts 0 and 1 on
     every rank until export._global_sequential_expert_names: rel. error 0.70)."""
     size = {"tp": 2} if layout == "tp2" else {"ep": 2}
-    ranks = run_workers("moe_suite", 2, timeout=180, model=moe_dir, train=layout == "ep2", **size)
+    ep2 = layout == "ep2"
+    ranks = run_workers("moe_suite", 2, timeout=180, model=moe_dir, train=ep2, grads=ep2, **size)
     if layout == "ep2":
         assert sorted({e for r in ranks for _, e in r["expert_of"].values()}) == [0, 1, 2, 3]
         assert {e for _, e in ranks[1]["expert_of"].values()} == {2, 3}
@@ -124,6 +125,11 @@ def test_logits_match_transformers_tp2_ep2(
         # its own experts: export._merge_sequential_expert_adapters) holds the trainer's model (measured 9.1e-7;
         # 0.20 before, with rank 0's adapters merged into every rank's experts)
         assert ranks[1]["report"]["trained"] == [[layer, e] for layer in range(2) for e in (2, 3)]
+        # from the same (layout-independent) adapter values, each rank's first-step gradients equal TP1's (measured
+        # 1.0e-7); LoRA's own random init differs between layouts (expert-parallel RNG), so trained runs do not
+        for res in ranks:
+            for name, grad in res["grads"].items():
+                assert rel(grad, tp1["grads"][name]) < 1e-5, name
         full = seq_batch(ranks[0]["batch_full"])
         exported = load_hf_files(moe_dir, ranks[0]["merged"], tmp_path / "merged")
         assert rel(logits(exported, full), ranks[0]["logits_trained"]) < 1e-5

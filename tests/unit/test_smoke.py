@@ -50,10 +50,7 @@ def test_smoke_plan_keeps_the_layout_and_validates(
         smoke.cluster.device == "cpu" and smoke.world_size == original.world_size and smoke.cluster.nodes == 1
     )
     assert smoke.trainer.parallel.tensor == p.tensor and smoke.trainer.parallel.pipeline == p.pipeline
-    # expert parallelism is the one size a CPU smoke run cannot keep (without TE its export is wrong: docs/moe.md)
-    assert smoke.trainer.parallel.expert == 1 and smoke.lora == original.lora
-    if p.expert > 1:
-        assert f"trainer.parallel.expert {p.expert} -> 1" in " ".join(plan.notes)
+    assert smoke.trainer.parallel.expert == p.expert and smoke.lora == original.lora
     assert smoke.trainer.recompute == original.trainer.recompute and smoke.run.steps == 2
     assert not smoke.trainer.parallel.sequence_parallel and not smoke.trainer.distributed_optimizer
     assert smoke.rollout.engine == "hf" and smoke.model.dtype == "float32"

@@ -64,11 +64,6 @@ def check_backend(recipe: Recipe) -> None:
         )
     if compat.cpu_mode() and par.sequence_parallel:
         problems.append("trainer.parallel.sequence_parallel needs reduce-scatter, which gloo (CPU) lacks")
-    if par.expert > 1 and not compat.have_transformer_engine():
-        problems.append(
-            "trainer.parallel.expert > 1 without Transformer Engine: training with per-expert layers "
-            "(SequentialMLP) at expert parallel 2 does not reproduce expert parallel 1 yet (docs/moe.md); set it to 1"
-        )
     if recipe.trainer.bridge == "mbridge" and recipe.lora.enabled:
         problems.append(
             "trainer.bridge=mbridge supports full fine-tuning only: set lora.rank 0 or use megatron-bridge"

@@ -219,7 +219,7 @@ def _moe_splits_on_cpu() -> None:
 
     def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
         if torch.is_tensor(tensor) and as_numpy:
-            return tensor.detach().cpu().numpy()
+            return tensor.detach().cpu().numpy().copy()  # on CPU .numpy() shares the tensor's storage
         return tensor
 
     maybe_move_tensor_to_cpu._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
