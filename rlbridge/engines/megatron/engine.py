@@ -57,7 +57,10 @@ class MegatronTrainEngine:
         self._warned_micro = False
         with compat.device_scope():
             self.built = P.build(recipe)
-            export.install_sequential_expert_export()  # before the weights load (expert numbering at EP > 1)
+            if getattr(
+                self.built.provider, "num_moe_experts", None
+            ):  # before the weights load (expert numbers)
+                export.install_sequential_expert_export()
             self._owns_parallel_state = B.init_parallel(self.built.provider, recipe.run.seed)
             if recipe.trainer.bridge == "mbridge":
                 self.bundle = B.build_mbridge(self.built, recipe)

@@ -167,12 +167,16 @@ def _global_sequential_expert_names() -> None:
     TE's grouped names (`experts.linear_fc1.weight<e>`). A SequentialMLP's `experts.local_experts.<e>` kept its
     local number, so at expert parallel > 1 every rank loaded (and exported under) experts 0..k-1: the model of EP
     rank r > 0 silently held the wrong experts (seen at EP2 on CPU: logits rel. error 0.70 vs transformers). The
-    wrapper renumbers `local_experts.<e>` of non-adapter tensors as the grouped case does."""
+    wrapper renumbers `local_experts.<e>` (adapters included: each expert has its own) as the grouped case does."""
+    import inspect
+
     from megatron.bridge.models.conversion import model_bridge
 
-    original = model_bridge._megatron_local_name_to_global
-    if getattr(original, "_rlbridge", False):
-        return
+    original = getattr(model_bridge, "_megatron_local_name_to_global", None)
+    if original is None or getattr(original, "_rlbridge", False):
+        return  # None: a Megatron-Bridge without this helper
+    if "local_experts" in inspect.getsource(original):
+        return  # a version that renumbers SequentialMLP experts itself
 
     def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
         name = str(original(models, config, param_name, vp_stage))
@@ -196,11 +200,16 @@ def _merge_sequential_expert_adapters() -> None:
     """At expert parallel > 1 the base weight of a SequentialMLP expert comes back gathered from every EP rank (one
     HF name per rank, in rank order), but Megatron-Bridge 0.3.1 merges this rank's adapter into all of them. The
     wrapper gathers the adapter over the EP group too and merges rank k's adapter into rank k's expert."""
-    from megatron.bridge.models.conversion import peft_bridge
+    try:
+        from megatron.bridge.models.conversion import peft_bridge
+    except ImportError:  # a Megatron-Bridge without the module: nothing to patch
+        return
 
-    cls = peft_bridge.MegatronPeftBridge
-    original = cls._merge_lora_adapter_weights
-    if getattr(original, "_rlbridge", False):
+    cls = getattr(peft_bridge, "MegatronPeftBridge", None)
+    original = getattr(cls, "_merge_lora_adapter_weights", None)
+    if (
+        cls is None or original is None or getattr(original, "_rlbridge", False)
+    ):  # another Megatron-Bridge layout
         return
 
     def merge(
@@ -258,8 +267,8 @@ def install_sequential_expert_export() -> None:
     _merge_sequential_expert_adapters()
 
     cls = param_mapping.MegatronParamMapping
-    original = cls.gather_from_ep_ranks
-    if getattr(original, "_rlbridge", False):
+    original = getattr(cls, "gather_from_ep_ranks", None)
+    if original is None or getattr(original, "_rlbridge", False):  # None: a Megatron-Bridge without it
         return
 
     def gather_from_ep_ranks(
