@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,57 +31,15 @@ from rlbridge.metrics.sinks import Sink
 console = Console(highlight=False, stderr=True)
 
 
-class StallWatch:
-    """Says so when a phase runs far longer than it used to (a busy machine, a stuck worker): once it has run
-    `factor` times the median of its earlier durations, and at least `floor_s`, a line names the phase and
-    how long it has run, again after each further such stretch. Only a warning; the run goes on. A phase's
-    first run (warm-up included) has nothing to compare with and is not watched."""
-
-    def __init__(
-        self, warn: Callable[[str], None], *, hint: str = "", factor: float = 5.0, floor_s: float = 60.0
-    ) -> None:
-        self.warn, self.hint, self.factor, self.floor_s = warn, hint, factor, floor_s
-        self.history: dict[str, deque[float]] = {}
-
-    def limit(self, phase: str) -> tuple[float, float] | None:
-        """(usual seconds, seconds after which the phase counts as slow), or None before its first run."""
-        past = self.history.get(phase)
-        if not past:
-            return None
-        usual = statistics.median(past)
-        return usual, max(self.factor * usual, self.floor_s)
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        limit, done = self.limit(phase), threading.Event()
-        start = time.perf_counter()
-        if limit is not None:
-            threading.Thread(
-                target=self._watch,
-                args=(phase, *limit, start, done),
-                daemon=True,
-                name=f"rlbridge-stall-{phase}",
-            ).start()
-        try:
-            yield
-        finally:
-            done.set()
-            self.history.setdefault(phase, deque(maxlen=50)).append(time.perf_counter() - start)
-
-    def _watch(self, phase: str, usual: float, limit: float, start: float, done: threading.Event) -> None:
-        waited = limit
-        while not done.wait(max(0.0, start + waited - time.perf_counter())):
-            self.warn(
-                f"{phase} is slow: running for {waited:.0f} s, {waited / max(usual, 1e-9):.0f}x its median "
-                f"of {usual:.1f} s in earlier steps{self.hint}"
-            )
-            waited += limit
+Watch = Callable[[str], AbstractContextManager[None]]
+"""Something that watches one run of a phase: rlbridge.run.stalls.StallWatch."""
 
 
 class Timer:
-    """Seconds per phase of one step: `with timer("generate"): ...`; a StallWatch, if given, watches each phase."""
+    """Seconds per phase of one step: `with timer("generate"): ...`; a watch (run/stalls.StallWatch), if given,
+    watches each phase."""
 
-    def __init__(self, watch: StallWatch | None = None) -> None:
+    def __init__(self, watch: Watch | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.watch = watch
 

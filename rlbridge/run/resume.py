@@ -142,9 +142,10 @@ class Checkpointer:
             "kl_control": s.kl_control.state() if s.kl_control is not None else None,
         }
         try:
-            info = s.started_trainer().save_checkpoint(
-                str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
-            )
+            with s.stall("checkpoint"):
+                info = s.started_trainer().save_checkpoint(
+                    str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
+                )
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
             hint = (
                 f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
