@@ -83,8 +83,16 @@ class ConsoleSink:
         pass
 
 
-def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] | None) -> Sink:
-    """The sink of one optional logger (imports its library)."""
+def make_sink(
+    logger: str,
+    run_dir: Path,
+    *,
+    name: str,
+    config: dict[str, Any] | None,
+    history: list[dict[str, Any]] | None = None,
+) -> Sink:
+    """The sink of one optional logger (imports its library). history: the records of metrics.jsonl so far (a
+    resumed run), for a sink that may have lost some of them in the crash (wandb offline)."""
     if logger == "tensorboard":
         from rlbridge.metrics.tensorboard import TensorBoardSink
 
@@ -92,8 +100,22 @@ def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] |
     if logger == "wandb":
         from rlbridge.metrics.wandb import WandbSink
 
-        return WandbSink(run_dir / "logs", name=name, config=config or {})
+        return WandbSink(run_dir / "logs", name=name, config=config or {}, history=history)
     raise ValueError(f"unknown logger {logger!r}")
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (empty when there is none; a torn line is skipped)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                out.append(record)
+    return out
 
 
 class MetricsLog:
@@ -109,12 +131,15 @@ class MetricsLog:
         config: dict[str, Any] | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        history = _read_records(self.path)  # a resumed run's records so far (cut back to its checkpoint)
         self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
         if "console" in loggers:
             self.sinks["console"] = ConsoleSink(total_steps)
         for logger in loggers:
             if logger not in self.sinks:
-                self.sinks[logger] = make_sink(logger, run_dir, name=name or run_dir.name, config=config)
+                self.sinks[logger] = make_sink(
+                    logger, run_dir, name=name or run_dir.name, config=config, history=history
+                )
 
     def write(self, record: dict[str, Any]) -> None:
         for key, sink in list(self.sinks.items()):
@@ -135,6 +160,38 @@ class MetricsLog:
                 sink.close()
             except Exception as e:
                 console.print(f"[yellow]warning[/] closing the {key} logger failed: {e!r}")
+
+
+def truncate_loggers(run_dir: Path, step: int) -> list[str]:
+    """A resume from checkpoint `step` recomputes the steps after it: drop them from the TensorBoard event files
+    and the offline W&B runs of `run_dir` too (metrics.jsonl: run/resume.truncate_metrics), so each logger shows
+    every step once. Returns one line per logger that had some; a logger whose files cannot be rewritten is
+    reported, never stops the resume."""
+    notes: list[str] = []
+    tb, wb = run_dir / "logs" / "tensorboard", run_dir / "logs" / "wandb"
+    for name, found in (
+        ("tensorboard", any(tb.glob("events.out.tfevents.*"))),
+        ("wandb", any(wb.glob("offline-run-*/run-*.wandb"))),
+    ):
+        if not found:
+            continue
+        try:
+            if name == "tensorboard":
+                from rlbridge.metrics.tensorboard import truncate
+
+                n, where = truncate(tb, step), "event(s) of its event files"
+            else:
+                from rlbridge.metrics.wandb import truncate_offline
+
+                n, where = truncate_offline(wb, step), "history row(s) of its offline runs"
+        except Exception as e:  # an unreadable file, a missing library: the resume goes on, and says so
+            notes.append(
+                f"warning: could not drop the steps after {step} from the {name} logs ({e!r}): they may show twice"
+            )
+            continue
+        if n:
+            notes.append(f"{name}: dropped {n} {where} after step {step} (they are recomputed)")
+    return notes
 
 
 def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str:
