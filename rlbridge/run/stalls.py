@@ -38,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
+from rlbridge.run import faults
 
 IDLE_CORES = 0.05
 """The run's workers together below this many cores over a stretch: nothing computes, they wait."""
@@ -271,11 +272,13 @@ class StallWatch:
                 daemon=True,
                 name=f"rlbridge-stall-{phase}",
             ).start()
+        faults.trace("start", phase)
         try:
             yield
         finally:
             done.set()
             self.history.setdefault(phase, deque(maxlen=50)).append(time.perf_counter() - start)
+            faults.trace("end", phase)
 
     def _watch(
         self,
