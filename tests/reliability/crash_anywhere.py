@@ -34,6 +34,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,7 @@ from rlbridge.run import checkpoint as ckpt  # noqa: E402
 from tests.integration.test_resume import (  # noqa: E402
     TRAINER_FLOATS,
     _close,
+    descendants,
     evals,
     kill_everything,
     train_metrics,
@@ -191,8 +193,12 @@ def attempt_and_kill(
         kill_at = t_start + rng.uniform(0, startup_estimate)
     else:
         nth = rng.randint(1, max(1, occurrences(target, from_step, ref["counts"])))
+    known: list[Any] = []  # the driver's descendants, refreshed every second: killed at once with the driver
+    refreshed = 0.0
     try:
         while proc.poll() is None and time.time() - t_start < TIMEOUT:
+            if time.time() - refreshed > 1.0:
+                known, refreshed = descendants(proc), time.time()
             if kill_at is None:
                 tr = Trace.read(trace_file)
                 starts = tr.starts(target)
@@ -205,6 +211,14 @@ def attempt_and_kill(
             time.sleep(0.02)
         rc = proc.poll()
         killed_t = time.time()
+        if rc is None:
+            # freeze the run at once (the driver's trace stops where the kill lands), then kill -9 everything
+            # (kill_everything: the tree as it is now, the stopped processes included)
+            for pid, send in [(proc.pid, os.killpg)] + [(p.pid, os.kill) for p in known]:
+                try:
+                    send(pid, signal.SIGSTOP)
+                except OSError:
+                    pass
     finally:
         kill_everything(proc)
     tr = Trace.read(trace_file)
