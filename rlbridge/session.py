@@ -102,6 +102,7 @@ class Session:
         )
         """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps, with
         its likely cause; stops the run past run.health.stall_stop_s (within the loop's `stall.armed()`)."""
+        self.stall.on_stop = self._kill_workers  # ends a driver's wait inside Ray on a stall stop
         self.driver_log = logs.DriverLog(
             rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}")
         )
@@ -157,6 +158,12 @@ class Session:
         stack.callback(self._stop_workers)
         workers = self._start_workers(self)
         self.trainer, self.rollout, self.memory = workers.trainer, workers.rollout, workers.memory
+
+    def _kill_workers(self) -> None:
+        """Kill the trainer and rollout actors (any thread): a call waiting on them fails at once."""
+        for w in (self.rollout, self.trainer):
+            if w is not None:
+                w.kill()
 
     def _stop_workers(self) -> None:
         for w in (self.rollout, self.trainer):

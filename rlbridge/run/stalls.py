@@ -14,8 +14,10 @@ and names the likely cause: CPU contention (load above the cores while the run g
 contention (someone else's process on the GPUs), a hung reward function / worker / dead peer (the run's
 workers use no CPU at all), or more work than before (they compute at full speed). The warning repeats after
 each further such stretch. Once the phase has also run `stall_stop_s`, the run stops: the watcher thread
-signals the main thread (SIGALRM), whose handler raises `StallError` there, wherever it waits; the session
-then stops every worker and the CLI prints the newest complete checkpoint and `rlbridge resume RUN`.
+signals the main thread (SIGALRM), whose handler raises `StallError` where Python waits (the reward pool's
+poll), and kills the run's Ray actors (`on_stop`), which ends a wait inside Ray's get() (there the driver runs
+no Python signal handler: seen with Ray 2.60); any error that follows is reported as the StallError. The
+session then stops everything else and the CLI prints the newest complete checkpoint and `rlbridge resume RUN`.
 Nothing already saved is touched. A phase's first run (warm-up included) has nothing to compare with and is
 not watched.
 """
@@ -232,7 +234,12 @@ class StallWatch:
         self.history: dict[str, deque[float]] = {}
         self.stalled: str | None = None
         """The stop's message once a phase passed stop_s (the SIGALRM handler raises it)."""
+        self.on_stop: Callable[[], None] | None = None
+        """Called by the watcher thread when it stops the run (the session kills its Ray actors: a driver
+        waiting inside Ray's get() does not run Python signal handlers, so the wait must end from the other
+        side)."""
         self._armed = False
+        self._stopping = False
 
     def limit(self, phase: str) -> tuple[float, float] | None:
         """(usual seconds, seconds after which the phase counts as slow), or None before its first run."""
@@ -252,6 +259,13 @@ class StallWatch:
         self._armed = True
         try:
             yield self
+        except Exception as e:
+            # After a stop every failure is the stall's: the workers killed by on_stop ("trainer worker died"),
+            # or the StallError itself, which Ray's get() may wrap ("SystemError: ... returned a result with an
+            # exception set", Ray 2.60). The user gets the stall's message.
+            if isinstance(e, StallError) or not self._stopping or self.stalled is None:
+                raise
+            raise StallError(self.stalled) from None
         finally:
             self._armed = False
             # a watcher thread's alarm may still be on its way: under SIG_DFL it would kill the process
@@ -307,7 +321,13 @@ class StallWatch:
                     "checkpoint is untouched)"
                 )
                 if self._armed and not done.is_set():
+                    self._stopping = True
                     signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGALRM)
+                    if self.on_stop is not None:
+                        try:
+                            self.on_stop()
+                        except Exception as e:  # the main thread's handler still stops the run
+                            self.warn(f"stopping the workers after the stall failed: {e!r}")
                     return
                 stop_at = None  # not armed: warn only
             self.warn(f"{what}{self.hint}")

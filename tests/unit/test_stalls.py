@@ -119,3 +119,26 @@ def test_recipe_keys_reach_the_watch() -> None:
     w = stalls.from_recipe(HealthCfg(stall_factor=3, stall_floor_s=5, stall_stop_s=None), print)
     assert (w.factor, w.floor_s, w.stop_s) == (3, 5, None)
     assert HealthCfg().stall_stop_s == 1800.0 and HealthCfg().stall_factor == 5.0
+
+
+def test_after_a_stop_the_error_that_follows_is_the_stall() -> None:
+    """A driver waiting inside Ray's get() runs no Python signal handler (Ray 2.60): the stop kills the actors
+    (on_stop), and the error that follows ("trainer worker died", or Ray's SystemError wrapping the handler's
+    StallError) is reported as the stall."""
+    from rlbridge.errors import RlbridgeError
+
+    released = threading.Event()
+    watch = StallWatch(print, factor=2.0, floor_s=0.0, stop_s=0.5)
+    watch.on_stop = released.set  # stands for killing the actors: the wait below ends
+    ignore_alarm = lambda *_: None  # noqa: E731  # like Ray's get(): the handler does not get to raise
+    with pytest.raises(StallError, match="update is stalled"), watch.armed():
+        import signal
+
+        signal.signal(signal.SIGALRM, ignore_alarm)
+        with watch("update"):
+            pass
+        with watch("update"):
+            assert released.wait(10)
+            raise RlbridgeError("trainer worker died: ...")
+    with pytest.raises(ValueError), StallWatch(print).armed():  # no stall: errors pass unchanged
+        raise ValueError("x")
