@@ -15,7 +15,8 @@ kill ("between": the driver's own work between two phases; "after the end": the 
 After each kill every `checkpoints/step_*` directory on disk must be complete (manifest, sizes, sha256:
 checkpoint.list_checkpoints); then the run is continued with `rlbridge resume` (or started again with
 `rlbridge train` when the kill came before the first checkpoint), killed again, and so on, up to --kills kills
-per trial (drawn from 1..--kills), after which it is let finish. The finished run must equal the
+per trial (drawn from 1..--kills), after which it is let finish with `rlbridge resume` (also when every step is
+saved: a kill in the final evaluation leaves that missing). The finished run must equal the
 uninterrupted one: the same per-step train and eval records (wall-clock timings aside), steps 1..N each
 exactly once, and bit-identical final adapters and AdamW moments.
 
@@ -361,7 +362,9 @@ def trial(
         t.problems += [f"after kill {len(t.kills)}: {b}" for b in broken_checkpoints(run_dir)]
         if k["rc"] == 0 or t.problems:
             break
-    if not t.problems and not (run_dir / "checkpoints" / ckpt.step_dir_name(STEPS)).is_dir():
+    # then let it finish, as a user would: `resume` even when the last step is saved (a kill in the final
+    # evaluation leaves it missing; resume runs it), unless the last attempt itself finished
+    if not t.problems and not (t.kills and t.kills[-1]["rc"] == 0):
         has_ckpt = any(i.complete for i in ckpt.list_checkpoints(run_dir))
         if not has_ckpt:
             shutil.rmtree(run_dir, ignore_errors=True)
