@@ -282,7 +282,7 @@ class StallWatch:
         if limit is not None:
             threading.Thread(
                 target=self._watch,
-                args=(phase, *limit, start, done, sample_cpu()),
+                args=(phase, *limit, start, done),
                 daemon=True,
                 name=f"rlbridge-stall-{phase}",
             ).start()
@@ -301,8 +301,8 @@ class StallWatch:
         limit: float,
         start: float,
         done: threading.Event,
-        begin: CpuSample | None,
     ) -> None:
+        begin = sample_cpu()  # here, not in the main thread: a /proc scan per phase would slow every step
         waited = limit
         stop_at = None if self.stop_s is None else max(self.stop_s, limit)
         while True:
