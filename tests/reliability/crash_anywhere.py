@@ -8,9 +8,9 @@ kill time comes from the timings of **that attempt**: the driver writes a phase 
 (RLBRIDGE_PHASE_TRACE, rlbridge/run/faults.py); the soak waits for the n-th start of the chosen phase in the
 attempt (n drawn from the occurrences still to come), then kills after a delay drawn uniformly from [0, the
 phase's median duration so far in this attempt) (the uninterrupted run's median before the attempt has
-finished one); a start-up kill is drawn from [0, the start-up time of the trial's previous attempt, else
-the uninterrupted run's). Each kill is labelled with the phase it **landed** in, read from the trace at the
-kill ("between": the driver's own work between two phases; "after the end": the final save was done).
+finished one); a start-up kill is drawn from [0, the latest start-up time of any attempt, else the
+uninterrupted run's). Each kill is labelled with the phase it **landed** in, read from the trace at the
+kill ("between": the driver's own work between two phases: advantages, metrics, the shutdown).
 
 After each kill every `checkpoints/step_*` directory on disk must be complete (manifest, sizes, sha256:
 checkpoint.list_checkpoints); then the run is continued with `rlbridge resume` (or started again with
@@ -308,6 +308,14 @@ def reference_run(recipe_file: Path, work: Path) -> tuple[Path, dict[str, Any]]:
     return run_dir, ref
 
 
+@dataclass
+class SoakState:
+    """What carries over from attempt to attempt: how often each phase was aimed at, the latest start-up time."""
+
+    aimed: Counter[str]
+    startup_s: float
+
+
 def pick_target(aimed: Counter[str], phases: list[str], rng: random.Random) -> str:
     """The phase aimed at least so far (ties at random): every phase gets its share. (Not the one with the
     fewest kills landed: a phase of a few milliseconds, like this recipe's reward, is mostly missed, and
@@ -326,14 +334,13 @@ def trial(
     work: Path,
     rng: random.Random,
     kills: int,
-    aimed: Counter[str],
+    state: SoakState,
 ) -> Trial:
     t = Trial(index)
     start_t = time.monotonic()
     run_dir, log = work / f"trial-{index:03d}", work / f"trial-{index:03d}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
     phases = [p for p in PHASES if p == "startup" or p in ref["counts"]]
-    startup = float(ref["startup_seconds"])
     for j in range(rng.randint(1, kills)):
         complete = [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete]
         if not complete and run_dir.exists():  # killed before the first checkpoint: start over
@@ -342,7 +349,7 @@ def trial(
         args = (
             ["resume", str(run_dir)] if complete else ["train", str(recipe_file), "--run-dir", str(run_dir)]
         )
-        target = pick_target(aimed, phases, rng)
+        target = pick_target(state.aimed, phases, rng)
         k = attempt_and_kill(
             args,
             log,
@@ -351,10 +358,10 @@ def trial(
             rng,
             ref,
             max(complete, default=0),
-            startup,
+            state.startup_s,
         )
-        if k["startup_s"]:
-            startup = k["startup_s"]  # the next start-up kill: this trial's latest start-up time
+        if k["startup_s"]:  # the next start-up kill: the latest start-up time (the load changes)
+            state.startup_s = k["startup_s"]
         k["complete_checkpoints"] = [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete]
         t.kills.append(k)
         if k["rc"] not in (None, 0):
@@ -444,11 +451,11 @@ def soak(
         f"uninterrupted run: {ref['seconds']:.1f} s, start-up {ref['startup_seconds']:.1f} s; phase medians {ref['median_seconds']}; counts {ref['counts']}"
     )
     rng = random.Random(seed)
-    aimed: Counter[str] = Counter()
+    state = SoakState(Counter(), float(ref["startup_seconds"]))
     results = []
     summary: dict[str, Any] = {}
     for i in range(trials):
-        t = trial(i, recipe_file, reference, ref, work, rng, kills, aimed)
+        t = trial(i, recipe_file, reference, ref, work, rng, kills, state)
         results.append(t)
         report(
             f"trial {i}: {'ok' if t.ok else 'FAILED'} in {t.seconds} s; "
