@@ -200,7 +200,16 @@ def _tb_and_wandb_steps(run_dir: Path) -> tuple[list[tuple[str, int, float]], li
     from rlbridge.metrics.wandb import read_history
 
     tb = sorted(read_events(run_dir / "logs" / "tensorboard"))
-    rows = [r for d in sorted((run_dir / "logs" / "wandb").glob("offline-run-*")) for r in read_history(d)]
+    deadline = time.monotonic() + 20
+    while (
+        True
+    ):  # wandb's service process may still be writing the last run's file after finish() (seen under load)
+        rows = [
+            r for d in sorted((run_dir / "logs" / "wandb").glob("offline-run-*")) for r in read_history(d)
+        ]
+        if any(r.get("_step") == 4 for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     wb = sorted((r["_step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r)
     return tb, wb
 
