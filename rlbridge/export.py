@@ -167,11 +167,15 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
             hf_logging.enable_progress_bar()
     trainable = loaded.tensors["trainable"]
     if recipe.trainer.engine == "megatron":  # canonical Megatron adapter names -> the hf engine's PEFT names
+        from rlbridge.engines.hf_moe import megatron_experts_to_packed
         from rlbridge.engines.megatron.hf_names import lora_to_peft
 
-        trainable = lora_to_peft(
-            trainable, json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-        )
+        experts = {k: v for k, v in trainable.items() if ".mlp.experts." in k}
+        dense = {k: v for k, v in trainable.items() if k not in experts}
+        trainable = lora_to_peft(dense, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
+        if experts:  # routed experts: into peft's packed expert LoRA (engines/hf_moe.py)
+            scale = recipe.lora.alpha / recipe.lora.rank
+            trainable.update(megatron_experts_to_packed(engine.model, experts, scale=scale))
     engine.load_trainable_state(trainable)
     if kind == "adapter":
         weights = engine.export_weights("adapter")

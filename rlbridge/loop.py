@@ -3,6 +3,7 @@
     for step: prompts -> generate -> reward -> (reference log-probs) -> (PPO: critic values) -> advantages
               -> update (PPO: policy and critic) -> sync -> log
               -> evaluate (every run.eval_every) -> checkpoint (every run.save_every, at the end, on a signal)
+              -> send the generations of the next steps (rollout.mode async: pipeline.py)
 
 Everything else (workers, data, rewards, health gates) sits behind Session and TrainerRole; checkpoints,
 resuming and the stop on SIGTERM / Ctrl-C behind resume.Checkpointer and signals.StopSignals.
@@ -25,6 +26,7 @@ from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
 from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.log import Timer
+from rlbridge.pipeline import RolloutSource
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import DapoCfg, Recipe
 from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
@@ -50,7 +52,8 @@ def train(
     # the handlers go in after Session has started Ray: ray.init installs its own SIGTERM handler in the driver
     # (it dies at once), so ours must come later to win
     with Session(recipe, plan, run_dir, model_dir) as s, StopSignals() as stop, s.stall.armed():
-        saver = Checkpointer(s, stop, log)
+        source = RolloutSource(s)
+        saver = Checkpointer(s, stop, log, source=source)
         if resume is None:
             saver.eval_before = evaluate(s, step=0)
             first = 1
@@ -58,11 +61,13 @@ def train(
             first = (
                 saver.restore(resume) + 1
             )  # the rollout has the checkpoint's weights before any generation
+        source.fill(first - 1)
         for step in range(first, recipe.run.steps + 1):
             saver.begin_step(step)
-            record = train_step(s, step, stop=stop)
+            record = train_step(s, step, stop=stop, source=source)
             if record is None:
                 saver.abandon(step)  # stopped before the update: saves step - 1, raises Interrupted
+            source.done(step)
             saver.nonfinite = saver.nonfinite + 1 if record.get("skipped") else 0
             if saver.nonfinite > recipe.run.health.max_nonfinite_steps:
                 raise RlbridgeError(
@@ -80,21 +85,32 @@ def train(
                 saver.save(step)
             if stop.requested:
                 saver.interrupt(step)
+            source.fill(step)  # async: the generation of step + 1 + max_staleness, with this step's weights
         after = evaluate(s, step=recipe.run.steps)
         saver.save(recipe.run.steps)
     return Summary(run_dir, recipe.run.steps, saver.eval_before, after, time.perf_counter() - start)
 
 
-def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dict[str, Any] | None:
+def train_step(
+    s: Session, step: int, *, stop: StopSignals | None = None, source: RolloutSource | None = None
+) -> dict[str, Any] | None:
     """One step; None when a stop was requested before the update (the step is then abandoned, having
     changed nothing but the data position, which the caller's snapshot restores)."""
     r, timer = s.recipe, Timer(s.stall)  # s.stall: a line when a phase runs far longer than in earlier steps
     trainer = s.started_trainer()
     stopping = lambda: stop is not None and stop.requested is not None  # noqa: E731
-    collected = collect(s, step, timer, stopping)
+    collected = collect(s, step, timer, stopping, source or RolloutSource(s))
     if collected is None:
         return None
     ro, rewards, reward_metrics = collected
+    staleness = s.version - ro.weight_version
+    if (
+        staleness > r.rollout.ahead
+    ):  # the pipeline's schedule makes this impossible; a sample must never be older
+        raise RlbridgeError(
+            f"step {step}: rollouts of weight version {ro.weight_version} while the trainer is at {s.version}: "
+            f"{staleness} versions old, more than rollout.max_staleness {r.rollout.ahead}"
+        )
     batch = SeqBatch.from_token_lists(ro.prompt_ids, ro.response_ids, s.pad_id)
     rollout_lp = pad_lists(ro.response_logprobs, batch.response_width)
     ref = None
@@ -127,6 +143,9 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step)
+    if source is not None and source.overlapped:  # the load below would wait for them: time it as what it is
+        with timer("rollout_wait"):
+            source.wait_sent()
     with timer("sync"):
         m["sync_bytes"] = s.sync_weights()
     record = {
@@ -138,6 +157,8 @@ def train_step(s: Session, step: int, *, stop: StopSignals | None = None) -> dic
         "kl": m.get("kl_loss", adv.metrics.get("kl_reward")),
         "tokens": int(batch.response_mask.sum()),
         "weight_version": s.version,
+        "rollout_version": ro.weight_version,
+        "staleness": staleness,
         "data_epoch": s.sampler.state()["epoch"],
         "rollout_sha": rollout_digest(ro),
         **{f"time_{k}": v for k, v in timer.seconds.items()},
@@ -158,13 +179,14 @@ def rollout_digest(ro: Rollouts) -> str:
 
 
 def collect(
-    s: Session, step: int, timer: Timer, stopping: Any
+    s: Session, step: int, timer: Timer, stopping: Any, source: RolloutSource
 ) -> tuple[Rollouts, torch.Tensor, dict[str, float]] | None:
     """generate -> reward for one step's prompts, with DAPO's additions when algorithm.name is dapo:
     the soft overlong penalty added to the rewards, and dynamic sampling, which drops the groups whose
     rewards are all equal and refills the batch by generating for further prompts (at most
     max_refill_rounds extra rounds; still short: it trains on the groups it has and says so in the metrics
-    `groups_short`). None when a stop was requested."""
+    `groups_short`). None when a stop was requested. The first round's rollouts come from `source`: generated
+    now, or (rollout.mode async) sent steps earlier and waited for here (the phase `rollout_wait`)."""
     r, n = s.recipe, s.recipe.rollout.n
     dapo = r.algorithm if isinstance(r.algorithm, DapoCfg) else None  # DAPO's settings, None for the others
     want = r.data.batch_size
@@ -174,15 +196,17 @@ def collect(
     round_metrics: list[tuple[int, dict[str, float]]] = []
     dropped = rounds = have = 0
     while True:
-        rows = s.sampler.next_indices(want - have if rounds else want)
+        if rounds == 0:
+            with timer("rollout_wait" if source.overlapped else "generate"):
+                rows, ro = source.take(step)
+        else:  # DAPO's refills (sync only: checks.check_async)
+            rows = s.sampler.next_indices(want - have)
+            with timer("generate"):
+                ro = s.generate(
+                    [s.train_data.ids[i] for i in rows],
+                    seed=rollout_seed(r.run.seed, step, f"refill{rounds}"),
+                )
         prompts = [s.train_data.prompts[i] for i in rows]
-        seed = (
-            rollout_seed(r.run.seed, step)
-            if rounds == 0
-            else rollout_seed(r.run.seed, step, f"refill{rounds}")
-        )
-        with timer("generate"):
-            ro = s.generate([s.train_data.ids[i] for i in rows], seed=seed)
         if stopping():
             return None
         with timer("reward"):

@@ -208,9 +208,10 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     trainer_total = weights + grads + opt + act + critic
     _, full_grads, full_opt = trainer_gib(stage_params)
     full_total = weights + full_grads + full_opt + act + full_critic
-    # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up.
+    # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up;
+    # rollout.mode async keeps it resident while the trainer updates, so they do.
     rollout_total = rollout_w + kv
-    if r.cluster.device == "cpu":  # both live in host memory at once
+    if r.cluster.device == "cpu" or (r.cluster.colocate and r.rollout.mode == "async"):
         peak = trainer_total + rollout_total
     else:
         peak = max(trainer_total, rollout_total) if r.cluster.colocate else trainer_total
@@ -287,6 +288,15 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     notes = []
     if c.device == "cpu":
         notes.append("cpu device: each 'GPU' is a CPU worker process; collectives use gloo")
+    if r.rollout.mode == "async":
+        where = (
+            "on the trainer's devices, resident next to it (no sleep)"
+            if c.colocate
+            else f"on {rollout_gpus} device(s) of its own"
+        )
+        notes.append(
+            f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
+        )
     mem = memory(r, m, dp, b) if m is not None else None
     if mem is not None and c.device == "cuda" and mem.peak > mem.capacity:
         notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")

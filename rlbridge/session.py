@@ -58,6 +58,12 @@ class Rollout(Protocol):
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Send a call without waiting; `wait` gives its answer. The worker runs calls in the order sent."""
+        ...
+
+    def wait(self, ref: Any, timeout: float | None = None) -> Any: ...
+
     def kill(self) -> None: ...
 
 
@@ -204,6 +210,12 @@ class Session:
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1
+        rollout_threads = threads
+        if (
+            r.rollout.mode == "async" and r.cluster.device == "cpu"
+        ):  # both compute at once: half the cores each
+            rollout_threads = max(threads // 2, 1)
+            threads = max(threads - rollout_threads, 1)
         log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
         self._start_time = time.monotonic()
         starting: list[tuple[rc.Worker, Any]] = []
@@ -238,13 +250,14 @@ class Session:
             log_file=rundir.log_file(self.run_dir, "rollout"),
             echo=self.echo,
             args=(str(self.model_dir), r.rollout, r.model),
-            kwargs=_rollout_kwargs(r, threads),
+            kwargs=_rollout_kwargs(r, rollout_threads),
             node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
         )
         self.rollout = rollout
         self._announced.append(rollout)
         starting.append((rollout, rollout.submit("rlbridge_started")))
         colocated_gpu = r.cluster.colocate and r.cluster.device == "cuda" and r.rollout.engine == "vllm"
+        colocated_gpu = colocated_gpu and r.rollout.mode == "sync"  # async: vLLM stays resident (plan.memory)
         memory = RolloutMemory(rollout.call, enabled=colocated_gpu)
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
@@ -343,6 +356,16 @@ class Session:
             "generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
         )
 
+    def send_generate(self, ids: list[list[int]], *, seed: int) -> Any:
+        """`generate` without waiting (rollout.mode async): the rollout runs it with the weights of the last
+        load sent before it; `wait_generate` gives the Rollouts."""
+        assert self.rollout is not None
+        return self.rollout.submit("generate", ids, self.sampling(), expect_version=self.version, seed=seed)
+
+    def wait_generate(self, ref: Any) -> Rollouts:
+        assert self.rollout is not None
+        return self.rollout.wait(ref)  # type: ignore[no-any-return]  # the rollout's generate returns Rollouts
+
     def sync_weights(self, *, version: int | None = None) -> int:
         """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved. The weights get
         the next version number, or `version` (a resume re-sends the checkpoint's weights under their own).
@@ -380,7 +403,9 @@ def _rollout_class(r: Recipe) -> type:
 
 def _rollout_kwargs(r: Recipe, threads: int) -> dict[str, Any]:
     kw: dict[str, Any] = {"seed": r.run.seed}
+    cpu = r.cluster.device == "cpu"
     if r.rollout.engine == "vllm":
-        cpu = r.cluster.device == "cpu"
         kw.update(lora_rank=r.lora.rank, cpu=cpu, **({"num_threads": threads} if cpu else {}))
+    elif cpu and r.rollout.mode == "async":
+        kw["num_threads"] = threads
     return kw

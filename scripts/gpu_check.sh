@@ -10,7 +10,10 @@
 #                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
 #   bash scripts/gpu_check.sh 3      # the megatron quickstart (bf16): kill -9 after a checkpoint, resume, export-hf
 #                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (not yet run)
-#   bash scripts/gpu_check.sh all    # all four files in that order; more than one 540 s call on one GPU: the
+#   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (not yet run)
+#   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
+#                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~8 min; estimate, not yet run)
+#   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
 #
 # Needs: /tmp/site (../shared/gpu/pack_site.sh + .gpu_site/receive.sh) and .gpu_site/pytest
@@ -33,9 +36,12 @@ case "$part" in
   1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py) ;;
   2) files=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
   3) files=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
+  4) files=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
+  moe) files=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
   all) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
-              tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;
-  *) echo "usage: bash scripts/gpu_check.sh [1|2|3|all]" >&2; exit 2 ;;
+              tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py
+              tests/gpu/test_gpu_async.py) ;;
+  *) echo "usage: bash scripts/gpu_check.sh [1|2|3|4|moe|all]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT/runs"

@@ -90,6 +90,25 @@ class PortableCheckpointEngine(Protocol):
 
 
 @runtime_checkable
+class ExpertEngine(Protocol):
+    """An engine of a mixture-of-experts model that reports per-expert training (engines/moe.py); the first-step
+    gate then checks each expert, not only each tensor. `moe` is None for a dense model."""
+
+    @property
+    def moe(self) -> MoeBook | None: ...
+
+
+class MoeBook(Protocol):
+    def routed_tokens(self) -> dict[tuple[int, int], int]:
+        """Collective: tokens routed to each (layer, expert) in the training forwards since the last call."""
+        ...
+
+    def expert_views(self, state: dict[str, torch.Tensor]) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """The parts of the trainable tensors in `state` (trainable_state's names) that belong to each expert."""
+        ...
+
+
+@runtime_checkable
 class RankedEngine(TrainEngine, Protocol):
     """A TrainEngine of one rank of a multi-rank trainer (megatron), which says where in the layout it sits."""
 

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rlbridge.batch import SeqBatch
+from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
@@ -62,7 +63,7 @@ from rlbridge.model.hf import (
 )
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
-from rlbridge.recipe.targets import hf_targets
+from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
 
 ADAPTER = "default"
 """peft's adapter name inside the live model (it never appears in exported names)."""
@@ -159,6 +160,15 @@ class HFTrainEngine:
         """Float32 masters of low-precision trainable parameters (rlbridge/engines/master.py)."""
         self._trainable = self.master.named
         """(name, parameter the optimizer steps): float32 masters under the model's parameter names."""
+        self.moe: hf_moe.HfMoeBook | None = None
+        """Router hooks and per-expert LoRA views of an MoE model (None for a dense one): the first-step gate."""
+        if hf_moe.num_experts(base.config):
+            self.moe = hf_moe.HfMoeBook(
+                self.model,
+                self._trainable,
+                hf_moe.num_experts(base.config),
+                int(getattr(base.config, "num_experts_per_tok", 1) or 1),
+            )
         optim = recipe.trainer.optim
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self._trainable],
@@ -171,11 +181,14 @@ class HFTrainEngine:
     # -------------------------------------------------------------------------------- set-up
     def _apply_lora(self, base: PreTrainedModel) -> PeftModel:
         cfg = self.recipe.lora
+        # routed experts stored as stacked 3D parameters get their LoRA through target_parameters (hf_moe.py)
+        experts = hf_moe.expert_parameters_present(base, hf_expert_parameters(cfg.targets))
         config = LoraConfig(
             r=cfg.rank,
             lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft divides it by r as a float
             lora_dropout=cfg.dropout,
             target_modules=hf_targets(cfg.targets),
+            target_parameters=experts or None,
             use_dora=cfg.type == "dora",
             task_type="CAUSAL_LM",
         )
@@ -345,16 +358,24 @@ class HFTrainEngine:
         for key, tensor in self.hf_model.state_dict().items():
             if ".lora_" in key:  # lora_A / lora_B / lora_magnitude_vector / lora_embedding_*
                 continue
-            name = key.replace(".base_layer.", ".")
+            name = hf_moe.clean_param_name(key)
             state[name] = merged.get(name, tensor)
+        if set(merged) - set(state):
+            raise RlbridgeError(
+                f"merged LoRA weights without a model weight: {sorted(set(merged) - set(state))[:3]}"
+            )
         if drop_tied:
             state = remove_tied_weights_from_state_dict(state, self.hf_model)
-        return revert_weight_conversion(self.hf_model, state)
+        state = revert_weight_conversion(self.hf_model, state)
+        # stacked MoE experts come back as per-expert views of one tensor: safetensors refuses shared storage
+        return {k: v.clone() if v._base is not None else v for k, v in state.items()}
 
     def _merged_lora_weights(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
+        out: dict[str, Tensor] = hf_moe.merged_expert_weights(self.hf_model, ADAPTER)
         for name, module in self.hf_model.named_modules():
             if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+                continue
+            if isinstance(module, hf_moe.LoraParamWrapper):  # stacked expert weights, merged above
                 continue
             base = module.get_base_layer()
             if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear) or module.fan_in_fan_out:

@@ -159,6 +159,8 @@ def _check_config(short_name: str, config_file: Path) -> None:
     saved = json.loads(config_file.read_text(encoding="utf-8"))
     # transformers 5 keeps rope_theta inside rope_parameters
     saved.setdefault("rope_theta", (saved.get("rope_parameters") or {}).get("rope_theta"))
+    # transformers 5.19 writes an MoE config's num_experts as num_local_experts
+    saved.setdefault("num_experts", saved.get("num_local_experts"))
     expected = SHORT_NAMES[short_name]
     wrong = [f"{k}: saved {saved.get(k)!r}, expected {v!r}" for k, v in expected.items() if saved.get(k) != v]
     if wrong:

@@ -8,6 +8,7 @@ need it: importing it costs transformers' import time (~2.5 s; peft adds ~0.2 s 
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper as LoraParamWrapper
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -32,6 +33,7 @@ __all__ = [
     "LoraConfig",
     "LoraLayer",
     "LoraLinear",
+    "LoraParamWrapper",
     "PeftModel",
     "PreTrainedModel",
     "PreTrainedTokenizerFast",

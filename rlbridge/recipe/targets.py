@@ -70,3 +70,23 @@ def megatron_targets(targets: list[str], lora_type: str) -> list[str]:
         if mapped not in out:
             out.append(mapped)
     return out
+
+
+# Routed experts stored as stacked 3D parameters (transformers 5's MoE layers, e.g. Qwen3MoeExperts): no nn.Linear per
+# expert for a target name to match, so peft needs the parameters named (`target_parameters`). gate and up are one
+# fused tensor there, so they are adapted together.
+EXPERT_PARAMETERS: dict[str, str] = {
+    "gate_proj": "mlp.experts.gate_up_proj",
+    "up_proj": "mlp.experts.gate_up_proj",
+    "down_proj": "mlp.experts.down_proj",
+}
+
+
+def hf_expert_parameters(targets: list[str]) -> list[str]:
+    """peft `target_parameters` for the routed experts of an MoE model, from the recipe's targets."""
+    out: list[str] = []
+    for name in hf_targets(targets):
+        param = EXPERT_PARAMETERS.get(name)
+        if param is not None and param not in out:
+            out.append(param)
+    return out

@@ -25,6 +25,7 @@ import torch
 
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
+from rlbridge.engines.moe import stack_expert_weights
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.weights_dir import read_export_dir
@@ -36,9 +37,18 @@ class HFRollout:
     """transformers.generate behind the RolloutEngine protocol (rlbridge/rollout/base.py)."""
 
     def __init__(
-        self, model_dir: str | Path, rollout_cfg: RolloutCfg, model_cfg: ModelCfg, *, seed: int
+        self,
+        model_dir: str | Path,
+        rollout_cfg: RolloutCfg,
+        model_cfg: ModelCfg,
+        *,
+        seed: int,
+        num_threads: int | None = None,
     ) -> None:
         from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:  # CPU: async runs give the rollout its own share of the cores
+            torch.set_num_threads(num_threads)
 
         self.weight_version = 0
         self.cfg = rollout_cfg
@@ -159,6 +169,9 @@ class HFRollout:
             self.model = self._peft.unload()
             self._peft, self._peft_config = None, None
         expected = set(self.model.state_dict())
+        tensors = stack_expert_weights(
+            tensors, expected
+        )  # an MoE export's per-expert names -> stacked experts
         missing = expected - set(tensors)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")

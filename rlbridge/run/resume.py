@@ -41,6 +41,7 @@ from rlbridge.run.signals import Interrupted, StopSignals
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from rlbridge.pipeline import RolloutSource
     from rlbridge.recipe import ValidRecipe
     from rlbridge.session import Session
 
@@ -64,8 +65,17 @@ def resume_command(run_dir: Path) -> str:
 class Checkpointer:
     """When to save, what the driver adds to a checkpoint, and restoring one. See the module docstring."""
 
-    def __init__(self, s: Session, stop: StopSignals, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        s: Session,
+        stop: StopSignals,
+        log: Callable[[str], None],
+        *,
+        source: RolloutSource | None = None,
+    ) -> None:
         self.s, self.stop, self.log = s, stop, log
+        self.source = source
+        """rollout.mode async: the generations in flight, which a checkpoint holds (pipeline.py)."""
         self.last_step: int | None = None
         self.last_path: str | None = None
         self.nonfinite = 0
@@ -87,6 +97,18 @@ class Checkpointer:
         if state.get("format") != STATE_FORMAT:
             raise RlbridgeError(f"{point.path}: unknown run state format {state.get('format')!r}")
         s.sampler.load_state(state["data"])
+        inflight = list(state.get("inflight") or [])
+        if inflight or s.recipe.rollout.ahead:
+            if (
+                self.source is None
+                or not self.source.overlapped
+                or len(inflight) != min(s.recipe.rollout.ahead, s.recipe.run.steps - point.step)
+            ):
+                raise RlbridgeError(
+                    f"{point.path}: the checkpoint holds {len(inflight)} steps' rollouts in flight, and this run "
+                    f"generates {s.recipe.rollout.ahead} steps ahead (rollout.mode, rollout.max_staleness)"
+                )
+            self.source.restore(inflight)
         set_rng_state(state["rng"])
         self.nonfinite = int(state.get("nonfinite_streak", 0))
         self.eval_before = dict(state.get("eval_before") or {})
@@ -115,10 +137,15 @@ class Checkpointer:
         self._snapshot = (self.s.sampler.state(), rng_state())
 
     def abandon(self, step: int) -> NoReturn:
-        """A stop was requested before step `step` updated anything: save step - 1 from the snapshot."""
+        """A stop was requested before step `step` updated anything: save step - 1 from the snapshot (async:
+        the data position the pipeline recorded, with the rollouts of steps step .. step-1+k)."""
         assert self._snapshot is not None
         data, rng = self._snapshot
-        self.interrupt(step - 1, data=data, rng=rng)
+        self.interrupt(step - 1, data=None if self._overlapped else data, rng=rng)
+
+    @property
+    def _overlapped(self) -> bool:
+        return self.source is not None and self.source.overlapped
 
     def due(self, step: int) -> bool:
         every = self.s.recipe.run.save_every
@@ -131,11 +158,16 @@ class Checkpointer:
         if self.problem or self.last_step == step:
             return
         s, r = self.s, self.s.recipe
+        inflight: list[dict[str, Any]] = []
+        if self._overlapped and self.source is not None:
+            ahead_data, inflight = self.source.state(step)
+            data = data if data is not None else ahead_data
         state = {
             "format": STATE_FORMAT,
             "step": step,
             "weight_version": s.version,
             "data": data if data is not None else s.sampler.state(),
+            "inflight": inflight,
             "rng": rng if rng is not None else rng_state(),
             "nonfinite_streak": self.nonfinite,
             "eval_before": self.eval_before,

@@ -18,7 +18,15 @@ import torch
 from rlbridge.algo import correction
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import CheckpointableEngine, PortableCheckpointEngine, TrainEngine, WeightExport
+from rlbridge.engines.base import (
+    CheckpointableEngine,
+    ExpertEngine,
+    MoeBook,
+    PortableCheckpointEngine,
+    TrainEngine,
+    WeightExport,
+)
+from rlbridge.engines.moe import ExpertId, expert_report, sum_counts
 from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
@@ -61,6 +69,8 @@ class TrainerRole:
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
         self._gate_done = not recipe.run.health.first_step
+        self._routed: dict[ExpertId, int] = {}
+        """Tokens routed per expert in the training forwards since the gate started (MoE models)."""
 
     # ---------------------------------------------------------------- passthroughs
     def _shard(self, rows: torch.Tensor) -> torch.Tensor:
@@ -150,6 +160,10 @@ class TrainerRole:
         if self._start is None and not self._gate_done:
             self._start = {k: v.detach().clone() for k, v in self.engine.trainable_state().items()}
             self._frozen = self.engine.frozen_fingerprint()
+            moe = self._moe()
+            if moe is not None:  # collective on a multi-rank engine: every rank starts the gate together
+                moe.routed_tokens()
+                self._routed = {}
         metrics: list[dict[str, float]] = []
         for epoch in range(r.trainer.ppo_epochs):
             for rows in minis:
@@ -388,6 +402,7 @@ class TrainerRole:
                 f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)"
             )
         unchanged = [k for k, v in now.items() if torch.equal(v, self._start[k])]
+        unchanged = self._check_experts(now, unchanged)
         # LoRA's B starts at zero, so A gets no gradient on the first update with a signal: allow two.
         if unchanged and self._signal_updates >= 2:
             raise HealthError(
@@ -399,6 +414,32 @@ class TrainerRole:
         if not unchanged:
             self._gate_done = True
             self._start = None
+
+    def _moe(self) -> MoeBook | None:
+        return self.engine.moe if isinstance(self.engine, ExpertEngine) else None
+
+    def _check_experts(self, now: dict[str, torch.Tensor], unchanged: list[str]) -> list[str]:
+        """On an MoE model: every expert the router sent tokens to must have trained (each of its adapter tensors,
+        or parts of packed ones, changed); a dead one stops the run by name. Tensors of experts that received no
+        tokens cannot change and are left out of `unchanged` (returned)."""
+        moe = self._moe()
+        if moe is None or self._start is None:
+            return unchanged
+        self._routed = sum_counts([self._routed, moe.routed_tokens()])
+        report = expert_report(moe.expert_views(self._start), moe.expert_views(now), self._routed)
+        if report.dead and self._signal_updates >= 2:
+            raise HealthError(
+                f"{len(report.dead)} experts received tokens but their adapters did not change after "
+                f"{self._signal_updates} updates with a learning signal: {report.describe(report.dead)} "
+                "(expert LoRA detached from autograd?). run.health.first_step: false turns this check off"
+            )
+        idle = set(report.unrouted)
+
+        def only_idle(name: str) -> bool:
+            keys = set(moe.expert_views({name: now[name]}))
+            return bool(keys) and keys <= idle
+
+        return [k for k in unchanged if not only_idle(k)]
 
 
 def _world_size() -> int:

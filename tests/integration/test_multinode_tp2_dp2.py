@@ -44,10 +44,7 @@ def test_tp2_dp2_two_ranks_per_node_equals_one_node(
     env: dict[str, str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    rc, out = rlbridge(
-        env, "train", *TP2_DP2, "--set", "cluster.gpus_per_node=4", "--run-dir", str(tmp_path / "one")
-    )
-    assert rc == 0, out[-6000:]
+    cluster.ensure_both()
     rc, out = rlbridge(
         env,
         "train",
@@ -61,7 +58,12 @@ def test_tp2_dp2_two_ranks_per_node_equals_one_node(
         "--run-dir",
         str(tmp_path / "two"),
     )
-    assert rc == 0, out[-6000:]
+    assert rc == 0, f"{out[-6000:]}\n{cluster.diagnose()}"
+    # the one-node run after the two-node one: its local Ray must not load the machine while node b is needed
+    rc, one_out = rlbridge(
+        env, "train", *TP2_DP2, "--set", "cluster.gpus_per_node=4", "--run-dir", str(tmp_path / "one")
+    )
+    assert rc == 0, one_out[-6000:]
     placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)[^)]*\): trainer devices (\d, \d)", out)
     assert [(n, d) for n, _, d in placed] == [("0", "0, 1"), ("1", "2, 3")], out[-6000:]
     ranks = re.findall(r"trainer rank (\d): pid \d+, dp (\d) tp (\d) pp 0, host \S+ \(ray node (\w+)\)", out)

@@ -41,6 +41,17 @@ def load_hf(
     return model.eval()
 
 
+def load_hf_files(model_dir: str, state: dict[str, torch.Tensor], tmp: Path) -> Any:
+    """A checkpoint directory of `state` (model_dir's config) loaded by `from_pretrained`: the way an exported
+    HF directory is read, including transformers' on-load conversions (per-expert MoE tensors -> 3D stacks)."""
+    import shutil
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(model_dir) / "config.json", tmp / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    return load_hf(str(tmp))
+
+
 @torch.no_grad()
 def logits(model: Any, batch: SeqBatch) -> torch.Tensor:
     return model(

@@ -697,3 +697,101 @@ def checkpoint_suite(
     res["after"], res["meta"] = groups, meta
     engine.close()
     return res
+
+
+def moe_suite(
+    model: str,
+    tp: int = 1,
+    ep: int = 1,
+    train: bool = True,
+    detach_expert: int | None = None,
+    grads: bool = False,
+) -> dict[str, Any]:
+    """The tiny Qwen3-MoE with LoRA on attention and experts at TP x EP: logits; with `train`, two steps with the
+    tokens routed per expert and the per-expert report (engines/moe.py), frozen tensors (router included) before
+    and after, the trainer's logits and the merged and adapter exports. `detach_expert`: layer 0's expert of that
+    index computes its fc1 adapter detached from autograd (Megatron-Bridge #5635's failure), a negative control.
+    `grads`: first-step gradients from layout-independent adapter values (compared across layouts)."""
+    from megatron.core.utils import unwrap_model
+
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.engines.moe import expert_report
+
+    recipe = make_recipe(model, lora=lora(), trainer=trainer(tp=tp, parallel={"tensor": tp, "expert": ep}))
+    engine = MegatronTrainEngine(recipe)
+    full, ragged = full_batch(vocab=260), ragged_batch(vocab=260)
+    res: dict[str, Any] = {"batch_full": batch_dict(full), "logits_init": full_logits(engine, full)}
+    sets = engine.param_sets
+    res["sets_equal"] = all(
+        getattr(sets, k) == sets.adapters for k in ("at_wrap", "trainable", "optimizer", "grad_buffers")
+    )
+    res["expert_of"] = {n: list(k) for n, k in engine.moe.expert_of.items()} if engine.moe else {}
+    res["trainable"] = sorted(n for n, _ in engine._trainable)
+    if (
+        grads
+    ):  # layout-independent adapter values (keyed by global layer and expert), then first-step gradients
+        res["grads"] = _global_expert_grads(engine, ragged)
+    if not train:
+        engine.close()
+        return res
+    if detach_expert is not None:
+        layer0 = unwrap_model(engine.model)[0].decoder.layers[0]
+        local = (
+            layer0.mlp.local_expert_indices.index(detach_expert)
+            if detach_expert in layer0.mlp.local_expert_indices
+            else None
+        )
+        if local is not None:
+            adapter = layer0.mlp.experts.local_experts[local].linear_fc1.adapter
+            adapter.register_forward_hook(lambda m, a, out: out.detach())
+    assert engine.moe is not None
+    frozen_before = engine.frozen_fingerprint()
+    engine.moe.routed_tokens()  # counts start here
+    with torch.no_grad():
+        engine.logprobs(ragged)  # a forward without gradients: not counted
+    before = engine.trainable_state()
+    res["steps"] = [
+        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=2) for _ in range(2)
+    ]
+    after = engine.trainable_state()
+    routed = engine.moe.routed_tokens()
+    report = expert_report(engine.moe.expert_views(before), engine.moe.expert_views(after), routed)
+    res["routed"] = {f"{k[0]}.{k[1]}": v for k, v in routed.items()}
+    res["report"] = {
+        "trained": [list(k) for k in report.trained],
+        "dead": [list(k) for k in report.dead],
+        "unrouted": [list(k) for k in report.unrouted],
+    }
+    res["changed"] = {n: bool(not torch.equal(before[n], after[n])) for n in before}
+    frozen_after = engine.frozen_fingerprint()
+    res["frozen_moved"] = sorted(n for n, v in frozen_before.items() if frozen_after[n] != v)
+    res["router_names"] = sorted(n for n in frozen_before if ".mlp.router." in n)
+    res["logits_trained"] = full_logits(engine, full)
+    res["merged"] = engine.export_weights("merged").tensors
+    try:
+        adapter = engine.export_weights("adapter")
+        res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
+    except Exception as e:  # reported, so the test can say what the adapter export does on experts
+        res["adapter_error"] = f"{type(e).__name__}: {e}"
+    engine.close()
+    return res
+
+
+def _global_expert_grads(engine: Any, batch: SeqBatch) -> dict[str, torch.Tensor]:
+    """Adapters set from generators keyed by their layout-free name (`L<layer>.E<expert>.<rest>` for experts: LoRA's
+    random init depends on the layout, megatron draws expert parameters from an expert-parallel RNG), then this
+    rank's first-step gradients under those names."""
+
+    def key_of(name: str) -> str:
+        if engine.moe is not None and name in engine.moe.expert_of:
+            layer, e = engine.moe.expert_of[name]
+            return f"L{layer}.E{e}." + name.split(".local_experts.")[1].split(".", 1)[1]
+        return name
+
+    with torch.no_grad():
+        for name, p in engine._trainable:
+            g = torch.Generator().manual_seed(zlib.crc32(key_of(name).encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    engine.optimizer.reload_model_params()
+    grads = engine.gradients(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    return {key_of(n): g.clone() for n, g in grads.items()}

@@ -13,6 +13,7 @@ import torch
 from rlbridge.batch import Rollouts
 from rlbridge.loop import collect
 from rlbridge.metrics.log import Timer
+from rlbridge.pipeline import RolloutSource
 from rlbridge.recipe.schema import Recipe
 
 N, MAX_LEN = 2, 10
@@ -64,7 +65,7 @@ class Script:
 
 def run(r: Recipe, flat: set[int]) -> tuple[Script, Rollouts, torch.Tensor, dict[str, float]]:
     s = Script(r, flat)
-    out = collect(s, 1, Timer(), lambda: False)  # type: ignore[arg-type]
+    out = collect(s, 1, Timer(), lambda: False, RolloutSource(s))  # type: ignore[arg-type]
     assert out is not None
     return s, *out
 

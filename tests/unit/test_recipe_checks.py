@@ -289,6 +289,45 @@ CASES = [
         "Transformer Engine",
         {"trainer__parallel": {"tensor": 2, "context": 1}, "cluster__device": "cpu"},
     ),
+    (
+        "async with max_staleness 0",
+        {"rollout__mode": "async", "rollout__max_staleness": 0},
+        "rollout.max_staleness",
+        "synchronous loop",
+        {"rollout__mode": "async", "rollout__max_staleness": 1},
+    ),
+    (
+        "async staleness above 1 without an off-policy correction",
+        {"rollout__mode": "async", "rollout__max_staleness": 2},
+        "rollout.max_staleness",
+        "off-policy correction",
+        {
+            "rollout__mode": "async",
+            "rollout__max_staleness": 2,
+            "algorithm": {"name": "grpo", "rollout_correction": {"weights": "token"}},
+        },
+    ),
+    (
+        "async with DAPO's dynamic sampling",
+        {"rollout__mode": "async", "algorithm": {"name": "dapo"}},
+        "algorithm.dynamic_sampling",
+        "async pipeline",
+        {"rollout__mode": "async", "algorithm": {"name": "dapo", "dynamic_sampling": False}},
+    ),
+    (
+        "async pipeline deeper than the run",
+        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 1},
+        "rollout.max_staleness",
+        "never overlaps",
+        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 2},
+    ),
+    (
+        "async: vLLM resident next to the trainer does not fit",
+        {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.9},
+        "rollout.gpu_memory_utilization",
+        "resident next to the trainer",
+        {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.5},
+    ),
 ]
 
 
@@ -316,9 +355,17 @@ def test_moe_expert_checks(tmp_path: Path) -> None:
     issues = check(tmp_path, bad_experts)
     assert "trainer.parallel.expert" in keys(issues)
     tp_and_ep = base(
-        **moe, trainer__parallel={"tensor": 2, "expert": 8}
+        **moe, trainer__parallel={"tensor": 2, "expert": 8, "sequence_parallel": True}
     )  # 8 ranks per stage hold 8 expert groups
     assert check(tmp_path, tp_and_ep) == []
+    # megatron-core trains MoE at TP > 1 only with sequence parallelism (MoELayer.forward raises otherwise)
+    no_sp = check(tmp_path, base(**moe, trainer__parallel={"tensor": 2, "expert": 8}))
+    assert [k for k, m in no_sp if "sequence parallelism" in m] == ["trainer.parallel.tensor"], no_sp
+    # on CPU: no TP > 1 (no reduce-scatter for sequence parallelism); EP 2 is fine
+    cpu = base(**moe, trainer__parallel={"tensor": 2, "expert": 2}, cluster__device="cpu")
+    cpu_issues = check(tmp_path, cpu)
+    assert "CPU/gloo lacks" in dict(cpu_issues)["trainer.parallel.tensor"]
+    assert "trainer.parallel.expert" not in dict(cpu_issues)  # EP2 on CPU == EP1 (test_megatron_moe.py)
     bad_group = base(
         **moe, trainer__parallel={"tensor": 1, "pipeline": 2, "expert": 8}
     )  # 4 ranks per stage < 8
@@ -340,3 +387,32 @@ def test_messages_carry_numbers_and_fix(tmp_path: Path) -> None:
     issues = check(tmp_path, base(trainer__micro_batch_size=3))
     msg = dict(issues)["trainer.micro_batch_size"]
     assert "8 sequences per mini-batch" in msg and "set trainer.micro_batch_size to" in msg
+
+
+def test_moe_expert_lora_checks(tmp_path: Path) -> None:
+    moe = {"model": {"path": MOE}, "rollout__tensor_parallel": 4}
+    par = {"tensor": 1, "expert": 8}
+    experts = {"rank": 8, "targets": ["linear_qkv", "linear_fc1", "linear_fc2"]}
+    assert check(tmp_path, base(**moe, lora=experts, trainer__parallel=par)) == []  # merged sync
+    adapter = check(
+        tmp_path, base(**moe, lora=experts, trainer__parallel=par, rollout__weight_sync="adapter")
+    )
+    assert keys(adapter) == {"rollout.weight_sync"} and "SkyRL #1852" in adapter[0][1]
+    attention_only = {"rank": 8, "targets": ["linear_qkv", "linear_proj"]}
+    assert (
+        check(
+            tmp_path, base(**moe, lora=attention_only, trainer__parallel=par, rollout__weight_sync="adapter")
+        )
+        == []
+    )
+    # vLLM's CPU build cannot run an MoE model with LoRA enabled at all
+    cpu = base(**moe, lora=attention_only, trainer__parallel={"tensor": 1}, rollout__weight_sync="adapter")
+    cpu["cluster"]["device"] = "cpu"
+    assert "Triton" in dict(check(tmp_path, cpu))["rollout.weight_sync"]
+    hf = {"engine": "hf", "parallel": {"tensor": 1}, "micro_batch_size": 2}
+    bad = {"rank": 8, "dropout": 0.1, "type": "dora", "targets": ["gate_proj"]}
+    issues = check(
+        tmp_path,
+        base(model={"path": MOE}, lora=bad, trainer=hf, rollout__tensor_parallel=1, cluster__gpus_per_node=1),
+    )
+    assert {"lora.dropout", "lora.type", "lora.targets"} <= keys(issues), issues

@@ -69,6 +69,17 @@ def test_algorithm_union_keys_and_unknown_name(tmp_path: Path) -> None:
     assert isinstance(r.algorithm, DapoCfg) and r.algorithm.clip.high == 0.28
 
 
+def test_algorithm_section_without_name_is_grpo(tmp_path: Path) -> None:
+    """`--set algorithm.KEY=...` on a recipe without an algorithm section (or one without `name`) is GRPO's
+    section; before, pydantic could not pick the section type ("Unable to extract tag using discriminator")."""
+    r = load_recipe(write(tmp_path, MINIMAL), ["algorithm.rollout_correction.weights=token"])
+    assert r.algorithm.name == "grpo" and r.algorithm.rollout_correction.weights == "token"
+    r = load_recipe(write(tmp_path, MINIMAL + "algorithm: {kl: {coef: 0.1}}\n"))
+    assert r.algorithm.name == "grpo" and r.algorithm.kl.coef == 0.1
+    issues = issues_of(write(tmp_path, MINIMAL), "algorithm.gamma=0.9")
+    assert [i.key for i in issues] == ["algorithm.gamma"]  # a key GRPO does not have: named, no tag error
+
+
 def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
     f = write(tmp_path, MINIMAL)
     r = load_recipe(

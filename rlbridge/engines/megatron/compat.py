@@ -11,6 +11,9 @@ without CUDA only
     `TorchFunctionMode` maps explicit CUDA devices (`device="cuda"`, `.cuda()`, `.to("cuda")`) to the
     CPU, and reports CPU tensors under their CUDA type names so megatron's `param.type() ==
     'torch.cuda.FloatTensor'` checks hold. It is scoped, so code outside the engine is unaffected;
+  * the MoE all-to-all dispatcher turns its split sizes into numpy arrays only when they are CUDA tensors
+    (`moe_utils.maybe_move_tensor_to_cpu`); on the CPU they stayed tensors, which gloo's `all_to_all_single`
+    refuses (TypeError at expert parallel > 1). The stand-in converts CPU tensors too (`_moe_splits_on_cpu`);
   * Megatron-Bridge's `scatter_to_tp_ranks` hands gloo the TP splits as views (on GPU the `.to(cuda)`
     copy makes them contiguous; on CPU it is a no-op), and gloo's scatter reads a non-contiguous view's
     raw storage: row-parallel weights (linear_proj, linear_fc2) then load scrambled at TP > 1, while the
@@ -24,7 +27,11 @@ without TE (CPU or GPU)
     the placeholder is unregistered right after, so later `import transformer_engine` (accelerate, peft,
     vLLM probing for TE) fails as it should;
   * `HAVE_TE = False` is set again in the Megatron-Bridge modules that read it (peft.utils,
-    peft.module_matcher and any loaded module probing `import transformer_engine`).
+    peft.module_matcher and any loaded module probing `import transformer_engine`);
+  * megatron-core 0.16.1's MoE router (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, a name its module binds only when the TE import succeeds, so every MoE
+    forward without TE raised NameError. The TE-only names that module lacks are bound to None, which is
+    what its own guards test for (`_bind_missing_moe_te_names`).
 
 With TE installed, nothing is changed. The layer-spec side of the story (local spec, fusions off) lives in
 provider.py, because it is a provider setting, not a library patch.
@@ -128,6 +135,19 @@ def features() -> Features:
 
 
 # ------------------------------------------------------------------------------------- CPU redirection
+class _CpuEvent:
+    """Stands in for torch.cuda.Event (the MoE all-to-all dispatcher synchronizes on one)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """Stands in for torch.cuda.Stream: CPU work is synchronous, so every wait is a no-op."""
 
@@ -143,8 +163,8 @@ class _CpuStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> None:
-        return None
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
 
 
 class _CudaToCpu(torch.overrides.TorchFunctionMode):
@@ -188,6 +208,23 @@ def _redirect_cuda_to_cpu() -> None:
     logging.getLogger(mcore_random.__name__).addFilter(
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
     )
+
+
+def _moe_splits_on_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_rlbridge", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.detach().cpu().numpy().copy()  # on CPU .numpy() shares the tensor's storage
+        return tensor
+
+    maybe_move_tensor_to_cpu._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # imported by name there
 
 
 def _contiguous_tp_scatter() -> None:
@@ -285,6 +322,30 @@ def _import_bridge_with_te_placeholder() -> None:
             module.HAVE_TE = False  # type: ignore[attr-defined]  # marker / placeholder attribute set on a foreign object
 
 
+_MOE_TE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
+
+
+def _bind_missing_moe_te_names() -> list[str]:
+    """Bind the TE-only names megatron-core's moe_utils lacks without TE to None (module docstring). Returns
+    the names bound."""
+    from megatron.core.transformer.moe import moe_utils
+
+    missing = [n for n in _MOE_TE_NAMES if n not in vars(moe_utils)]
+    for name in missing:
+        setattr(moe_utils, name, None)
+    return missing
+
+
 # -------------------------------------------------------------------------------------------- mbridge
 class _ModelTypeWithoutEncoderDecoder:
     """What mbridge reads as `ModelType` where megatron-core has no encoder-decoder models (>= 0.17)."""
@@ -343,8 +404,10 @@ def activate() -> None:
         if on_cpu:
             _redirect_cuda_to_cpu()
         _import_bridge_with_te_placeholder()
+        _bind_missing_moe_te_names()
         if on_cpu:
             _contiguous_tp_scatter()
+            _moe_splits_on_cpu()
 
 
 def is_active() -> bool:

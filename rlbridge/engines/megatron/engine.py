@@ -35,6 +35,7 @@ from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P
+from rlbridge.engines.megatron.moe import MoeBook
 from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import total_optimizer_steps
@@ -56,6 +57,10 @@ class MegatronTrainEngine:
         self._warned_micro = False
         with compat.device_scope():
             self.built = P.build(recipe)
+            if getattr(
+                self.built.provider, "num_moe_experts", None
+            ):  # before the weights load (expert numbers)
+                export.install_sequential_expert_export()
             self._owns_parallel_state = B.init_parallel(self.built.provider, recipe.run.seed)
             if recipe.trainer.bridge == "mbridge":
                 self.bundle = B.build_mbridge(self.built, recipe)
@@ -70,6 +75,10 @@ class MegatronTrainEngine:
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()
         self._trainable = params.trainable(self.model)
+        self.moe: MoeBook | None = None
+        """Router hooks and expert map of an MoE model (None for a dense one); read by the first-step gate."""
+        if getattr(self.built.provider, "num_moe_experts", None):
+            self.moe = MoeBook(self.model, self._trainable)
         self.device = next(self.model[0].parameters()).device
         self._reference_weights: list[torch.Tensor] | None = None
         if not self.lora and recipe.algorithm.kl.coef > 0:

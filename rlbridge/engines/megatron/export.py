@@ -11,12 +11,17 @@ RL trainer needs around it, each one a bug class from USER_REPORTS:
 * tensors replicated across pipeline stages: the bridge refuses any tensor found on two PP ranks ("Tensor
   exists on more than one PP rank"), although some models legitimately replicate tensors. The patch below
   accepts duplicates whose specs and values are identical on every owner and fails loudly otherwise;
+* experts without Transformer Engine: megatron-core builds a SequentialMLP (`experts.local_experts.<e>.linear_fc1`)
+  instead of TE's grouped layers (`experts.linear_fc1.weight<e>`); Megatron-Bridge's `gather_from_ep_ranks` reads
+  the expert number only from the grouped spelling (`int(name.split(".weight")[-1])`: ValueError on
+  `int("")`), so every MoE export failed. `install_sequential_expert_export` reads it from either spelling;
 * adapters: PEFT names (`base_model.model.<hf name>.lora_A.weight`) and an adapter_config that
   `peft.PeftModel.from_pretrained` loads.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -141,3 +146,148 @@ def install_pp_duplicate_check() -> None:
         return
     _broadcast_from_pp_owners._rlbridge = True  # type: ignore[attr-defined]  # megatron reads these attributes that it sets on tensors itself
     cls.broadcast_from_pp_rank = _broadcast_from_pp_owners
+
+
+# ------------------------------------------------------------------ experts of a SequentialMLP
+_SEQUENTIAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _experts_per_rank(self: Any, megatron_module: Any) -> int:
+    per_rank = None
+    if megatron_module is not None:
+        per_rank = int(self._get_config(megatron_module).num_moe_experts) // self.ep_size
+    try:
+        return int(self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank"))
+    except TypeError:  # Megatron-Bridge versions without the cache-key argument
+        return int(self.broadcast_obj_from_pp_rank(per_rank))
+
+
+def _global_sequential_expert_names() -> None:
+    """Megatron-Bridge 0.3.1's `_megatron_local_name_to_global` turns local expert numbers into global ones only in
+    TE's grouped names (`experts.linear_fc1.weight<e>`). A SequentialMLP's `experts.local_experts.<e>` kept its
+    local number, so at expert parallel > 1 every rank loaded (and exported under) experts 0..k-1: the model of EP
+    rank r > 0 silently held the wrong experts (seen at EP2 on CPU: logits rel. error 0.70 vs transformers). The
+    wrapper renumbers `local_experts.<e>` (adapters included: each expert has its own) as the grouped case does."""
+    import inspect
+
+    from megatron.bridge.models.conversion import model_bridge
+
+    original = getattr(model_bridge, "_megatron_local_name_to_global", None)
+    if original is None or getattr(original, "_rlbridge", False):
+        return  # None: a Megatron-Bridge without this helper
+    if "local_experts" in inspect.getsource(original):
+        return  # a version that renumbers SequentialMLP experts itself
+
+    def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
+        name = str(original(models, config, param_name, vp_stage))
+        m = _SEQUENTIAL_EXPERT.search(name)
+        if m is None:
+            return name
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size()
+        if ep_size <= 1:
+            return name
+        per_rank = int(config.num_moe_experts) // ep_size
+        number = per_rank * ps.get_expert_model_parallel_rank() + int(m.group(1))
+        return name[: m.start()] + f".local_experts.{number}." + name[m.end() :]
+
+    local_name_to_global._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    model_bridge._megatron_local_name_to_global = local_name_to_global
+
+
+def _merge_sequential_expert_adapters() -> None:
+    """At expert parallel > 1 the base weight of a SequentialMLP expert comes back gathered from every EP rank (one
+    HF name per rank, in rank order), but Megatron-Bridge 0.3.1 merges this rank's adapter into all of them. The
+    wrapper gathers the adapter over the EP group too and merges rank k's adapter into rank k's expert."""
+    try:
+        from megatron.bridge.models.conversion import peft_bridge
+    except ImportError:  # a Megatron-Bridge without the module: nothing to patch
+        return
+
+    cls = getattr(peft_bridge, "MegatronPeftBridge", None)
+    original = getattr(cls, "_merge_lora_adapter_weights", None)
+    if (
+        cls is None or original is None or getattr(original, "_rlbridge", False)
+    ):  # another Megatron-Bridge layout
+        return
+
+    def merge(
+        self: Any, megatron_model: Any, converted: dict[str, torch.Tensor], adapter_weights: Any
+    ) -> Any:
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size()
+        sequential = len(adapter_weights) == 1 and ".local_experts." in adapter_weights[0].global_base_prefix
+        if not sequential or ep_size <= 1:
+            return original(self, megatron_model, converted, adapter_weights)
+        import dataclasses
+
+        weight = adapter_weights[0]
+        group = ps.get_expert_model_parallel_group()
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            out = [torch.empty_like(t) for _ in range(ep_size)]
+            dist.all_gather(out, t.contiguous(), group=group)
+            return out
+
+        ins, outs = gather(weight.linear_in_weight.weight), gather(weight.linear_out_weight.weight)
+        per_rank = int(megatron_model[0].config.num_moe_experts) // ep_size
+        owner: dict[str, int] = {}
+        for n in converted:
+            m = re.search(r"experts\.(\d+)\.", n)
+            if m is None:
+                raise ValueError(f"gathered expert tensor {n!r} names no expert")
+            owner[n] = int(m.group(1)) // per_rank  # the EP rank that holds this expert (and its adapter)
+        merged: dict[str, torch.Tensor] = {}
+        for k in range(ep_size):
+            part = {n: t for n, t in converted.items() if owner[n] == k}
+            if not part:
+                continue
+            own = dataclasses.replace(
+                weight,
+                linear_in_weight=weight.linear_in_weight._replace(weight=ins[k]),
+                linear_out_weight=weight.linear_out_weight._replace(weight=outs[k]),
+            )
+            result = original(self, megatron_model, part, [own])
+            merged.update(part if result is None else result)
+        return merged
+
+    merge._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    cls._merge_lora_adapter_weights = merge  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose
+
+
+def install_sequential_expert_export() -> None:
+    """Make Megatron-Bridge's expert gather understand SequentialMLP names (module docstring), number their
+    experts globally at expert parallel > 1 (`_global_sequential_expert_names`) and merge each EP rank's expert
+    adapters into its own experts (`_merge_sequential_expert_adapters`). Idempotent."""
+    from megatron.bridge.models.conversion import param_mapping
+
+    _global_sequential_expert_names()
+    _merge_sequential_expert_adapters()
+
+    cls = param_mapping.MegatronParamMapping
+    original = getattr(cls, "gather_from_ep_ranks", None)
+    if original is None or getattr(original, "_rlbridge", False):  # None: a Megatron-Bridge without it
+        return
+
+    def gather_from_ep_ranks(
+        self: Any, megatron_weights: Any, megatron_module: Any, hf_param_name: Any
+    ) -> dict[str, torch.Tensor]:
+        m = _SEQUENTIAL_EXPERT.search(str(self.megatron_param))
+        if m is None:
+            return original(self, megatron_weights, megatron_module, hf_param_name)  # type: ignore[no-any-return]  # Megatron-Bridge is untyped
+        per_rank = _experts_per_rank(self, megatron_module)
+        local = int(m.group(1)) % per_rank
+        names = [
+            re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * k}", str(hf_param_name))
+            for k in range(self.ep_size)
+        ]
+        if self.ep_size == 1:
+            return {names[0]: megatron_weights}
+        gathered = [torch.empty_like(megatron_weights) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, megatron_weights.contiguous(), group=self.ep_group)
+        return dict(zip(names, gathered, strict=True))
+
+    gather_from_ep_ranks._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
+    cls.gather_from_ep_ranks = gather_from_ep_ranks  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose (see the docstring above)

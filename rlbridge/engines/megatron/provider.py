@@ -130,6 +130,10 @@ FUSIONS_OFF: tuple[str, ...] = (
     "apply_rope_fusion",
     "cross_entropy_loss_fusion",
 )
+# MoE without Transformer Engine: permutation and router fusions are TE kernels, and a grouped GEMM under the
+# local spec would build megatron-core's legacy GroupedMLP (`experts.weight1`), which no bridge maps: the
+# experts become a SequentialMLP of per-expert linear layers (`experts.local_experts.<e>.linear_fc1`).
+MOE_WITHOUT_TE: tuple[str, ...] = ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm")
 
 
 @dataclass
@@ -216,7 +220,7 @@ def apply_backend(provider: Any) -> None:
 
     if not compat.have_transformer_engine():
         provider.transformer_layer_spec = local_layer_spec
-        for name in FUSIONS_OFF:
+        for name in (*FUSIONS_OFF, *MOE_WITHOUT_TE):
             if hasattr(provider, name):
                 setattr(provider, name, False)
     if compat.cpu_mode():
@@ -285,5 +289,11 @@ def build(recipe: Recipe) -> Built:
     )
     apply_table(built, recipe)
     apply_backend(provider)
+    # MoE: the trainer optimizes the RL objective only, as the hf engine does (transformers adds no router loss
+    # unless output_router_logits). Megatron-Bridge's Qwen3-MoE provider sets a load-balancing loss (1e-3) whose
+    # gradient, with the router frozen under LoRA, would reach the adapters through the hidden states.
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(provider, name, None):
+            setattr(provider, name, 0.0 if name == "moe_aux_loss_coeff" else None)
     built.peft = make_peft(recipe, built.peft_settings)
     return built

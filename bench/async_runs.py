@@ -1,0 +1,110 @@
+"""Synchronous vs asynchronous rollouts (rollout.mode, docs/async.md), side by side in one invocation.
+
+    python bench/async_runs.py [--recipe recipes/quickstart.yaml] [--steps 20] [--seeds 1 2 3]
+                               [--staleness 1] [--set KEY=VALUE ...] [--out DIR] [--no-save]
+
+For each seed, `rlbridge train RECIPE` once with rollout.mode sync and once with async (max_staleness k), the
+same seed, steps and every other key. Per run: seconds per step in the steady state (the mean of time_step over
+steps 2..N: every phase the driver waits on, so generation that overlaps the update is not counted twice;
+step 1 waits for a generation nothing overlapped), steps per minute, the mean reward of the last 5 steps, the
+greedy held-out accuracy at the end, and the mean staleness. Then the async / sync ratio of steps per minute
+per seed and the mean held-out accuracy of each mode. Prints JSON and a table; with --save (the default) a
+dated copy in bench/results/async_runs-DATE.{json,md}. The load average before and after is recorded: on a
+machine shared with other work the ratio is not a property of rlbridge alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import report  # noqa: E402
+from rlbridge.report.run import read_run  # noqa: E402
+
+
+def train(recipe: str, run_dir: Path, sets: list[str]) -> float:
+    args = [sys.executable, "-m", "rlbridge", "train", recipe, "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    start = time.perf_counter()
+    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    if res.returncode != 0:
+        raise SystemExit(f"rlbridge train failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
+    return time.perf_counter() - start
+
+
+def summarize(run_dir: Path, wall: float) -> dict[str, Any]:
+    run = read_run(run_dir)
+    steps = run.train
+    steady = [float(r["time_step"]) for r in steps[1:]] or [float(steps[0]["time_step"])]
+    per_step = statistics.fmean(steady)
+    return {
+        "s_per_step": per_step,
+        "steps_per_min": 60.0 / per_step,
+        "reward_last5": statistics.fmean(float(r["reward_mean"]) for r in steps[-5:]),
+        "eval_accuracy": float(run.evals[-1]["eval_accuracy"]) if run.evals else float("nan"),
+        "staleness_mean": statistics.fmean(float(r.get("staleness", 0)) for r in steps),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/quickstart.yaml")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--no-save", action="store_true")
+    a = ap.parse_args()
+    out = a.out or Path(tempfile.mkdtemp(prefix="rlbridge-async-"))
+    load_before = os.getloadavg()[0]
+    rows: list[dict[str, Any]] = []
+    for seed in a.seeds:
+        for mode in ("sync", "async"):
+            sets = [f"run.seed={seed}", f"run.steps={a.steps}", f"rollout.mode={mode}", *a.sets]
+            if mode == "async":
+                sets.append(f"rollout.max_staleness={a.staleness}")
+            run_dir = out / f"{mode}-seed{seed}"
+            wall = train(a.recipe, run_dir, sets)
+            row = {"mode": mode, "seed": seed, **summarize(run_dir, wall)}
+            rows.append(row)
+            print(
+                f"{mode} seed {seed}: {row['s_per_step']:.2f} s/step, accuracy {row['eval_accuracy']:.3f}",
+                file=sys.stderr,
+            )
+    ratios = []
+    for seed in a.seeds:
+        sync, asyn = (
+            next(r for r in rows if r["seed"] == seed and r["mode"] == m) for m in ("sync", "async")
+        )
+        ratios.append(asyn["steps_per_min"] / sync["steps_per_min"])
+    acc = {m: statistics.fmean(r["eval_accuracy"] for r in rows if r["mode"] == m) for m in ("sync", "async")}
+    result = {
+        "recipe": a.recipe,
+        "steps": a.steps,
+        "seeds": a.seeds,
+        "max_staleness": a.staleness,
+        "sets": a.sets,
+        "async_over_sync_steps_per_min": ratios,
+        "async_over_sync_mean": statistics.fmean(ratios),
+        "eval_accuracy_mean": acc,
+        "load_average_before_after": [load_before, os.getloadavg()[0]],
+        "run_dirs": str(out),
+    }
+    report("async_runs", result, rows, save=not a.no_save)
+
+
+if __name__ == "__main__":
+    main()

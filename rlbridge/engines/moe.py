@@ -1,0 +1,125 @@
+"""Per-expert bookkeeping for mixture-of-experts models, shared by both trainer engines (pure torch).
+
+The first-step gate (trainer/role.py) proves that training reaches every tensor it should. On an MoE model a
+whole-tensor check is not enough: an expert's LoRA can stay dead while the rest trains (Megatron-Bridge #5635:
+expert LoRA that "silently compute[s] the wrong numbers" or is "detached from autograd"), and an expert that no
+token was routed to legitimately gets no gradient. So each engine reports
+
+* `routed_tokens()`: how many tokens the router sent to each expert in the training forwards (forwards with
+  gradients) since the last call, summed over all ranks, keyed by `ExpertId` = (MoE layer, global expert index);
+* `expert_views(state)`: the part of each trainable tensor that belongs to one expert (a whole tensor for
+  Megatron's per-expert linear layers; rows of A and columns of B for peft's LoRA on stacked 3D expert weights),
+
+and `expert_report` compares the views before and after the first updates: every expert that received tokens
+must have changed; experts that received none are named, not failed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+ExpertId = tuple[int, int]
+"""(decoder layer number, global expert index)."""
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer index a module or tensor name belongs to (`...layers.<i>....`), or None."""
+    m = _LAYER.search(name)
+    return None if m is None else int(m.group(1))
+
+
+class RoutedTokens:
+    """Tokens routed per expert, accumulated by router hooks (only forwards that build a graph count)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, expert_indices: torch.Tensor, num_experts: int) -> None:
+        """`expert_indices`: the chosen experts of each token (any shape of ints), or a [tokens, experts] bool
+        routing map."""
+        if not torch.is_grad_enabled():
+            return
+        if expert_indices.dtype == torch.bool:
+            counts = expert_indices.reshape(-1, num_experts).sum(0)
+        else:
+            counts = torch.bincount(expert_indices.reshape(-1).long(), minlength=num_experts)[:num_experts]
+        counts = counts.detach().to("cpu", torch.int64)
+        self._counts[layer] = self._counts.get(layer, torch.zeros(num_experts, dtype=torch.int64)) + counts
+
+    def take(self) -> dict[ExpertId, int]:
+        """Counts since the last take (this process only), then reset."""
+        out = {(layer, e): int(c) for layer, t in self._counts.items() for e, c in enumerate(t.tolist())}
+        self._counts = {}
+        return out
+
+
+def sum_counts(parts: Iterable[dict[ExpertId, int]]) -> dict[ExpertId, int]:
+    out: dict[ExpertId, int] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertReport:
+    trained: list[ExpertId]
+    """Experts that received tokens and every one of whose trainable tensors (parts) changed."""
+    dead: list[ExpertId]
+    """Experts that received tokens but with a trainable tensor (part) that did not change: the failure the gate
+    exists for."""
+    unrouted: list[ExpertId]
+    """Experts no token was routed to (no gradient expected)."""
+
+    def describe(self, ids: list[ExpertId], limit: int = 6) -> str:
+        text = ", ".join(f"layer {layer} expert {e}" for layer, e in ids[:limit])
+        return text + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
+
+
+def expert_report(
+    before: dict[ExpertId, list[torch.Tensor]],
+    after: dict[ExpertId, list[torch.Tensor]],
+    routed: dict[ExpertId, int],
+) -> ExpertReport:
+    trained, dead, unrouted = [], [], []
+    for key in sorted(before):
+        changed = all(not torch.equal(a, b) for a, b in zip(before[key], after[key], strict=True))
+        if routed.get(key, 0) == 0:
+            unrouted.append(key)
+        elif changed:
+            trained.append(key)
+        else:
+            dead.append(key)
+    return ExpertReport(trained=trained, dead=dead, unrouted=unrouted)
+
+
+_CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_expert_weights(tensors: dict[str, torch.Tensor], model_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors (`mlp.experts.<e>.gate_proj.weight`, what exports and vLLM use) -> the stacked
+    parameters of a transformers 5 model (`mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert,
+    `mlp.experts.down_proj` [E, H, I]) where `model_keys` has them; other tensors pass through unchanged."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        m = _CHECKPOINT_EXPERT.match(name)
+        if m is None or f"{m.group(1)}.gate_up_proj" not in model_keys:
+            out[name] = tensor
+            continue
+        groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        if order != list(range(len(order))) or any(len(experts[e]) != 3 for e in order):
+            raise ValueError(f"{prefix}: expected gate, up and down weights of experts 0..{len(order) - 1}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    return out
