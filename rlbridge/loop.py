@@ -51,7 +51,7 @@ def train(
     start = time.perf_counter()
     # the handlers go in after Session has started Ray: ray.init installs its own SIGTERM handler in the driver
     # (it dies at once), so ours must come later to win
-    with Session(recipe, plan, run_dir, model_dir) as s, StopSignals() as stop:
+    with Session(recipe, plan, run_dir, model_dir) as s, StopSignals() as stop, s.stall.armed():
         source = RolloutSource(s)
         saver = Checkpointer(s, stop, log, source=source)
         if resume is None:
@@ -348,8 +348,9 @@ def evaluate(s: Session, step: int) -> dict[str, float]:
     k = min(s.recipe.run.eval_samples, len(s.val_data.prompts))
     prompts, ids = s.val_data.prompts[:k], s.val_data.ids[:k]
     start = time.perf_counter()
-    ro = s.generate(ids, greedy=True, seed=rollout_seed(s.recipe.run.seed, step, "eval"))
-    res = s.rewards.score([p.text for p in prompts], ro.texts, [p.sample for p in prompts])
+    with s.stall("eval"):  # stall warnings and the stall stop (run.health.stall_*) watch evaluations too
+        ro = s.generate(ids, greedy=True, seed=rollout_seed(s.recipe.run.seed, step, "eval"))
+        res = s.rewards.score([p.text for p in prompts], ro.texts, [p.sample for p in prompts])
     first = next(iter(res.terms.values())) if res.terms else res.scores
     out = {
         "eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),

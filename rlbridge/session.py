@@ -23,13 +23,14 @@ from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
 from rlbridge.engines.registry import engine_kind
-from rlbridge.metrics.log import MetricsLog, StallWatch, console
+from rlbridge.metrics.log import MetricsLog, console
 from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.run import directory as rundir
+from rlbridge.run import stalls
 from rlbridge.trainer.client import RayTrainer, Trainer
 from rlbridge.trainer.group import TrainerGroup, start_trainer_group
 from rlbridge.trainer.role import TrainerRole
@@ -100,8 +101,14 @@ class Session:
         self.rollout: Rollout | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
-        self.stall = StallWatch(log_plain, hint=f" (the workers' logs: {run_dir / 'logs'})")
-        """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps."""
+        self.stall = stalls.from_recipe(
+            recipe.run.health,
+            lambda msg: log(f"[yellow]warning[/] {escape(msg)}"),
+            hint=f" (the workers' logs: {run_dir / 'logs'})",
+        )
+        """Warns when a phase of a step (generate, update, sync, ...) runs far longer than in earlier steps, with
+        its likely cause; stops the run past run.health.stall_stop_s (within the loop's `stall.armed()`)."""
+        self.stall.on_stop = self._kill_workers  # ends a driver's wait inside Ray on a stall stop
         self.driver_log = logs.DriverLog(
             rundir.log_file(run_dir, "driver"), show=lambda msg: log(f"[yellow]warning[/] {escape(msg)}")
         )
@@ -157,6 +164,12 @@ class Session:
         stack.callback(self._stop_workers)
         workers = self._start_workers(self)
         self.trainer, self.rollout, self.memory = workers.trainer, workers.rollout, workers.memory
+
+    def _kill_workers(self) -> None:
+        """Kill the trainer and rollout actors (any thread): a call waiting on them fails at once."""
+        for w in (self.rollout, self.trainer):
+            if w is not None:
+                w.kill()
 
     def _stop_workers(self) -> None:
         for w in (self.rollout, self.trainer):

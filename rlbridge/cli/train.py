@@ -14,6 +14,7 @@ from rlbridge.cli.common import RecipeArg, SetOpt, example, user_errors
 from rlbridge.recipe import ValidRecipe, validate_recipe
 
 if TYPE_CHECKING:
+    from rlbridge.recipe.schema import Recipe
     from rlbridge.run.resume import ResumePoint
 
 
@@ -71,13 +72,39 @@ def resume(
             raise typer.Exit(2) from None
     point, steps = prep.point, prep.valid.recipe.run.steps
     render.out.print(f"resuming {run_dir} from {point.path} (step {point.step} of {steps})")
-    if point.step >= steps:
+    if point.step >= steps and not _final_eval_missing(run_dir, prep.valid.recipe):
         render.out.print(
             f"nothing to do: the checkpoint is at step {point.step} and run.steps is {steps} "
             f"(continue further with --set run.steps=N)"
         )
         return
+    if point.step >= steps:  # killed after the last save, before the final evaluation was written
+        render.out.print(f"the final evaluation of step {steps} is missing: running it")
     run(prep.valid, run_dir, resume=point)
+
+
+def _final_eval_missing(run_dir: Path, recipe: Recipe) -> bool:
+    """A run with data.val whose metrics.jsonl has no evaluation of its last step: the final evaluation comes
+    after the last checkpoint, so a run killed in it (or before it wrote its record) has all its steps saved but
+    not that evaluation (found by the crash-anywhere soak)."""
+    import json
+
+    if recipe.data.val is None:
+        return False
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("kind") == "eval"
+            and record.get("step") == recipe.run.steps
+        ):
+            return False
+    return True
 
 
 def run(valid: ValidRecipe, run_dir: Path | None, *, resume: ResumePoint | None = None) -> None:

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,57 +31,15 @@ from rlbridge.metrics.sinks import Sink
 console = Console(highlight=False, stderr=True)
 
 
-class StallWatch:
-    """Says so when a phase runs far longer than it used to (a busy machine, a stuck worker): once it has run
-    `factor` times the median of its earlier durations, and at least `floor_s`, a line names the phase and
-    how long it has run, again after each further such stretch. Only a warning; the run goes on. A phase's
-    first run (warm-up included) has nothing to compare with and is not watched."""
-
-    def __init__(
-        self, warn: Callable[[str], None], *, hint: str = "", factor: float = 5.0, floor_s: float = 60.0
-    ) -> None:
-        self.warn, self.hint, self.factor, self.floor_s = warn, hint, factor, floor_s
-        self.history: dict[str, deque[float]] = {}
-
-    def limit(self, phase: str) -> tuple[float, float] | None:
-        """(usual seconds, seconds after which the phase counts as slow), or None before its first run."""
-        past = self.history.get(phase)
-        if not past:
-            return None
-        usual = statistics.median(past)
-        return usual, max(self.factor * usual, self.floor_s)
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        limit, done = self.limit(phase), threading.Event()
-        start = time.perf_counter()
-        if limit is not None:
-            threading.Thread(
-                target=self._watch,
-                args=(phase, *limit, start, done),
-                daemon=True,
-                name=f"rlbridge-stall-{phase}",
-            ).start()
-        try:
-            yield
-        finally:
-            done.set()
-            self.history.setdefault(phase, deque(maxlen=50)).append(time.perf_counter() - start)
-
-    def _watch(self, phase: str, usual: float, limit: float, start: float, done: threading.Event) -> None:
-        waited = limit
-        while not done.wait(max(0.0, start + waited - time.perf_counter())):
-            self.warn(
-                f"{phase} is slow: running for {waited:.0f} s, {waited / max(usual, 1e-9):.0f}x its median "
-                f"of {usual:.1f} s in earlier steps{self.hint}"
-            )
-            waited += limit
+Watch = Callable[[str], AbstractContextManager[None]]
+"""Something that watches one run of a phase: rlbridge.run.stalls.StallWatch."""
 
 
 class Timer:
-    """Seconds per phase of one step: `with timer("generate"): ...`; a StallWatch, if given, watches each phase."""
+    """Seconds per phase of one step: `with timer("generate"): ...`; a watch (run/stalls.StallWatch), if given,
+    watches each phase."""
 
-    def __init__(self, watch: StallWatch | None = None) -> None:
+    def __init__(self, watch: Watch | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.watch = watch
 
@@ -128,8 +83,16 @@ class ConsoleSink:
         pass
 
 
-def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] | None) -> Sink:
-    """The sink of one optional logger (imports its library)."""
+def make_sink(
+    logger: str,
+    run_dir: Path,
+    *,
+    name: str,
+    config: dict[str, Any] | None,
+    history: list[dict[str, Any]] | None = None,
+) -> Sink:
+    """The sink of one optional logger (imports its library). history: the records of metrics.jsonl so far (a
+    resumed run), for a sink that may have lost some of them in the crash (wandb offline)."""
     if logger == "tensorboard":
         from rlbridge.metrics.tensorboard import TensorBoardSink
 
@@ -137,8 +100,22 @@ def make_sink(logger: str, run_dir: Path, *, name: str, config: dict[str, Any] |
     if logger == "wandb":
         from rlbridge.metrics.wandb import WandbSink
 
-        return WandbSink(run_dir / "logs", name=name, config=config or {})
+        return WandbSink(run_dir / "logs", name=name, config=config or {}, history=history)
     raise ValueError(f"unknown logger {logger!r}")
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (empty when there is none; a torn line is skipped)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                out.append(record)
+    return out
 
 
 class MetricsLog:
@@ -154,12 +131,15 @@ class MetricsLog:
         config: dict[str, Any] | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        history = _read_records(self.path)  # a resumed run's records so far (cut back to its checkpoint)
         self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
         if "console" in loggers:
             self.sinks["console"] = ConsoleSink(total_steps)
         for logger in loggers:
             if logger not in self.sinks:
-                self.sinks[logger] = make_sink(logger, run_dir, name=name or run_dir.name, config=config)
+                self.sinks[logger] = make_sink(
+                    logger, run_dir, name=name or run_dir.name, config=config, history=history
+                )
 
     def write(self, record: dict[str, Any]) -> None:
         for key, sink in list(self.sinks.items()):
@@ -180,6 +160,38 @@ class MetricsLog:
                 sink.close()
             except Exception as e:
                 console.print(f"[yellow]warning[/] closing the {key} logger failed: {e!r}")
+
+
+def truncate_loggers(run_dir: Path, step: int) -> list[str]:
+    """A resume from checkpoint `step` recomputes the steps after it: drop them from the TensorBoard event files
+    and the offline W&B runs of `run_dir` too (metrics.jsonl: run/resume.truncate_metrics), so each logger shows
+    every step once. Returns one line per logger that had some; a logger whose files cannot be rewritten is
+    reported, never stops the resume."""
+    notes: list[str] = []
+    tb, wb = run_dir / "logs" / "tensorboard", run_dir / "logs" / "wandb"
+    for name, found in (
+        ("tensorboard", any(tb.glob("events.out.tfevents.*"))),
+        ("wandb", any(wb.glob("offline-run-*/run-*.wandb"))),
+    ):
+        if not found:
+            continue
+        try:
+            if name == "tensorboard":
+                from rlbridge.metrics.tensorboard import truncate
+
+                n, where = truncate(tb, step), "event(s) of its event files"
+            else:
+                from rlbridge.metrics.wandb import truncate_offline
+
+                n, where = truncate_offline(wb, step), "history row(s) of its offline runs"
+        except Exception as e:  # an unreadable file, a missing library: the resume goes on, and says so
+            notes.append(
+                f"warning: could not drop the steps after {step} from the {name} logs ({e!r}): they may show twice"
+            )
+            continue
+        if n:
+            notes.append(f"{name}: dropped {n} {where} after step {step} (they are recomputed)")
+    return notes
 
 
 def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str:

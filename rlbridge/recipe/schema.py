@@ -430,6 +430,16 @@ class HealthCfg(Section):
     warning, or stops the run with on_mismatch: stop."""
     on_mismatch: Literal["warn", "stop"] = "warn"
     """What a step outside is_weight_range or min_ess does: print a warning, or stop the run."""
+    stall_factor: Annotated[float, Field(gt=1)] = 5.0
+    """A phase of a step (generate, reward, update, sync, eval, checkpoint, ...) that has run this many times its
+    median in earlier steps, and at least stall_floor_s, is stalled: a warning names the phase and its likely
+    cause, measured (CPU or GPU contention, a hung reward function or worker, a dead peer), again after each
+    further such stretch. A phase's first run is not watched."""
+    stall_floor_s: Annotated[float, Field(ge=0)] = 60.0
+    """No stall warning before a phase has run this long (short phases vary a lot)."""
+    stall_stop_s: Annotated[float, Field(gt=0)] | None = 1800.0
+    """A stalled phase that has run this long stops the run, which resumes from its last complete checkpoint
+    (the command is printed); null: stalls only warn."""
 
 
 class RunCfg(Section):

@@ -12,6 +12,13 @@ tensor files written, manifest not yet), `generate` (VllmRollout.generate, befor
 them to send SIGTERM during an update, to kill -9 a process in the middle of a save, and to SIGKILL one
 worker (the rollout actor, the trainer actor, a reward worker) mid-step (tests/reliability/
 test_worker_death.py); nothing else reads these variables.
+
+    RLBRIDGE_PHASE_TRACE=/tmp/t            the driver appends "<unix time> start|end <phase>" there as each
+                                           phase of a step (generate, reward, update, sync, eval,
+                                           checkpoint, ...) starts and ends (rlbridge/run/stalls.py)
+
+The crash-anywhere soak (tests/reliability/crash_anywhere.py) reads the trace to time its kills to the phases
+of the attempt it kills, and to name the phase each kill landed in.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 
 PAUSE_ENV = "RLBRIDGE_FAULT_PAUSE"
 MARKER_ENV = "RLBRIDGE_FAULT_MARKER"
+TRACE_ENV = "RLBRIDGE_PHASE_TRACE"
 _counts: dict[str, int] = {}
 
 
@@ -40,3 +48,12 @@ def pause(point: str) -> None:
             with open(marker, "a", encoding="utf-8") as f:
                 f.write(f"{point} {count} {os.getpid()}\n")
         time.sleep(float(seconds))
+
+
+def trace(event: str, phase: str) -> None:
+    """Append "<time> <event> <phase>" to RLBRIDGE_PHASE_TRACE when it is set (a line per write: a kill
+    leaves whole lines)."""
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{time.time():.3f} {event} {phase}\n")

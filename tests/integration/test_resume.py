@@ -308,11 +308,14 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
     recipe_file: Path, reference: Path, tmp_path: Path
 ) -> None:
     run_dir, log, marker = tmp_path / "run", tmp_path / "log.txt", tmp_path / "marker"
+    loggers = "run.loggers=[console,jsonl,tensorboard,wandb]"  # step 2 is logged, then recomputed: once each
     proc = start(
-        ["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.save_every=1"],
+        ["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.save_every=1", "--set", loggers],
         log,
         RLBRIDGE_FAULT_PAUSE="checkpoint-files#2:300",
         RLBRIDGE_FAULT_MARKER=str(marker),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
     )
     wait_for(marker_has(marker, "checkpoint-files 2"), proc, "the middle of the step-2 save", log)
     kill_everything(proc)
@@ -327,6 +330,32 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(
     assert f"ignoring {partial[0]}" in out and "step_000001 (step 1 of 4)" in out
     assert f"removed {partial[0]}" in out and not (root / partial[0]).exists()
     assert_same_run(run_dir, reference)
+    assert_loggers_match_metrics(run_dir, out)
+
+
+def assert_loggers_match_metrics(run_dir: Path, out: str) -> None:
+    """After a resume that recomputed step 2: the TensorBoard event files (read raw, without TensorBoard's own
+    purging) and the offline W&B runs (all of them: the killed attempt's and the resume's) have each step of
+    each series once, with metrics.jsonl's values."""
+    from rlbridge.metrics.tensorboard import read_events
+    from rlbridge.metrics.wandb import read_history
+
+    assert "tensorboard: dropped" in out and "after step 1 (they are recomputed)" in out, out[-3000:]
+    want = {
+        (f"train/{k}", r["step"]): v for r in records(run_dir) if r["kind"] == "train" for k, v in r.items()
+    }
+    tb = read_events(run_dir / "logs" / "tensorboard")
+    keys = [(t, s) for t, s, _ in tb]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)[:10]
+    tb_reward = sorted((s, v) for t, s, v in tb if t == "train/reward_mean")
+    assert tb_reward == [(s, pytest.approx(want[("train/reward_mean", s)])) for s in range(1, STEPS + 1)]
+    runs = sorted((run_dir / "logs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs  # the killed attempt's and the resume's
+    rows = [row for d in runs for row in read_history(d)]
+    steps = [row["_step"] for row in rows]
+    assert len(steps) == len(set(steps)), sorted(steps)
+    wb_reward = sorted((row["_step"], row["train/reward_mean"]) for row in rows if "train/reward_mean" in row)
+    assert wb_reward == [(s, pytest.approx(want[("train/reward_mean", s)])) for s in range(1, STEPS + 1)]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])

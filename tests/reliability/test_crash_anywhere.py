@@ -1,6 +1,6 @@
 """Crash anywhere, CI size: 2 trials of tests/reliability/crash_anywhere.py (SIGKILL of the whole process
-tree at a random moment, check every visible checkpoint is complete, resume; up to 2 kills per trial; then
-the finished run must equal the uninterrupted one, bit for bit). The long soak runs by the command in that
+tree in a phase aimed at per attempt, timed from that attempt's phase trace; check every visible checkpoint
+is complete, resume; 1-2 kills per trial; then the finished run must equal the uninterrupted one, bit for bit). The long soak runs by the command in that
 file's docstring and in docs/reliability.md.
 
 This is several full runs of the tiny model (an uninterrupted one, then per trial up to 2 killed ones and

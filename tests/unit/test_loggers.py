@@ -7,6 +7,7 @@ jsonl (always), tensorboard (event files read with tensorboard's EventAccumulato
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,82 @@ def test_missing_logger_package_is_a_recipe_issue(monkeypatch: pytest.MonkeyPatc
     assert [(i.key, i.value) for i in out] == [("run.loggers.1", "wandb")] and "rlbridge[report]" in (
         out[0].fix or ""
     )
+
+
+def _attempt(run_dir: Path, steps: range) -> None:
+    """One process's worth of logging (a train, or a resume): eval at 0, then train + checkpoint per step."""
+    log = MetricsLog(run_dir, ["jsonl", "tensorboard", "wandb"], 4, name="resume-test", config={"x": 1})
+    for s in steps:
+        if s == 0:
+            log.write({"kind": "eval", "step": 0, "eval_accuracy": 0.5})
+            continue
+        log.write({"kind": "train", "step": s, "reward_mean": s + 0.25 * (steps.start > 1)})
+        log.write({"kind": "checkpoint", "step": s, "time_save": 0.1})
+    log.close()
+
+
+def _tb_and_wandb_steps(run_dir: Path) -> tuple[list[tuple[str, int, float]], list[tuple[int, float]]]:
+    from rlbridge.metrics.tensorboard import read_events
+    from rlbridge.metrics.wandb import read_history
+
+    tb = sorted(read_events(run_dir / "logs" / "tensorboard"))
+    deadline = time.monotonic() + 20
+    while (
+        True
+    ):  # wandb's service process may still be writing the last run's file after finish() (seen under load)
+        rows = [
+            r for d in sorted((run_dir / "logs" / "wandb").glob("offline-run-*")) for r in read_history(d)
+        ]
+        if any(r.get("_step") == 4 for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    wb = sorted((r["_step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r)
+    return tb, wb
+
+
+@pytest.mark.parametrize("case", ["resume", "rows lost in the kill", "no truncation (negative control)"])
+def test_resume_logs_each_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Killed after step 3 with checkpoint 2: the resume recomputes step 3. With what prepare_resume does
+    (truncate_metrics, truncate_loggers) TensorBoard's files and the union of the offline W&B runs hold each
+    step once, with the resumed run's values for step 3. "rows lost in the kill": the killed attempt's .wandb
+    file lost its rows (wandb buffers them in its service process; seen after a kill -9 in
+    tests/integration/test_resume.py): the resume logs steps 0-2 again from metrics.jsonl. Without the
+    truncation step 3 is there twice (the test can fail)."""
+    from rlbridge.metrics.log import truncate_loggers
+    from rlbridge.metrics.wandb import truncate_offline
+    from rlbridge.run.resume import truncate_metrics
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _attempt(tmp_path, range(0, 4))  # steps 0..3; the run dies here, its newest checkpoint is step 2
+    if case == "rows lost in the kill":
+        truncate_offline(tmp_path / "logs" / "wandb", -1)  # every row gone, as after the kill -9
+    notes = []
+    if case != "no truncation (negative control)":
+        truncate_metrics(tmp_path, 2)
+        notes = truncate_loggers(tmp_path, 2)
+    time.sleep(
+        1.1
+    )  # wandb names an offline run by the second it started: a resume in the same second shares it
+    _attempt(tmp_path, range(3, 5))  # the resume: steps 3 and 4 (reward_mean + 0.25 marks the new values)
+    tb, wb = _tb_and_wandb_steps(tmp_path)
+    rewards = [(s, v) for t, s, v in tb if t == "train/reward_mean"]
+    if case == "no truncation (negative control)":
+        assert [s for s, _ in rewards].count(3) == 2 and [s for s, _ in wb].count(3) == 2
+        return
+    assert notes[0] == "tensorboard: dropped 2 event(s) of its event files after step 2 (they are recomputed)"
+    if case == "resume":  # one row per step (train + checkpoint records of a step are one wandb row)
+        assert (
+            notes[1]
+            == "wandb: dropped 1 history row(s) of its offline runs after step 2 (they are recomputed)"
+        )
+    assert rewards == [(1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)]
+    assert len(tb) == len(set((t, s) for t, s, _ in tb))  # every (tag, step) once
+    assert [s for t, s, _ in tb if t == "checkpoint/time_save"] == [1, 2, 3, 4]
+    assert [s for t, s, _ in tb if t == "eval/eval_accuracy"] == [0]
+    assert wb == [(1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)]
+    from rlbridge.metrics.wandb import read_history
+
+    steps = [r["_step"] for d in (tmp_path / "logs" / "wandb").glob("offline-run-*") for r in read_history(d)]
+    assert sorted(steps) == [0, 1, 2, 3, 4]  # each row once over the offline runs (step 0: the evaluation)
+    assert truncate_loggers(tmp_path, 4) == []  # nothing after the last step: files untouched

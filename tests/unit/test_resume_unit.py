@@ -157,3 +157,20 @@ def test_stop_signals_first_requests_second_ctrl_c_aborts() -> None:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_run_killed_in_its_final_evaluation_is_not_done(tmp_path: Path, model_dir: Path) -> None:
+    """Every step saved but no evaluation record of the last step (killed in the final evaluation, which
+    comes after the last save; found by the crash-anywhere soak): `resume` must run it, not say "nothing to
+    do". Without data.val there is no final evaluation to miss."""
+    from rlbridge.cli.train import _final_eval_missing
+
+    run = make_run(tmp_path, model_dir)
+    raw = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert not _final_eval_missing(run, Recipe.model_validate(raw))  # no data.val
+    raw["data"]["val"] = {"path": "builtin:arithmetic"}
+    with_val = Recipe.model_validate(raw)
+    assert _final_eval_missing(run, with_val)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('\n{"kind": "eval", "step": 4, "eval_accuracy": 0.0}\n')
+    assert not _final_eval_missing(run, with_val)
