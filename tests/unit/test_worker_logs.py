@@ -20,9 +20,10 @@ import pytest
 from rlbridge.cluster import logs
 from rlbridge.data.reward_pool import RewardPool
 from rlbridge.errors import RlbridgeError
-from rlbridge.metrics.log import StallWatch, Timer
+from rlbridge.metrics.log import Timer
 from rlbridge.recipe.schema import RewardCfg
 from rlbridge.run.directory import log_file
+from rlbridge.run.stalls import StallWatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -348,7 +349,7 @@ def test_stall_watch_warns_about_a_phase_far_slower_than_before() -> None:
         time.sleep(limit * 2.5)  # two stretches past the limit: two lines
     time.sleep(0.1)
     assert len(lines) == 2, lines
-    assert lines[0].startswith("generate is slow: running for 0 s,") and lines[0].endswith("(logs: RUN/logs)")
+    assert lines[0].startswith("generate is stalled: running for 0 s,") and lines[0].endswith("(logs: RUN/logs)")
     with timer("update"):
         pass  # another phase has its own history
     assert watch.limit("update") is not None and len(timer.seconds) == 2
