@@ -15,6 +15,7 @@ Reproduce: `.venv/bin/python -m pytest tests/reliability/test_disk_full.py -v` (
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,6 +134,7 @@ def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(
         recipe=SimpleNamespace(run=SimpleNamespace(save_every=1, keep=3)),
         sampler=SimpleNamespace(state=lambda: {"epoch": 0, "index": 0}),
         metrics=SimpleNamespace(write=written.append),
+        stall=lambda phase: contextlib.nullcontext(),  # Session.stall watches the save (run/stalls.py)
     )
     saver = Checkpointer(session, StopSignals(), log=lambda msg: None)  # type: ignore[arg-type]
     saver.save(1)
