@@ -349,7 +349,9 @@ def test_stall_watch_warns_about_a_phase_far_slower_than_before() -> None:
         time.sleep(limit * 2.5)  # two stretches past the limit: two lines
     time.sleep(0.1)
     assert len(lines) == 2, lines
-    assert lines[0].startswith("generate is stalled: running for 0 s,") and lines[0].endswith("(logs: RUN/logs)")
+    assert lines[0].startswith("generate is stalled: running for 0 s,") and lines[0].endswith(
+        "(logs: RUN/logs)"
+    )
     with timer("update"):
         pass  # another phase has its own history
     assert watch.limit("update") is not None and len(timer.seconds) == 2
