@@ -99,7 +99,8 @@ def train_step(
     r, timer = s.recipe, Timer(s.stall)  # s.stall: a line when a phase runs far longer than in earlier steps
     trainer = s.started_trainer()
     stopping = lambda: stop is not None and stop.requested is not None  # noqa: E731
-    collected = collect(s, step, timer, stopping, source or RolloutSource(s))
+    source = source or RolloutSource(s)  # a caller without the loop's pipeline: generated on the spot (sync)
+    collected = collect(s, step, timer, stopping, source)
     if collected is None:
         return None
     ro, rewards, reward_metrics = collected
@@ -143,7 +144,7 @@ def train_step(
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step)
-    if source is not None and source.overlapped:  # the load below would wait for them: time it as what it is
+    if source.overlapped:  # the load below would wait for them: time it as what it is
         with timer("rollout_wait"):
             source.wait_sent()
     with timer("sync"):

@@ -16,6 +16,20 @@ from typing import Any
 from rlbridge.errors import RlbridgeError
 
 # Short names -> the config.json of the model rlbridge materializes for them (see cache.py).
+_TINY_QWEN3: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 260,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "initializer_range": 0.1,
+}
+"""What the tiny Qwen3-MoE and its dense counterpart share: attention, layers, vocabulary, norms, init."""
+
 SHORT_NAMES: dict[str, dict[str, Any]] = {
     "smollm2-135m-instruct": {
         "architectures": ["LlamaForCausalLM"],
@@ -62,16 +76,7 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 260,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 10000.0,
-        "initializer_range": 0.1,
+        **_TINY_QWEN3,
     },
     # Its dense counterpart: the same attention, layers and vocabulary, and a dense MLP as wide as the two experts
     # a token is routed to (the same active parameters per token), to compare the MoE's train/rollout gap against.
@@ -80,16 +85,7 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "model_type": "qwen3",
         "hidden_size": 128,
         "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 260,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 10000.0,
-        "initializer_range": 0.1,
+        **_TINY_QWEN3,
     },
 }
 RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke", "tiny-qwen3-moe-smoke", "tiny-qwen3-dense-smoke"})
