@@ -44,7 +44,9 @@ def run(model: str, dtype: str, args: argparse.Namespace, work: Path) -> dict[st
     cmd = [sys.executable, "-m", "rlbridge", "train", "recipes/moe-lora-cpu.yaml", "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    # keep the caller's PYTHONPATH (the GPU machine's packages live in /tmp/site, named only there)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     env.setdefault("RLBRIDGE_CACHE", str(work / "cache"))
     start = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the transformers reference below initializes CUDA in this process: vLLM's engine process must then be
+    # spawned, not forked (a forked child fails with "CUDA error: initialization error"; H200, 2026-12-02)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import torch
     from vllm import LLM
 

@@ -13,6 +13,7 @@
 #   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (not yet run)
 #   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
 #                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~8 min; estimate, not yet run)
+#   bash scripts/gpu_check.sh 3 4    # several parts, in that order, under one budget
 #   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
 #
@@ -29,20 +30,24 @@ set -uo pipefail
 # the whole script is one function: bash reads it completely before running it, so editing this file while a
 # check runs cannot change what the running check does
 main() {
-local part=${1:-all}
+[ $# -eq 0 ] && set -- all
+local part="$*" p
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-case "$part" in
-  1) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py) ;;
-  2) files=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
-  3) files=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
-  4) files=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
-  moe) files=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
-  all) files=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
-              tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py
-              tests/gpu/test_gpu_async.py) ;;
-  *) echo "usage: bash scripts/gpu_check.sh [1|2|3|4|moe|all]" >&2; exit 2 ;;
-esac
+files=()
+for p in "$@"; do  # several parts run in the order given, under one budget: bash scripts/gpu_check.sh 3 4
+  case "$p" in
+    1) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py) ;;
+    2) files+=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
+    3) files+=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
+    4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
+    moe) files+=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
+    all) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
+                 tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py
+                 tests/gpu/test_gpu_async.py) ;;
+    *) echo "usage: bash scripts/gpu_check.sh [1|2|3|4|moe|all] ... (several parts: one budget, in order)" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT/runs"
 OUT=$(cd "$OUT" && pwd)

@@ -50,8 +50,12 @@ def test_vllm_reloads_moe_weights_and_routed_experts() -> None:
     out = _run([python(), "-m", "bench.vllm_moe_reload", "--no-save"], 300)
     rows = {r["case"]: r for r in _json_doc(out)["rows"]}
     figure("moe_vllm_reload", **{k: rows[k] for k in rows})
-    assert rows["fresh"]["max_abs_diff"] < 1e-3
-    assert rows["reload_same"]["max_abs_diff"] < 1e-3, rows["reload_same"]
+    # vLLM float32 on the H200 against transformers float32: 1.5e-3 mean, 4.4e-3 max (2026-12-02; vLLM's fused-MoE
+    # kernel and TF32 matmuls, not the reload); reloading the same weights in place must change nothing at all
+    assert rows["fresh"]["max_abs_diff"] < 1e-2, rows["fresh"]
+    for key in ("mean_abs_diff", "max_abs_diff"):
+        assert abs(rows["reload_same"][key] - rows["fresh"][key]) < 1e-6, rows["reload_same"]
+    assert "routed_match 1.000" in rows["routed_experts"]["note"], rows["routed_experts"]
 
 
 def test_grpo_moe_lora_cli(tmp_path: Path) -> None:
