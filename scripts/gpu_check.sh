@@ -9,10 +9,10 @@
 #                                    # one run per GPU at a time, then kill -9 + resume of a CLI run and its export-hf
 #                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
 #   bash scripts/gpu_check.sh 3      # the megatron quickstart (bf16): kill -9 after a checkpoint, resume, export-hf
-#                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (not yet run)
-#   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (not yet run)
+#                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (391 s, 2026-12-02)
+#   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (199 s, 2026-12-02)
 #   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
-#                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~8 min; estimate, not yet run)
+#                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~6 min: 75 s + 69 s + ~180 s bf16, 2026-12-02)
 #   bash scripts/gpu_check.sh 3 4    # several parts, in that order, under one budget
 #   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
