@@ -6,6 +6,7 @@ the way out, failure included. The loop (loop.py) only calls its verbs.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.run import directory as rundir
-from rlbridge.run import stalls
+from rlbridge.run import gpu_faults, stalls
 from rlbridge.trainer.client import RayTrainer, Trainer
 from rlbridge.trainer.group import TrainerGroup, start_trainer_group
 from rlbridge.trainer.role import TrainerRole
@@ -275,6 +276,9 @@ class Session:
             )
             client = self.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
+        for worker, _ in starting:  # out of GPU memory: the error names the recipe key to change
+            role = "rollout" if worker is rollout else "trainer"
+            worker.explain = functools.partial(gpu_faults.explain, role=role, recipe=r, plan=plan)
         answers = rc.wait_started(
             starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
         )

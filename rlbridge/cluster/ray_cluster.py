@@ -287,6 +287,9 @@ class Worker:
         self.log_file = log_file
         self.echo = echo
         """Prints the rlbridge warnings this worker wrote into its log file, after each answer."""
+        self.explain: Callable[[str], str | None] | None = None
+        """Reads a failure's text in the recipe's terms (run/gpu_faults.py: out of GPU memory -> the key to
+        change); its sentence leads the error. Set by the session, which knows the recipe."""
         if echo is not None and log_file is not None:
             echo.watch(log_file)
 
@@ -308,12 +311,13 @@ class Worker:
                     f"{self.name} worker could not get its input: the worker producing it is gone ({cause!r})"
                 ) from None
             raise RlbridgeError(
-                f"{self.name} worker failed: {cause!r}{self._where()}\n{_tail(str(e))}"
+                f"{self.name} worker failed: {self._reading(str(e))}{cause!r}{self._where()}\n{_tail(str(e))}"
             ) from None
         except RayActorError as e:
             if e.actor_init_failed:  # its constructor raised: Ray's message holds the traceback
                 raise RlbridgeError(
-                    f"{self.name} worker failed while starting{self._where()}:\n{_tail(str(e))}"
+                    f"{self.name} worker failed while starting{self._where()}:\n{self._reading(str(e))}"
+                    f"{_tail(str(e))}"
                 ) from None
             raise RlbridgeError(
                 f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}"
@@ -325,6 +329,11 @@ class Worker:
         if self.echo is not None and self.log_file is not None:
             self.echo.check(self.log_file, self.name)
         return answer
+
+    def _reading(self, text: str) -> str:
+        """The recipe-level reading of a failure (self.explain), as the error's first line; "" when none."""
+        hint = self.explain(text) if self.explain is not None else None
+        return f"{hint}\n" if hint else ""
 
     def _on_node(self) -> str:
         if self.node is None:
