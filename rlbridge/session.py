@@ -240,7 +240,7 @@ class Session:
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.submit("rlbridge_started")))
         rollout_cls = _rollout_class(r)
-        rollout_bundle = place.slots[0] if r.cluster.colocate else len(bundles) - len(plan.rollout_bundles)
+        rollout_bundle = rollout_slot(plan, place)
         rollout = rc.start_worker(
             rollout_cls,
             "rollout",
@@ -334,7 +334,9 @@ class Session:
             if worker is self.rollout and self.recipe.rollout.engine == "vllm"
             else "model loaded"
         )
-        log_plain(f"{worker.name}: {what} ({seconds:.1f} s: {phases})")
+        gpus = answer.get("gpus") or []
+        where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
+        log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
     def started_trainer(self) -> Trainer:
@@ -393,6 +395,14 @@ class Session:
     def release_rollout_memory(self) -> None:
         """Colocated GPUs: vLLM sleeps during the update (a no-op on CPU or separate devices)."""
         self.memory.release()
+
+
+def rollout_slot(plan: Plan, place: rc.Placement) -> int:
+    """The placement-group bundle of the rollout: the first trainer device's when colocated, else the first of
+    the bundles reserved after the trainer's (plan.rollout_bundles)."""
+    if plan.colocate:
+        return place.slots[0]
+    return sum(len(node) for node in plan.bundles_per_node)
 
 
 def _rollout_class(r: Recipe) -> type:

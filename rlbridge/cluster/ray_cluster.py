@@ -412,6 +412,7 @@ def _logged(cls: Any) -> type:
         return {
             "seconds": self._rlbridge_startup_s,
             "phases": logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
+            "gpus": [str(i) for i in ray.get_gpu_ids()],  # the devices Ray gave it (CUDA_VISIBLE_DEVICES)
         }
 
     return type(
