@@ -1,6 +1,9 @@
 """One training step of a trainer engine, in a process of its own (test_gpu_train_step.py starts it).
 
     python tests/gpu/train_step_job.py --engine hf|megatron --model-dir DIR --device cuda|cpu --out RESULT.json
+        [--moe]   # the model is a mixture of experts (tiny-qwen3-moe-smoke): LoRA on every expert too; before the
+                  # step, the engine's log-probs of the batch against transformers float32 (`gap`); experts the
+                  # router sent no token may stay unchanged
 
 SmolLM2-135M-Instruct, bfloat16, LoRA rank 8 on every projection, the fixed TEXTS of tests/gpu/common.py as
 the batch (prompt + answer; loss on the answer tokens: mean negative log-prob, a small entropy bonus). Before
@@ -69,7 +72,18 @@ def is_lora_b(name: str) -> bool:
     return "lora_B" in name or ".linear_out." in name  # peft / Megatron-Bridge
 
 
-def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
+def reference_gap(
+    engine: Any, batch: Any, rows: list[tuple[list[int], list[int]]], model_dir: str
+) -> dict[str, float]:
+    """The engine's log-probs of the batch (its dtype, its device) against transformers float32 on the CPU."""
+    from tests.gpu.common import gap, load_hf
+
+    lp = engine.logprobs(batch).float().cpu()
+    got = [lp[i, : len(a)].tolist() for i, (_, a) in enumerate(rows)]
+    return gap(load_hf(model_dir), [p for p, _ in rows], [a for _, a in rows], got)
+
+
+def run(engine_name: str, model_dir: str, device: str, moe: bool = False) -> dict[str, Any]:
     from rlbridge.batch import SeqBatch
     from rlbridge.model.tokenizer import load_tokenizer
 
@@ -87,6 +101,7 @@ def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
     state = engine.trainable_state()
     engine.load_trainable_state({k: (B_STD * torch.randn(v.shape, generator=gen)).to(v.device, v.dtype)
                                  if is_lora_b(k) else v for k, v in state.items()})  # fmt: skip
+    ref_gap = reference_gap(engine, batch, rows, model_dir) if moe else None
     start = {k: v.detach().clone() for k, v in engine.trainable_state().items()}
     frozen = engine.frozen_fingerprint()
 
@@ -104,6 +119,8 @@ def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
     metrics = engine.train_step(batch, loss_fn, num_micro_batches=2)
     sync()
     step_s = time.perf_counter() - t0
+    book = engine.moe if moe else None
+    routed = {f"{k[0]}.{k[1]}": int(v) for k, v in book.routed_tokens().items()} if book is not None else {}
     now = engine.trainable_state()
     frozen_after = engine.frozen_fingerprint()
     unchanged = sorted(k for k, v in now.items() if torch.equal(v, start[k]))
@@ -120,6 +137,7 @@ def run(engine_name: str, model_dir: str, device: str) -> dict[str, Any]:
         "build_s": build_s, "step_s": step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 1024**3 if cuda else 0.0,
         "dtypes": sorted({str(v.dtype).split(".")[-1] for v in now.values()}),
+        **({"reference_gap": ref_gap, "routed_tokens": routed} if moe else {}),
     }  # fmt: skip
 
 
@@ -129,8 +147,9 @@ def main() -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--moe", action="store_true")
     args = ap.parse_args()
-    result = run(args.engine, args.model_dir, args.device)
+    result = run(args.engine, args.model_dir, args.device, moe=args.moe)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.engine == "megatron":
         import torch.distributed as dist
