@@ -294,6 +294,26 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def plan_trainer_gib(row: dict[str, Any], args: argparse.Namespace, model_dir: Path) -> float:
+    """`rlbridge plan`'s trainer memory per device (Memory.trainer_total) for the job's shape: the same model,
+    engine, LoRA or full fine-tuning, micro-batch and sequence length, bfloat16, no recompute."""
+    from rlbridge.model.info import read_model_info
+    from rlbridge.plan import make_plan
+    from rlbridge.recipe.schema import Recipe
+
+    recipe = Recipe.model_validate({
+        "name": "trainer-gpu", "model": {"path": str(model_dir), "dtype": "bfloat16"},
+        "lora": {"rank": 16 if row["mode"] == "lora" else 0, "alpha": 32},  # as run_job's recipe
+        "trainer": {"engine": row["engine"], "micro_batch_size": args.micro},
+        "rollout": {"n": 1, "max_prompt_tokens": args.prompt, "max_response_tokens": args.response},
+        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.batch},
+        "cluster": {"device": "cuda"},
+    })  # fmt: skip
+    memory = make_plan(recipe, read_model_info(str(model_dir))).memory
+    assert memory is not None
+    return memory.trainer_total
+
+
 # ------------------------------------------------------------------------------------------ driver
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -398,6 +418,10 @@ def main() -> int:
     rows.sort(key=lambda r: order[(r["model"], r["mode"], r["engine"], r["attention"])])
     for r in rows:
         r["mfu"] = r["achieved_tflops"] / peak["peak_tflops"]
+        r["plan_gib"] = plan_trainer_gib(
+            r, args, work / r["model"]
+        )  # issue 16 item 7: the plan against the measure
+        r["plan_over_peak"] = r["plan_gib"] / max(r["peak_gib"], 1e-9)
     ratios = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
@@ -443,6 +467,8 @@ def main() -> int:
         "mfu",
         "achieved_tflops",
         "peak_gib",
+        "plan_gib",
+        "plan_over_peak",
         "after_build_gib",
         "trainable_params",
     ]
