@@ -9,7 +9,7 @@ Log-probs, advantages and masks over responses are therefore all [b, R] tensors 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,17 @@ class Rollouts:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON content (a checkpoint's in-flight rollouts): routed experts as nested lists."""
+        out = asdict(self)
+        out["routed_experts"] = [t.tolist() for t in self.routed_experts]
+        return out
+
+    @classmethod
+    def from_json(cls, content: dict[str, Any]) -> Rollouts:
+        routed = [torch.tensor(t, dtype=torch.int16) for t in content.get("routed_experts", [])]
+        return cls(**{**content, "routed_experts": routed})
 
 
 @dataclass

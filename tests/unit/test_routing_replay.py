@@ -169,3 +169,24 @@ def _loss(b: SeqBatch) -> Any:
         return -(logp * mask).sum() / mask.sum(), {}
 
     return loss_fn
+
+
+def test_rollouts_with_routing_survive_a_checkpoint_as_json() -> None:
+    """An async run's checkpoint keeps in-flight rollouts in state.json (rlbridge/pipeline.py)."""
+    import json
+
+    from rlbridge.batch import Rollouts
+
+    routed = [
+        torch.randint(0, EXPERTS, (5, 2, TOP_K), dtype=torch.int16),
+        torch.zeros(3, 2, TOP_K, dtype=torch.int16),
+    ]
+    ro = Rollouts(
+        [[1, 2], [3]], [[4, 5, 6], [7, 8]], [[-1.0] * 3, [-2.0] * 2], ["stop", "length"], 2, [], routed
+    )
+    back = Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
+    assert back.response_ids == ro.response_ids and back.weight_version == 2
+    assert all(
+        torch.equal(a, b) and b.dtype == torch.int16 for a, b in zip(back.routed_experts, routed, strict=True)
+    )
+    assert Rollouts.from_json({**ro.to_json(), "routed_experts": []}).routed_experts == []
