@@ -9,6 +9,10 @@ routing between the engines, which a dense model cannot do.
 
     python -m bench.moe_logprob_gap                          # CPU: hf rollouts (vLLM-CPU cannot sync MoE)
     python -m bench.moe_logprob_gap --device cuda --rollout vllm --dtype bfloat16   # the H200
+    python -m bench.moe_logprob_gap --dtype bfloat16 --routing-replay    # MoE rows with replay off and on
+
+`--routing-replay` adds a row of the MoE model with `rollout.routing_replay: true` (the trainer's forwards take the
+experts the rollout routed each token to; docs/moe.md) next to the one without.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"moe": "tiny-qwen3-moe-smoke", "dense": "tiny-qwen3-dense-smoke"}
 
 
-def run(model: str, dtype: str, args: argparse.Namespace, work: Path) -> dict[str, object]:
-    run_dir = work / f"{model}-{dtype}"
+def run(
+    model: str, dtype: str, args: argparse.Namespace, work: Path, replay: bool = False
+) -> dict[str, object]:
+    run_dir = work / f"{model}-{dtype}{'-replay' if replay else ''}"
     sets = [
+        f"rollout.routing_replay={str(replay).lower()}",
         f"model.path={model}",
         f"model.dtype={dtype}",
         f"run.steps={args.steps}",
@@ -60,6 +67,7 @@ def run(model: str, dtype: str, args: argparse.Namespace, work: Path) -> dict[st
     return {
         "model": model,
         "dtype": dtype,
+        "routing_replay": replay,
         "steps": len(train),
         "lp_diff_mean": mean,
         "lp_diff_max": top,
@@ -74,11 +82,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rollout", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--routing-replay", action="store_true", help="also the MoE with rollout.routing_replay"
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="moe_gap_"))
-    rows = [run(MODELS[kind], dtype, args, work) for dtype in args.dtype for kind in ("moe", "dense")]
-    report("moe_logprob_gap", {"rollout": args.rollout, "device": args.device}, rows, save=not args.no_save)
+    cases = [("moe", False)] + ([("moe", True)] if args.routing_replay else []) + [("dense", False)]
+    rows = [run(MODELS[kind], dtype, args, work, replay) for dtype in args.dtype for kind, replay in cases]
+    name = f"moe_routing_replay-{args.device}" if args.routing_replay else "moe_logprob_gap"
+    report(name, {"rollout": args.rollout, "device": args.device}, rows, save=not args.no_save)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Log-probs, advantages and masks over responses are therefore all [b, R] tensors 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -27,9 +27,24 @@ class Rollouts:
     """The weight version the engine generated with."""
     texts: list[str] = field(default_factory=list)
     """Decoded responses."""
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """rollout.routing_replay only (else empty): per sample, [prompt + response positions, MoE layers, k] int16,
+    the experts the rollout engine routed each position to (a position it never ran, such as the last token,
+    holds its own arbitrary experts: no scored log-prob depends on it)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON content (a checkpoint's in-flight rollouts): routed experts as nested lists."""
+        out = asdict(self)
+        out["routed_experts"] = [t.tolist() for t in self.routed_experts]
+        return out
+
+    @classmethod
+    def from_json(cls, content: dict[str, Any]) -> Rollouts:
+        routed = [torch.tensor(t, dtype=torch.int16) for t in content.get("routed_experts", [])]
+        return cls(**{**content, "routed_experts": routed})
 
 
 @dataclass
@@ -44,6 +59,9 @@ class SeqBatch:
     """[b, R] float, 1 on real response tokens."""
     prompt_width: int
     """P: the column where every response starts."""
+    routed_experts: torch.Tensor | None = None
+    """[b, P + R, MoE layers, k] integer: the rollout's experts per column, for the trainer's forwards to replay
+    (rollout.routing_replay; pad columns arbitrary). None: the trainer routes itself."""
 
     @property
     def size(self) -> int:
@@ -65,6 +83,7 @@ class SeqBatch:
             position_ids=self.position_ids[index],
             response_mask=self.response_mask[index],
             prompt_width=self.prompt_width,
+            routed_experts=None if self.routed_experts is None else self.routed_experts[index],
         )
 
     def to(self, device: Any) -> SeqBatch:
@@ -74,12 +93,18 @@ class SeqBatch:
             self.position_ids.to(device),
             self.response_mask.to(device),
             self.prompt_width,
+            None if self.routed_experts is None else self.routed_experts.to(device),
         )
 
     @classmethod
     def from_token_lists(
-        cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
+        cls,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        pad_id: int,
+        routed_experts: list[torch.Tensor] | None = None,
     ) -> SeqBatch:
+        """`routed_experts`: per row [positions, layers, k] as in Rollouts (empty or None: no replay)."""
         if len(prompt_ids) != len(response_ids) or not prompt_ids:
             raise ValueError("need one response per prompt and at least one row")
         width_p = max(len(p) for p in prompt_ids)
@@ -94,7 +119,31 @@ class SeqBatch:
                 ids[i, width_p : width_p + len(r)] = torch.tensor(r, dtype=torch.long)
                 mask[i, width_p : width_p + len(r)] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        return cls(ids, mask, positions, mask[:, width_p:].to(torch.float32), width_p)
+        routed = (
+            _routed_columns(prompt_ids, response_ids, routed_experts, width_p, width_r)
+            if routed_experts
+            else None
+        )
+        return cls(ids, mask, positions, mask[:, width_p:].to(torch.float32), width_p, routed)
+
+
+def _routed_columns(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    rows: list[torch.Tensor],
+    width_p: int,
+    width_r: int,
+) -> torch.Tensor:
+    """Per-row routed experts [positions, layers, k] -> [b, P + R, layers, k] aligned with the batch's columns;
+    pad columns repeat expert numbers 0..k-1 (never scored)."""
+    layers, k = rows[0].shape[1:]
+    out = torch.arange(k, dtype=torch.int16).expand(len(rows), width_p + width_r, layers, k).clone()
+    for i, (p, r, routed) in enumerate(zip(prompt_ids, response_ids, rows, strict=True)):
+        n = len(p) + len(r)
+        if routed.shape[0] < n:
+            raise ValueError(f"row {i}: routed experts for {routed.shape[0]} positions, the sample has {n}")
+        out[i, width_p - len(p) : width_p + len(r)] = routed[:n].to(torch.int16)
+    return out
 
 
 def pad_lists(rows: list[list[float]], width: int, value: float = 0.0) -> torch.Tensor:

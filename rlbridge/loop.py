@@ -112,7 +112,12 @@ def train_step(
             f"step {step}: rollouts of weight version {ro.weight_version} while the trainer is at {s.version}: "
             f"{staleness} versions old, more than rollout.max_staleness {r.rollout.ahead}"
         )
-    batch = SeqBatch.from_token_lists(ro.prompt_ids, ro.response_ids, s.pad_id)
+    if r.rollout.routing_replay and len(ro.routed_experts) != len(ro):
+        raise RlbridgeError(
+            f"step {step}: rollout.routing_replay is on but the rollout returned the routed experts of "
+            f"{len(ro.routed_experts)} of {len(ro)} samples"
+        )
+    batch = SeqBatch.from_token_lists(ro.prompt_ids, ro.response_ids, s.pad_id, ro.routed_experts)
     rollout_lp = pad_lists(ro.response_logprobs, batch.response_width)
     ref = None
     if r.algorithm.kl.coef > 0:  # in the loss, or in the reward (compute_advantages subtracts it there)
@@ -157,6 +162,8 @@ def train_step(
         **m,
         "kl": m.get("kl_loss", adv.metrics.get("kl_reward")),
         "tokens": int(batch.response_mask.sum()),
+        # rollout.routing_replay: positions (prompt + response) whose rollout routing the trainer replayed
+        **({} if batch.routed_experts is None else {"routing_replayed": int(batch.attention_mask.sum())}),
         "weight_version": s.version,
         "rollout_version": ro.weight_version,
         "staleness": staleness,
@@ -269,6 +276,7 @@ def _take(ro: Rollouts, idx: list[int]) -> Rollouts:
         [ro.finish_reasons[i] for i in idx],
         ro.weight_version,
         [ro.texts[i] for i in idx] if ro.texts else [],
+        [ro.routed_experts[i] for i in idx] if ro.routed_experts else [],
     )
 
 
@@ -280,6 +288,7 @@ def _cat(items: list[Rollouts]) -> Rollouts:
         [x for r in items for x in r.finish_reasons],
         items[-1].weight_version,
         [x for r in items for x in r.texts],
+        [x for r in items for x in r.routed_experts],
     )
 
 

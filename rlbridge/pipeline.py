@@ -15,7 +15,7 @@ resumed run sends generation e+k+1 with the checkpoint's weights v(e), as the un
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlbridge.batch import Rollouts
@@ -98,13 +98,13 @@ class RolloutSource:
             if item is None:
                 continue  # beyond run.steps
             ro = self._resolve(item)
-            items.append({"step": j, "rows": item.rows, "rollouts": asdict(ro)})
+            items.append({"step": j, "rows": item.rows, "rollouts": ro.to_json()})
         return data, items
 
     def restore(self, items: list[dict[str, Any]]) -> None:
         """The in-flight rollouts a checkpoint saved (async): steps e+1 .. e+k train on them."""
         for it in items:
-            ro = Rollouts(**it["rollouts"])
+            ro = Rollouts.from_json(it["rollouts"])
             self.pending[int(it["step"])] = Ahead(int(it["step"]), list(it["rows"]), None, None, ro)
 
     # ------------------------------------------------------------------ internals

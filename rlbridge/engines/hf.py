@@ -47,6 +47,7 @@ from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
+from rlbridge.engines.routing import replay_routing
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
@@ -238,7 +239,8 @@ class HFTrainEngine:
             model.eval()
             for start in range(0, batch.size, chunk):
                 sub = batch.select(slice(start, start + chunk)).to(self.device)
-                logp = token_logprobs(response_logits(model, sub), sub.response_ids)
+                with replay_routing(model, sub.routed_experts):
+                    logp = token_logprobs(response_logits(model, sub), sub.response_ids)
                 parts.append(_masked(logp, sub.response_mask))
         return torch.cat(parts).to(batch.input_ids.device)
 
@@ -284,10 +286,12 @@ class HFTrainEngine:
         sums: dict[str, float] = {}
         done = 0
         for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
-            loss, metrics = self._micro_step(batch, rows, loss_fn)
-            if not bool(torch.isfinite(loss.detach())):
-                return {k: v / max(done, 1) for k, v in sums.items()}, True
-            (loss / num_micro_batches).backward()
+            routed = None if batch.routed_experts is None else batch.routed_experts[rows]
+            with replay_routing(self.model, routed):  # the backward's recomputed forwards replay too
+                loss, metrics = self._micro_step(batch, rows, loss_fn)
+                if not bool(torch.isfinite(loss.detach())):
+                    return {k: v / max(done, 1) for k, v in sums.items()}, True
+                (loss / num_micro_batches).backward()
             done += 1
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)

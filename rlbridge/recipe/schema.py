@@ -145,6 +145,12 @@ class RolloutCfg(Section):
     in both trainers: rounding SmolLM2's logits (16-39) to bf16 alone moves log p by ~2e-2, most of the
     trainer-vs-rollout gap (bench/results/logprob_floor-*.md). Costs a float32 copy of the output layer's weight.
     A vLLM build without head_dtype for generation models keeps its bf16 head and says so in the rollout log."""
+    routing_replay: bool = False
+    """Mixture-of-experts models only: record the experts the rollout engine routed every token to (prompt and
+    response, each MoE layer's top-k) and make the trainer's forwards (old, reference and training log-probs)
+    use them instead of its own router's choice, so both sides route alike even where a rounding difference
+    flips a near-tied expert (docs/moe.md). The router's weights over the given experts are still its own.
+    Works with rollout.engine hf on any device and vllm on GPUs; vLLM's CPU build cannot return routed experts."""
     flashinfer_sampler: bool = False
     """vLLM's FlashInfer top-k/top-p sampling kernels (VLLM_USE_FLASHINFER_SAMPLER). They are compiled with nvcc
     the first time an engine starts on a machine: on a fresh H200 that silent step took 101 s of a 222 s start

@@ -15,6 +15,7 @@ the adapter is applied exactly as the peft trainer applies it (unmerged).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +27,7 @@ import torch
 from rlbridge.batch import Rollouts
 from rlbridge.engines.base import WeightExport
 from rlbridge.engines.moe import stack_expert_weights
+from rlbridge.engines.routing import RoutingRecorder
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.weights_dir import read_export_dir
@@ -91,7 +93,8 @@ class HFRollout:
             mask[i, width - len(row) :] = 1
         model = self._peft if self._peft is not None else self.model
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        recorder = RoutingRecorder(model) if self.cfg.routing_replay else None
+        with torch.random.fork_rng(devices=devices), recorder or contextlib.nullcontext():
             torch.manual_seed(self._seed + self._num_calls if seed is None else seed)
             self._num_calls += 1
             out = model.generate(
@@ -109,7 +112,10 @@ class HFRollout:
             ],
             dim=1,
         )
-        return self._to_rollouts(rows, new_bt, logprobs_bt, sampling.max_tokens)
+        out_ro = self._to_rollouts(rows, new_bt, logprobs_bt, sampling.max_tokens)
+        if recorder is not None:
+            out_ro.routed_experts = _per_sample(recorder.take(len(rows)), out_ro, width)
+        return out_ro
 
     def _generation_config(self, sampling: SamplingCfg) -> Any:
         from rlbridge.model.hf import GenerationConfig
@@ -210,6 +216,17 @@ class HFRollout:
         self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _per_sample(routed_bslk: torch.Tensor, ro: Rollouts, width: int) -> list[torch.Tensor]:
+    """The generation's routing [rows, left-padded prompt width + forwards after it, layers, k] -> per sample
+    [prompt + response positions, layers, k]. The last sampled token never ran through the model: its position
+    repeats the one before (arbitrary; no scored log-prob depends on it)."""
+    out = []
+    for i, (prompt, response) in enumerate(zip(ro.prompt_ids, ro.response_ids, strict=True)):
+        ran = routed_bslk[i, width - len(prompt) : width + len(response) - 1]
+        out.append(torch.cat([ran, ran[-1:]]).clone())
+    return out
 
 
 def _lora_config(config: dict[str, Any]) -> Any:

@@ -121,6 +121,30 @@ def reseed(set_random_seed: Any, seed: int, data_parallel_index: int = 0) -> Non
         set_random_seed(seed)
 
 
+def routed_experts(completion: Any, num_positions: int) -> Any:
+    """vLLM's `CompletionOutput.routed_experts` ([prompt + generated positions, MoE layers, k]; an array) as an
+    int16 tensor of `num_positions` rows (a missing last row repeats the one before: never scored)."""
+    import numpy as np
+    import torch
+
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None:
+        raise RuntimeError(
+            "rollout.routing_replay: this vLLM returned no routed_experts (needs enable_return_routed_experts "
+            "and Model Runner V2; seen working on vLLM 0.26 CUDA, not on the CPU build)"
+        )
+    t = torch.from_numpy(np.asarray(routed).astype(np.int16))
+    if t.dim() != 3 or t.shape[0] < num_positions - 1:
+        raise RuntimeError(
+            f"routed_experts of shape {tuple(t.shape)} for a sample of {num_positions} positions"
+        )
+    return (
+        torch.cat([t, t[-1:].expand(num_positions - t.shape[0], -1, -1)])
+        if t.shape[0] < num_positions
+        else t[:num_positions]
+    )
+
+
 def engine_kwargs(
     model_dir: str | Path,
     rollout_cfg: RolloutCfg,
@@ -149,6 +173,8 @@ def engine_kwargs(
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=cpu if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
     )
+    if rollout_cfg.routing_replay:  # CompletionOutput.routed_experts (vLLM 0.26 CUDA; not the CPU build)
+        kwargs["enable_return_routed_experts"] = True
     if rollout_cfg.float32_head and model_cfg.dtype in ("bfloat16", "float16"):
         kwargs["hf_overrides"] = {"head_dtype": "float32"}
     if adapter:
@@ -282,6 +308,8 @@ class VllmRollout:
                 )
                 out.finish_reasons.append(completion.finish_reason)
                 out.texts.append(completion.text)
+                if self.cfg.routing_replay:
+                    out.routed_experts.append(routed_experts(completion, len(prompt) + len(ids)))
         return out
 
     def _sampling_params(self, sampling: SamplingCfg) -> Any:

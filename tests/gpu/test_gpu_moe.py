@@ -11,7 +11,10 @@ dense counterpart, vLLM 0.26 CUDA rollouts (`bash scripts/gpu_check.sh moe`; doc
 3. `python -m bench.moe_logprob_gap --device cuda --rollout vllm --dtype bfloat16 float32 --steps 2`: that gap for the
    MoE and the dense model of the same size (figures).
 
-GPU time (estimate, one H200, eager vLLM): ~1 min for 1, ~2 min for 2, ~5 min for 3 (four runs).
+4. (written 2026-12-02, not yet run on a GPU) 2 with `rollout.routing_replay=true`: vLLM's routed experts replayed
+   by the trainer (docs/moe.md, "Routing replay").
+
+GPU time (estimate, one H200, eager vLLM): ~1 min for 1, ~2 min for 2, ~5 min for 3 (four runs), ~2 min for 4.
 CPU dry run (RLBRIDGE_GPU_TESTS_DEVICE=cpu): 1 is skipped (vLLM-CPU cannot sync MoE weights), 2-3 use hf rollouts.
 """
 
@@ -89,3 +92,34 @@ def test_moe_vs_dense_logprob_gap() -> None:
     for row in _json_doc(out)["rows"]:
         figure("moe_vs_dense_gap", **row)
         assert row["lp_diff_mean"] < 0.1, row
+
+
+def test_routing_replay_with_vllm(tmp_path: Path) -> None:
+    """Written 2026-12-02, not run on a GPU yet (docs/moe.md, "Routing replay"): vLLM returns each sample's routed
+    experts (`enable_return_routed_experts`), the megatron trainer replays them, 2 bf16 steps. GPU time: ~2 min."""
+    run_dir = tmp_path / "run"
+    sets = [
+        f"cluster.device={DEVICE}",
+        f"rollout.engine={ROLLOUT}",
+        "rollout.routing_replay=true",
+        "model.dtype=bfloat16",
+        "run.steps=2",
+        "data.val=null",
+        "rollout.gpu_memory_utilization=0.15",
+        "rollout.enforce_eager=true",
+        "run.health.max_logprob_diff=0.5",
+    ]
+    cmd = [python(), "-m", "rlbridge", "train", "recipes/moe-lora-cpu.yaml", "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    _run(cmd, 420)
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    figure(
+        "moe_replay_gap", steps=[(r["step"], r["logprob_diff_mean"], r["logprob_diff_max"]) for r in train]
+    )
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["skipped"] == 0 and r["grad_norm"] > 0, r
+        assert r["routing_replayed"] > r["tokens"], r  # prompt and response positions replayed
+        assert 0 <= r["logprob_diff_mean"] < 0.1, r

@@ -119,3 +119,30 @@ def check_exports(run_dir: Path, env: dict[str, str], tmp_path: Path) -> None:
     with torch.no_grad():
         ref, got = model(ids).logits, adapted(ids).logits
     assert float((got - ref).norm() / ref.norm()) < 1e-5  # measured 9.3e-7
+
+
+def test_routing_replay_through_the_cli(tmp_path: Path) -> None:
+    """`--set rollout.routing_replay=true` in bfloat16: the transformers rollout records every position's experts,
+    the megatron trainer replays them in each forward (tests/megatron/test_megatron_moe.py checks the replay
+    itself against transformers'), and the run trains."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLBRIDGE_CACHE": str(tmp_path / "cache")}
+    env.update(PYTHONWARNINGS="ignore", COLUMNS="200")
+    run_dir = tmp_path / "run"
+    sets = ["rollout.routing_replay=true", "model.dtype=bfloat16", "run.steps=2"]
+    sets += ["run.health.max_logprob_diff=null", "data.val=null"]  # bf16 gap > the recipe's float32 limit
+    cmd = [sys.executable, "-m", "rlbridge", "train", "recipes/moe-lora-cpu.yaml", "--run-dir", str(run_dir)]
+    res = subprocess.run(
+        cmd + [x for s in sets for x in ("--set", s)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["skipped"] == 0 and r["grad_norm"] > 0, r
+        assert r["routing_replayed"] > r["tokens"], r  # prompt and response positions

@@ -795,3 +795,21 @@ def _global_expert_grads(engine: Any, batch: SeqBatch) -> dict[str, torch.Tensor
     engine.optimizer.reload_model_params()
     grads = engine.gradients(batch, mean_logprob_loss(batch), num_micro_batches=2)
     return {key_of(n): g.clone() for n, g in grads.items()}
+
+
+def moe_replay_suite(model: str, routings: list[list]) -> dict[str, Any]:
+    """Routing replay (rollout.routing_replay) in the megatron engine: log-probs of the ragged batch routed by the
+    model itself, then with each of `routings` ([b, S, layers, k] lists) replayed, then one training step with the
+    last one replayed."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    recipe = make_recipe(model, lora=lora(), trainer=trainer(), rollout={"routing_replay": True})
+    engine = MegatronTrainEngine(recipe)
+    batch = ragged_batch(vocab=260)
+    res: dict[str, Any] = {"plain": engine.logprobs(batch), "replayed": []}
+    for routing in routings:
+        batch.routed_experts = torch.tensor(routing, dtype=torch.int16)
+        res["replayed"].append(engine.logprobs(batch))
+    res["step"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    engine.close()
+    return res

@@ -138,3 +138,30 @@ def test_logits_match_transformers_tp2_ep2(
         full = seq_batch(res["batch_full"])
         ref = logits(load_hf(moe_dir), full) if ref is None else ref
         assert rel(res["logits_init"], ref) < 1e-5
+
+
+def test_routing_replay_matches_transformers_replay(moe_dir: str, run_workers: Any) -> None:
+    """Replaying the routing transformers chose changes no log-prob; a forced different routing (every token's
+    experts shifted by one) gives the log-probs of transformers' forward with the same routing replayed
+    (rlbridge/engines/routing.py, tested against a hand-computed MoE block in tests/unit/test_routing_replay.py)."""
+    import torch
+    from megatron_workers import ragged_batch
+
+    from rlbridge.engines.hf import response_logits, token_logprobs
+    from rlbridge.engines.routing import RoutingRecorder, replay_routing
+
+    hf, batch = load_hf(moe_dir), ragged_batch(vocab=260)
+    with torch.no_grad(), RoutingRecorder(hf) as rec:
+        response_logits(hf, batch)
+    own = rec.take(batch.size)
+    forced = (own.long() + 1) % 4
+    with torch.no_grad(), replay_routing(hf, forced):
+        want = token_logprobs(response_logits(hf, batch), batch.response_ids) * batch.response_mask
+    res = run_workers(
+        "moe_replay_suite", 1, timeout=180, model=moe_dir, routings=[own.tolist(), forced.tolist()]
+    )[0]
+    plain, (mine, theirs) = res["plain"], res["replayed"]
+    torch.testing.assert_close(mine, plain, rtol=0, atol=1e-5)
+    assert (theirs - plain).abs().max() > 1e-2  # the forced routing moved the log-probs
+    torch.testing.assert_close(theirs, want.float(), rtol=0, atol=1e-4)
+    assert res["step"]["skipped"] == 0 and res["step"]["grad_norm"] > 0

@@ -416,3 +416,21 @@ def test_moe_expert_lora_checks(tmp_path: Path) -> None:
         base(model={"path": MOE}, lora=bad, trainer=hf, rollout__tensor_parallel=1, cluster__gpus_per_node=1),
     )
     assert {"lora.dropout", "lora.type", "lora.targets"} <= keys(issues), issues
+
+
+def test_routing_replay_checks(tmp_path: Path) -> None:
+    moe = {
+        "model": {"path": MOE},
+        "rollout__tensor_parallel": 4,
+        "trainer__parallel": {"tensor": 1, "expert": 8},
+    }
+    on = {"rollout__routing_replay": True}
+    assert check(tmp_path, base(**moe, **on)) == []  # vLLM on GPUs returns the routed experts
+    dense = check(tmp_path, base(**on))
+    assert keys(dense) == {"rollout.routing_replay"} and "no routed experts" in dense[0][1]
+    cpu = base(**moe, **on, cluster__device="cpu")
+    cpu["trainer"]["parallel"] = {"tensor": 1}
+    issues = check(tmp_path, cpu)
+    assert "Model Runner V2" in dict(issues)["rollout.routing_replay"], issues
+    cpu["rollout"]["engine"] = "hf"
+    assert check(tmp_path, cpu) == []  # transformers rollouts record the routing on any device

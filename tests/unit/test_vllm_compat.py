@@ -83,3 +83,30 @@ def test_flashinfer_sampler_follows_the_recipe_unless_the_user_set_the_variable(
     assert engine_env(RolloutCfg(), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert engine_env(RolloutCfg(flashinfer_sampler=True), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
     assert engine_env(RolloutCfg(), {"VLLM_USE_FLASHINFER_SAMPLER": "1"}) == {}
+
+
+def test_routing_replay_asks_vllm_for_the_routed_experts_and_reads_them():
+    """vLLM 0.26 CUDA returned CompletionOutput.routed_experts as an array [prompt + generated, layers, k]
+    (2026-12-02, bench/vllm_moe_reload.py); the last position may be missing (it never ran)."""
+    import types
+
+    import numpy as np
+    import pytest
+    import torch
+
+    from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+    from rlbridge.rollout.vllm import engine_kwargs, routed_experts
+
+    model = ModelCfg(path="m", dtype="bfloat16")
+    kw = engine_kwargs("m", RolloutCfg(routing_replay=True), model, lora_rank=0, seed=0, cpu=False)
+    assert kw["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine_kwargs(
+        "m", RolloutCfg(), model, lora_rank=0, seed=0, cpu=False
+    )
+    array = np.arange(17 * 2 * 2).reshape(17, 2, 2) % 4
+    got = routed_experts(types.SimpleNamespace(routed_experts=array), 17)
+    assert got.dtype == torch.int16 and torch.equal(got, torch.from_numpy(array).to(torch.int16))
+    short = routed_experts(types.SimpleNamespace(routed_experts=array[:16]), 17)
+    assert short.shape == (17, 2, 2) and torch.equal(short[16], short[15])
+    with pytest.raises(RuntimeError, match="returned no routed_experts"):
+        routed_experts(types.SimpleNamespace(routed_experts=None), 17)

@@ -39,6 +39,8 @@ class MicroBatch:
     """[n] indices of the real rows in the batch handed to the engine (n <= m: see pad_rows)."""
     prompt_width: int
     response_width: int
+    routed_experts: torch.Tensor | None = None
+    """[m, S, MoE layers, k]: the rollout's experts to replay (rollout.routing_replay), else None."""
 
 
 def attention_mask(valid_bs: torch.Tensor) -> torch.Tensor:
@@ -61,12 +63,14 @@ def split_micro_batches(
     """
     if not 1 <= num <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num}")
-    ids, valid, pos = batch.input_ids, batch.attention_mask, batch.position_ids
+    ids, valid, pos, routed = batch.input_ids, batch.attention_mask, batch.position_ids, batch.routed_experts
     extra = (-ids.shape[1]) % seq_multiple
     if extra:
         ids = torch.nn.functional.pad(ids, (0, extra))
         valid = torch.nn.functional.pad(valid, (0, extra))
         pos = torch.nn.functional.pad(pos, (0, extra))
+        if routed is not None:  # padded columns route like the last one (masked, never scored)
+            routed = torch.cat([routed, routed[:, -1:].expand(-1, extra, -1, -1)], dim=1)
     groups = list(torch.arange(batch.size).tensor_split(num))
     groups += [torch.zeros(0, dtype=torch.long)] * ((-num) % count_multiple)
     width = max(len(g) for g in groups)
@@ -83,9 +87,42 @@ def split_micro_batches(
                 rows=rows,
                 prompt_width=batch.prompt_width,
                 response_width=batch.response_width,
+                routed_experts=None if routed is None else routed[take],
             )
         )
     return out
+
+
+def set_routing_replay(chunk: torch.nn.Module, mb: MicroBatch) -> None:
+    """Make every MoE router of `chunk` take the micro-batch's replayed experts in its next forward (megatron-core's
+    RouterReplay, built when moe_enable_routing_replay is on), or its own top k when the micro-batch has none.
+    A router sees its tokens as [S, m] flattened (sequence-major); layer l of the model is MoE layer l (the models
+    rlbridge replays for, Qwen3-MoE, have experts in every layer)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from megatron.core.utils import unwrap_model
+
+    routed = mb.routed_experts
+    for layer in unwrap_model(chunk).decoder.layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, MoELayer):
+            continue
+        replay = mlp.router.router_replay
+        if replay is None:
+            if routed is None:
+                continue
+            raise RuntimeError("routing replay: the model was built without moe_enable_routing_replay")
+        if routed is None:
+            replay.router_replay_action = None
+            replay.target_topk_idx = None
+            continue
+        number = int(layer.layer_number) - 1
+        if number >= routed.shape[2]:
+            raise ValueError(
+                f"routing replay: experts for {routed.shape[2]} MoE layers, layer {number} is MoE"
+            )
+        replay.target_topk_idx = routed[:, :, number].transpose(0, 1).reshape(-1, routed.shape[-1]).long()
+        replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
 
 
 # ------------------------------------------------------------------------------ vocab-parallel math
@@ -188,6 +225,7 @@ def run_schedule(
 
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module) -> Any:
         mb = next(data_iterator)
+        set_routing_replay(chunk, mb)
         output = chunk(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
         return output, lambda out: stage_loss(out, mb)
 

@@ -295,5 +295,7 @@ def build(recipe: Recipe) -> Built:
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(provider, name, None):
             setattr(provider, name, 0.0 if name == "moe_aux_loss_coeff" else None)
+    if recipe.rollout.routing_replay:  # each router gets a RouterReplay (engines/megatron/forward.py sets it)
+        provider.moe_enable_routing_replay = True
     built.peft = make_peft(recipe, built.peft_settings)
     return built
