@@ -9,6 +9,9 @@ What it takes care of, so the loop does not have to:
   (`logits_to_keep`), log-softmax is never materialized (`gather - logsumexp`), and entropy comes from the
   same sliced logits without keeping a second [b, R, vocab] tensor for the backward pass. With a 49k
   vocabulary that output layer dominates both time and memory.
+- No compute on padding: micro-batches (and log-prob chunks) take rows of similar length and each forward
+  runs at its own rows' widths, not the whole batch's (rlbridge/engines/micro.py); per-token results are
+  padded back to the batch's R before the loss closure sees them, so the closure is unchanged.
 - Reference log-probs from the same model with adapters disabled under LoRA; under full fine-tuning a
   frozen copy of the initial weights is kept, but only when algorithm.kl.coef > 0 (it doubles the weight
   memory: one more copy of every parameter in model.dtype, e.g. 540 MB for SmolLM2-135M in float32).
@@ -22,7 +25,7 @@ What it takes care of, so the loop does not have to:
   adapters float32 on a 16-bit base, so under LoRA they are their own masters. docs/engines/hf.md.
 
 Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes and backpropagates
-`loss_fn(...) / num_micro_batches` for each, so the update follows the gradient of the *mean* of the
+`loss_fn(...) / num_micro_batches` for each (rows grouped by length: engines/micro.py), so the update follows the gradient of the *mean* of the
 micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure whose micro-batch losses already sum to
 the mini-batch loss multiplies by num_micro_batches (rlbridge.algo.objective does, with micro_scale).
 """
@@ -42,10 +45,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
+from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.weights import merge_lora
 from rlbridge.errors import RlbridgeError
@@ -131,6 +135,9 @@ class HFTrainEngine:
 
     LOSS_SCALED_BY_MICRO_BATCHES = True
     """train_step backpropagates loss_fn(...) / num_micro_batches (see the module docstring)."""
+    padding_free = True
+    """False: the former layout, index-order micro-batches and chunks at the full batch width (tests and
+    bench/update_padding.py compare the two)."""
 
     def __init__(
         self, recipe: Recipe, model_dir: Path, *, device: str = "cpu", total_steps: int | None = None
@@ -233,14 +240,16 @@ class HFTrainEngine:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per forward pass; returned on the batch's device."""
         chunk = self.recipe.trainer.logprob_chunk_size
-        parts: list[Tensor] = []
+        out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
         with self._scoring_model(reference) as model:
             model.eval()
-            for start in range(0, batch.size, chunk):
-                sub = batch.select(slice(start, start + chunk)).to(self.device)
+            for rows in chunk_rows(batch, chunk, by_length=self.padding_free):
+                sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
                 logp = token_logprobs(response_logits(model, sub), sub.response_ids)
-                parts.append(_masked(logp, sub.response_mask))
-        return torch.cat(parts).to(batch.input_ids.device)
+                out[rows.to(out.device)] = pad_columns(
+                    _masked(logp, sub.response_mask), batch.response_width
+                ).to(out.device)
+        return out
 
     @contextlib.contextmanager
     def _scoring_model(self, reference: bool) -> Iterator[nn.Module]:
@@ -277,13 +286,12 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        if not 1 <= num_micro_batches <= batch.size:
-            raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
+        groups = micro_batch_rows(batch, num_micro_batches, by_length=self.padding_free)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         done = 0
-        for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
+        for rows in groups:
             loss, metrics = self._micro_step(batch, rows, loss_fn)
             if not bool(torch.isfinite(loss.detach())):
                 return {k: v / max(done, 1) for k, v in sums.items()}, True
@@ -294,7 +302,7 @@ class HFTrainEngine:
         return {k: v / done for k, v in sums.items()}, False
 
     def _micro_step(self, batch: SeqBatch, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, dict[str, float]]:
-        sub = batch.select(rows).to(self.device)
+        sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
         logits = response_logits(self.model, sub)
         logp = _masked(token_logprobs(logits, sub.response_ids), sub.response_mask)
         if self.recipe.algorithm.entropy_coef > 0:
@@ -303,7 +311,10 @@ class HFTrainEngine:
         else:
             with torch.no_grad():
                 entropy = token_entropy(logits)
-        return loss_fn(logp, _masked(entropy, sub.response_mask), rows)
+        width = batch.response_width  # the closure indexes [b, R] tensors: trimmed columns come back as 0
+        return loss_fn(
+            pad_columns(logp, width), pad_columns(_masked(entropy, sub.response_mask), width), rows
+        )
 
     def _apply_update(self, bad_loss: bool) -> dict[str, Any]:
         """Check, clip, step; or skip and name what was not finite."""
