@@ -92,10 +92,6 @@ class SeqBatch:
             prompt_width=p - start,
         )
 
-    def real_tokens(self) -> torch.Tensor:
-        """[b] number of real (attended) tokens per row, prompt and response."""
-        return self.attention_mask.sum(dim=1)
-
     def to(self, device: Any) -> SeqBatch:
         return SeqBatch(
             self.input_ids.to(device),

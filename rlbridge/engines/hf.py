@@ -139,6 +139,11 @@ class HFTrainEngine:
     """False: the former layout, index-order micro-batches and chunks at the full batch width (tests and
     bench/update_padding.py compare the two)."""
 
+    @property
+    def _max_tokens(self) -> int | None:
+        """trainer.max_tokens_per_micro_batch: passes by token budget (engines/micro.py budget_rows)."""
+        return self.recipe.trainer.max_tokens_per_micro_batch
+
     def __init__(
         self, recipe: Recipe, model_dir: Path, *, device: str = "cpu", total_steps: int | None = None
     ) -> None:
@@ -269,7 +274,8 @@ class HFTrainEngine:
     # ------------------------------------------------------------------------------ training
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
         """One optimizer step over `batch` split into `num_micro_batches` row groups (sizes differ by at
-        most one). Metrics: loss_fn's metrics averaged over micro-batches, grad_norm (before clipping),
+        most one), or into as many as trainer.max_tokens_per_micro_batch needs (each pass's loss still divided
+        by num_micro_batches: engines/micro.py). Metrics: loss_fn's metrics averaged over micro-batches, grad_norm (before clipping),
         lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list of names)."""
         metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
         metrics.update(self._apply_update(bad_loss))
@@ -286,7 +292,9 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        groups = micro_batch_rows(batch, num_micro_batches, by_length=self.padding_free)
+        groups = micro_batch_rows(
+            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}

@@ -43,6 +43,10 @@ class HFCritic:
     padding_free = True
     """As HFTrainEngine.padding_free: rows grouped by length, each forward at its rows' own widths."""
 
+    @property
+    def _max_tokens(self) -> int | None:
+        return self.recipe.trainer.max_tokens_per_micro_batch
+
     def __init__(self, recipe: Recipe, model_dir: Path, *, device: str = "cpu") -> None:
         self.recipe = recipe
         self.device = torch.device(device)
@@ -165,7 +169,9 @@ class HFCritic:
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for rows in micro_batch_rows(batch, num_micro_batches, by_length=self.padding_free):
+        for rows in micro_batch_rows(
+            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+        ):
             loss, metrics = loss_fn(self._padded_values(batch, rows), rows)
             if not bool(torch.isfinite(loss.detach())):
                 return sums, True

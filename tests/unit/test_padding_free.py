@@ -26,7 +26,7 @@ from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.hf import HFTrainEngine
 from rlbridge.engines.hf_critic import HFCritic
-from rlbridge.engines.micro import micro_batch_rows
+from rlbridge.engines.micro import budget_rows, micro_batch_rows
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.tiny_llama import build_tiny_llama
 
@@ -52,13 +52,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def recipe(model_dir: Path, algorithm: dict[str, Any]) -> Recipe:
+def recipe(model_dir: Path, algorithm: dict[str, Any], max_tokens: int | None = None) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "t",
             "model": {"path": str(model_dir), "dtype": "float32"},
             "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
-            "trainer": {"logprob_chunk_size": 3, "optim": {"lr": 1e-2}},
+            "trainer": {
+                "logprob_chunk_size": 3,
+                "optim": {"lr": 1e-2},
+                "max_tokens_per_micro_batch": max_tokens,
+            },
             "rollout": {"n": 2, "max_response_tokens": 32},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "algorithm": algorithm,
@@ -128,11 +132,11 @@ def test_micro_batches_group_rows_by_length_with_the_former_sizes() -> None:
     former = list(torch.arange(batch.size).tensor_split(NUM_MICRO))
     assert [len(g) for g in groups] == [len(g) for g in former]
     assert sorted(torch.cat(groups).tolist()) == list(range(batch.size))
-    lengths = batch.real_tokens()
-    assert all(lengths[a].max() <= lengths[b].min() for a, b in zip(groups, groups[1:], strict=False))
+    responses = batch.attention_mask[:, batch.prompt_width :].sum(dim=1)
+    assert all(responses[a].max() <= responses[b].min() for a, b in zip(groups, groups[1:], strict=False))
     full = batch.size * batch.input_ids.shape[1]
     trimmed = sum(len(g) * batch.select(g).trimmed().input_ids.shape[1] for g in groups)
-    assert trimmed < 0.7 * full  # the point of it: 170 of 248 token slots here
+    assert trimmed < 0.7 * full  # the point of it: 154 of 248 token positions here
 
 
 @pytest.mark.parametrize(
@@ -195,8 +199,26 @@ def test_a_per_micro_batch_mean_is_not_grouping_invariant(model_dir: Path) -> No
         assert_grads_close(got, want)
 
 
-def test_ppo_policy_and_critic_match_the_padded_micro_batches(model_dir: Path) -> None:
-    r = recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}, "entropy_coef": 0.01})
+def test_token_budget_groups_fit_the_budget() -> None:
+    batch = spread_batch()
+    for budget in (1, 24, 48, 1000):
+        groups = budget_rows(batch, budget)
+        assert sorted(torch.cat(groups).tolist()) == list(range(batch.size))
+        sizes = [batch.select(g).trimmed().input_ids.numel() for g in groups]
+        assert all(size <= budget or len(g) == 1 for size, g in zip(sizes, groups, strict=True)), sizes
+    assert len(budget_rows(batch, 1)) == batch.size and len(budget_rows(batch, 1000)) == 1
+
+
+@pytest.mark.parametrize("max_tokens", [None, 48], ids=["micro_batch_size", "token-budget"])
+def test_ppo_policy_and_critic_match_the_padded_micro_batches(
+    model_dir: Path, max_tokens: int | None
+) -> None:
+    """With a token budget the passes differ in number too (5 here, against 3 nominal): still exact."""
+    r = recipe(
+        model_dir,
+        {"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}, "entropy_coef": 0.01},
+        max_tokens=max_tokens,
+    )
     engine, critic = HFTrainEngine(r, model_dir), HFCritic(r, model_dir)
     perturb_lora_b(engine.trainable_state(), engine.load_trainable_state)
     perturb_lora_b(critic.trainable_state(), critic.load_trainable_state)
