@@ -27,6 +27,8 @@ from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.hf import HFTrainEngine
 from rlbridge.engines.hf_critic import HFCritic
 from rlbridge.engines.micro import budget_rows, micro_batch_rows
+from rlbridge.model.info import ModelInfo
+from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.tiny_llama import build_tiny_llama
 
@@ -256,3 +258,27 @@ def test_ppo_policy_and_critic_match_the_padded_micro_batches(
             assert losses[i][0] != 0.0
         assert_grads_close(got_policy, want_policy, tol)
         assert_grads_close(got_critic, want_critic, tol)
+
+
+def test_plan_bounds_activations_by_the_token_budget() -> None:
+    info = ModelInfo(
+        architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
+        kv_heads=3, head_dim=64, vocab=49152, max_positions=8192, tied_embeddings=True,
+    )  # fmt: skip
+    rollout = {"n": 2, "max_prompt_tokens": 256, "max_response_tokens": 768}  # sequences of up to 1024 tokens
+
+    def activations(**trainer: Any) -> float:
+        raw = {
+            "name": "t",
+            "model": {"path": "x", "dtype": "float32"},
+            "trainer": {"engine": "hf", **trainer},
+            "rollout": rollout,
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+            "cluster": {"device": "cpu"},
+        }
+        memory = make_plan(Recipe.model_validate(raw), info).memory
+        assert memory is not None
+        return memory.activations
+
+    assert activations(max_tokens_per_micro_batch=4096) == pytest.approx(activations(micro_batch_size=4))
+    assert activations(max_tokens_per_micro_batch=100) == pytest.approx(activations(micro_batch_size=1))
