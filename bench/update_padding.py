@@ -10,7 +10,8 @@ fine-tuning) on a random-weight model of bench/trainer_gpu.py's shapes (`--layer
 the CPU run uses fewer to finish in minutes). tokens/s counts the real prompt + response tokens of a step
 (what both layouts train on); `slots` counts the token positions the forward passes compute, padding
 included; `head_positions` those the output layer runs on (rows x (response width + 1)), which dominate
-with few layers and a large vocabulary (the CPU run). The two layouts give the same gradient (tests/unit/test_padding_free.py), so only time differs.
+with few layers and a large vocabulary (the CPU run). The two layouts give the same gradient
+(tests/unit/test_padding_free.py), so only time differs.
 
     python bench/update_padding.py [--model smollm2-135m] [--layers 30] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--batch 16] [--micro 4] [--lora-rank 16] [--warmup 1] [--steps 3]
@@ -172,7 +173,8 @@ def main() -> None:
     report(f"update_padding-{device}", result, rows, save=not args.no_save)
     for row in rows[1:]:
         print(
-            f"{row['layout']} / padded tokens/s: {row['speedup']:.2f}x ({rows[0]['slots'] / row['slots']:.2f}x fewer positions)"
+            f"{row['layout']} / padded tokens/s: {row['speedup']:.2f}x "
+            f"({rows[0]['slots'] / row['slots']:.2f}x fewer positions)"
         )
 
 

@@ -123,8 +123,8 @@ class SeqBatch:
 
 
 def pad_columns(x_bt: torch.Tensor, width: int) -> torch.Tensor:
-    """[b, width] from [b, t <= width]: zeros appended on the right (differentiable); `x_bt` itself when t == width.
-    Brings per-token results of a `SeqBatch.trimmed` batch back to the untrimmed response width."""
+    """[b, width] from [b, t <= width]: zeros appended on the right (differentiable); `x_bt` itself when
+    t == width. Brings per-token results of a `SeqBatch.trimmed` batch back to the untrimmed response width."""
     missing = width - int(x_bt.shape[1])
     if missing < 0:
         raise ValueError(f"cannot pad {int(x_bt.shape[1])} columns down to {width}")

@@ -24,10 +24,12 @@ What it takes care of, so the loop does not have to:
   AdamW steps (moments float32 too) and checkpoints store (rlbridge/engines/master.py). peft keeps LoRA
   adapters float32 on a 16-bit base, so under LoRA they are their own masters. docs/engines/hf.md.
 
-Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes and backpropagates
-`loss_fn(...) / num_micro_batches` for each (rows grouped by length: engines/micro.py), so the update follows the gradient of the *mean* of the
-micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure whose micro-batch losses already sum to
-the mini-batch loss multiplies by num_micro_batches (rlbridge.algo.objective does, with micro_scale).
+Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes (rows grouped by
+length: engines/micro.py) and backpropagates `loss_fn(...) / num_micro_batches` for each, so the update
+follows the gradient of the *mean* of the micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure
+whose micro-batch losses already sum to the mini-batch loss multiplies by num_micro_batches
+(rlbridge.algo.objective does, with micro_scale); for such a closure any grouping of the rows, and any
+number of passes (trainer.max_tokens_per_micro_batch), gives the same gradient.
 """
 
 from __future__ import annotations
@@ -274,9 +276,10 @@ class HFTrainEngine:
     # ------------------------------------------------------------------------------ training
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
         """One optimizer step over `batch` split into `num_micro_batches` row groups (sizes differ by at
-        most one), or into as many as trainer.max_tokens_per_micro_batch needs (each pass's loss still divided
-        by num_micro_batches: engines/micro.py). Metrics: loss_fn's metrics averaged over micro-batches, grad_norm (before clipping),
-        lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list of names)."""
+        most one), or into as many as trainer.max_tokens_per_micro_batch needs (each pass's loss still
+        divided by num_micro_batches: engines/micro.py). Metrics: loss_fn's metrics averaged over the passes,
+        grad_norm (before clipping), lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list
+        of names)."""
         metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
         metrics.update(self._apply_update(bad_loss))
         return metrics

@@ -125,7 +125,7 @@ class HFCritic:
         return out
 
     def _padded_values(self, batch: SeqBatch, rows: Tensor) -> Tensor:
-        """[len(rows), R] values of the rows (0 on padding), computed at the rows' own widths when padding_free."""
+        """[len(rows), R] values of the rows (0 on padding), computed at the rows' own widths (padding_free)."""
         sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
         values = torch.where(sub.response_mask > 0, self._values(sub), 0.0)
         return pad_columns(values, batch.response_width)
@@ -164,21 +164,23 @@ class HFCritic:
     def _accumulate(
         self, batch: SeqBatch, loss_fn: ValueLossFn, num_micro_batches: int
     ) -> tuple[dict[str, float], bool]:
-        """Forward/backward every micro-batch into .grad: the metrics' means and whether a loss was not finite
-        (it stops there)."""
+        """Forward/backward every micro-batch into .grad: the metrics' means over the passes run and whether a
+        loss was not finite (it stops there)."""
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        done = 0
         for rows in micro_batch_rows(
             batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
         ):
             loss, metrics = loss_fn(self._padded_values(batch, rows), rows)
             if not bool(torch.isfinite(loss.detach())):
-                return sums, True
+                return {k: v / max(done, 1) for k, v in sums.items()}, True
             (loss / num_micro_batches).backward()
+            done += 1
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) / num_micro_batches
-        return sums, False
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return {k: v / done for k, v in sums.items()}, False
 
     # ---------------------------------------------------------------------- state for checkpoints
     def trainable_state(self) -> dict[str, Tensor]:
