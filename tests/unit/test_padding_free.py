@@ -8,7 +8,8 @@ tensor within 1e-5 relative Frobenius error and 1e-5 of the tensor's largest ent
 ~8e-7 for token-mean, up to 4e-6 with seq-mean + KL, whose terms cancel), log-probs and values atol 1e-5.
 With the model cast to float64 the gradients agree within 1e-6 (measured ~6e-16, or ~6e-8 with an entropy
 term: logits, entropies and losses stay float32): the float32 differences are rounding, not a changed loss.
-The negative control shows that the same comparison fails for a closure that is not a share of the
+A token budget (trainer.max_tokens_per_micro_batch: 5 passes here against 3 nominal) is held to the same
+tolerances (the PPO test). The negative control shows that the same comparison fails for a closure that is not a share of the
 mini-batch loss (a per-micro-batch mean), so the grouping really changes which rows share a micro-batch.
 """
 
