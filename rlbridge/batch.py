@@ -86,6 +86,32 @@ class SeqBatch:
             routed_experts=None if self.routed_experts is None else self.routed_experts[index],
         )
 
+    def trimmed(self) -> SeqBatch:
+        """The same rows without the columns that are padding (attention_mask 0) in every row: prompt columns on
+        the left, response columns on the right; one prompt and one response column are always kept. Real
+        tokens keep their ids, positions and attention: no real token attends a left padding column (masked) or
+        a right one (it comes later: causal), so every real position's output is unchanged up to float summation
+        order, and the dropped response columns held padding only. Callers bring per-token results back to the
+        original R with `pad_columns`."""
+        real = self.attention_mask > 0
+        p, r = self.prompt_width, self.response_width
+        prompt_cols = real[:, :p].any(dim=0)
+        start = int(prompt_cols.int().argmax()) if bool(prompt_cols.any()) else p
+        start = min(start, max(p - 1, 0))
+        response_cols = real[:, p:].any(dim=0) | (self.response_mask > 0).any(dim=0)
+        last = int(response_cols.nonzero().max()) + 1 if bool(response_cols.any()) else 0
+        end = p + max(last, min(r, 1))
+        if start == 0 and end == p + r:
+            return self
+        return SeqBatch(
+            input_ids=self.input_ids[:, start:end],
+            attention_mask=self.attention_mask[:, start:end],
+            position_ids=self.position_ids[:, start:end],
+            response_mask=self.response_mask[:, : end - p],
+            prompt_width=p - start,
+            routed_experts=None if self.routed_experts is None else self.routed_experts[:, start:end],
+        )
+
     def to(self, device: Any) -> SeqBatch:
         return SeqBatch(
             self.input_ids.to(device),
@@ -144,6 +170,15 @@ def _routed_columns(
             raise ValueError(f"row {i}: routed experts for {routed.shape[0]} positions, the sample has {n}")
         out[i, width_p - len(p) : width_p + len(r)] = routed[:n].to(torch.int16)
     return out
+
+
+def pad_columns(x_bt: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, width] from [b, t <= width]: zeros appended on the right (differentiable); `x_bt` itself when
+    t == width. Brings per-token results of a `SeqBatch.trimmed` batch back to the untrimmed response width."""
+    missing = width - int(x_bt.shape[1])
+    if missing < 0:
+        raise ValueError(f"cannot pad {int(x_bt.shape[1])} columns down to {width}")
+    return torch.nn.functional.pad(x_bt, (0, missing)) if missing else x_bt
 
 
 def pad_lists(rows: list[list[float]], width: int, value: float = 0.0) -> torch.Tensor:

@@ -255,22 +255,26 @@ def _critic_gib(
 
 
 def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
-    """Korthikanti et al. 2022 per-layer activation bytes, with recompute, plus fp32 logits of one micro-batch."""
+    """Korthikanti et al. 2022 per-layer activation bytes, with recompute, plus fp32 logits of one micro-batch.
+    With trainer.max_tokens_per_micro_batch a pass holds at most max(budget, one longest sequence) tokens of
+    sequences no longer than the longest: an upper bound in place of micro_batch_size full-length rows."""
     p = r.trainer.parallel
-    s, mb, h = b.max_sequence_tokens / p.context, r.trainer.micro_batch_size, m.hidden
-    per_layer = s * mb * h * (34 + 5 * m.heads * s / h) / p.tensor
+    s, h = b.max_sequence_tokens / p.context, m.hidden
+    budget = r.trainer.max_tokens_per_micro_batch
+    tokens = s * r.trainer.micro_batch_size if budget is None else max(budget / p.context, s)
+    per_layer = tokens * h * (34 + 5 * m.heads * s / h) / p.tensor
     granularity = r.trainer.recompute.granularity
     if granularity == "selective":
-        per_layer = s * mb * h * 34 / p.tensor
+        per_layer = tokens * h * 34 / p.tensor
     layers = m.layers / p.pipeline
     if granularity == "full":
-        act = layers * 2 * s * mb * h + per_layer  # checkpointed inputs + one layer recomputed
+        act = layers * 2 * tokens * h + per_layer  # checkpointed inputs + one layer recomputed
     else:
         act = layers * per_layer
     in_flight = min(
         p.pipeline, b.micro_batches_per_mini_batch
     )  # 1F1B keeps up to pp micro-batches on stage 0
-    logits = mb * s * m.vocab * 4 / p.tensor
+    logits = tokens * m.vocab * 4 / p.tensor
     return act * in_flight + logits
 
 

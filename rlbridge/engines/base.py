@@ -16,7 +16,8 @@ from rlbridge.batch import SeqBatch
 from rlbridge.errors import RlbridgeError
 
 # loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
-# inside the batch passed to train_step, so the closure can slice advantages / old log-probs itself.
+# inside the batch passed to train_step (any subset in any order: the hf engine groups rows by length), so the
+# closure can slice advantages / old log-probs itself; the tensors it gets are [len(rows), R] at the batch's R.
 # Every engine backpropagates loss_fn(...) / num_micro_batches for each micro-batch.
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 

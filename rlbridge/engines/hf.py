@@ -9,6 +9,9 @@ What it takes care of, so the loop does not have to:
   (`logits_to_keep`), log-softmax is never materialized (`gather - logsumexp`), and entropy comes from the
   same sliced logits without keeping a second [b, R, vocab] tensor for the backward pass. With a 49k
   vocabulary that output layer dominates both time and memory.
+- No compute on padding: micro-batches (and log-prob chunks) take rows of similar length and each forward
+  runs at its own rows' widths, not the whole batch's (rlbridge/engines/micro.py); per-token results are
+  padded back to the batch's R before the loss closure sees them, so the closure is unchanged.
 - Reference log-probs from the same model with adapters disabled under LoRA; under full fine-tuning a
   frozen copy of the initial weights is kept, but only when algorithm.kl.coef > 0 (it doubles the weight
   memory: one more copy of every parameter in model.dtype, e.g. 540 MB for SmolLM2-135M in float32).
@@ -21,10 +24,12 @@ What it takes care of, so the loop does not have to:
   AdamW steps (moments float32 too) and checkpoints store (rlbridge/engines/master.py). peft keeps LoRA
   adapters float32 on a 16-bit base, so under LoRA they are their own masters. docs/engines/hf.md.
 
-Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes and backpropagates
-`loss_fn(...) / num_micro_batches` for each, so the update follows the gradient of the *mean* of the
-micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure whose micro-batch losses already sum to
-the mini-batch loss multiplies by num_micro_batches (rlbridge.algo.objective does, with micro_scale).
+Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes (rows grouped by
+length: engines/micro.py) and backpropagates `loss_fn(...) / num_micro_batches` for each, so the update
+follows the gradient of the *mean* of the micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`). A closure
+whose micro-batch losses already sum to the mini-batch loss multiplies by num_micro_batches
+(rlbridge.algo.objective does, with micro_scale); for such a closure any grouping of the rows, and any
+number of passes (trainer.max_tokens_per_micro_batch), gives the same gradient.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
+from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
 from rlbridge.engines.weights import merge_lora
@@ -132,6 +138,14 @@ class HFTrainEngine:
 
     LOSS_SCALED_BY_MICRO_BATCHES = True
     """train_step backpropagates loss_fn(...) / num_micro_batches (see the module docstring)."""
+    padding_free = True
+    """False: the former layout, index-order micro-batches and chunks at the full batch width (tests and
+    bench/update_padding.py compare the two)."""
+
+    @property
+    def _max_tokens(self) -> int | None:
+        """trainer.max_tokens_per_micro_batch: passes by token budget (engines/micro.py budget_rows)."""
+        return self.recipe.trainer.max_tokens_per_micro_batch
 
     def __init__(
         self, recipe: Recipe, model_dir: Path, *, device: str = "cpu", total_steps: int | None = None
@@ -234,15 +248,17 @@ class HFTrainEngine:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per forward pass; returned on the batch's device."""
         chunk = self.recipe.trainer.logprob_chunk_size
-        parts: list[Tensor] = []
+        out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
         with self._scoring_model(reference) as model:
             model.eval()
-            for start in range(0, batch.size, chunk):
-                sub = batch.select(slice(start, start + chunk)).to(self.device)
+            for rows in chunk_rows(batch, chunk, by_length=self.padding_free):
+                sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
                 with replay_routing(model, sub.routed_experts):
                     logp = token_logprobs(response_logits(model, sub), sub.response_ids)
-                parts.append(_masked(logp, sub.response_mask))
-        return torch.cat(parts).to(batch.input_ids.device)
+                out[rows.to(out.device)] = pad_columns(
+                    _masked(logp, sub.response_mask), batch.response_width
+                ).to(out.device)
+        return out
 
     @contextlib.contextmanager
     def _scoring_model(self, reference: bool) -> Iterator[nn.Module]:
@@ -262,8 +278,10 @@ class HFTrainEngine:
     # ------------------------------------------------------------------------------ training
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
         """One optimizer step over `batch` split into `num_micro_batches` row groups (sizes differ by at
-        most one). Metrics: loss_fn's metrics averaged over micro-batches, grad_norm (before clipping),
-        lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list of names)."""
+        most one), or into as many as trainer.max_tokens_per_micro_batch needs (each pass's loss still
+        divided by num_micro_batches: engines/micro.py). Metrics: loss_fn's metrics averaged over the passes,
+        grad_norm (before clipping), lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list
+        of names)."""
         metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
         metrics.update(self._apply_update(bad_loss))
         return metrics
@@ -279,16 +297,19 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        if not 1 <= num_micro_batches <= batch.size:
-            raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
+        groups = micro_batch_rows(
+            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         done = 0
-        for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
-            routed = None if batch.routed_experts is None else batch.routed_experts[rows]
-            with replay_routing(self.model, routed):  # the backward's recomputed forwards replay too
-                loss, metrics = self._micro_step(batch, rows, loss_fn)
+        for rows in groups:
+            sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
+            with replay_routing(
+                self.model, sub.routed_experts
+            ):  # the backward's recomputed forwards replay too
+                loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width)
                 if not bool(torch.isfinite(loss.detach())):
                     return {k: v / max(done, 1) for k, v in sums.items()}, True
                 (loss / num_micro_batches).backward()
@@ -297,8 +318,10 @@ class HFTrainEngine:
                 sums[key] = sums.get(key, 0.0) + float(value)
         return {k: v / done for k, v in sums.items()}, False
 
-    def _micro_step(self, batch: SeqBatch, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, dict[str, float]]:
-        sub = batch.select(rows).to(self.device)
+    def _micro_step(
+        self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        """`sub`: the rows' forward batch (forward_batch); `width`: the full batch's R, which the closure indexes."""
         logits = response_logits(self.model, sub)
         logp = _masked(token_logprobs(logits, sub.response_ids), sub.response_mask)
         if self.recipe.algorithm.entropy_coef > 0:
@@ -307,7 +330,10 @@ class HFTrainEngine:
         else:
             with torch.no_grad():
                 entropy = token_entropy(logits)
-        return loss_fn(logp, _masked(entropy, sub.response_mask), rows)
+        # the closure indexes [b, R] tensors: trimmed columns come back as 0
+        return loss_fn(
+            pad_columns(logp, width), pad_columns(_masked(entropy, sub.response_mask), width), rows
+        )
 
     def _apply_update(self, bad_loss: bool) -> dict[str, Any]:
         """Check, clip, step; or skip and name what was not finite."""

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.master import MasterWeights
+from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state
 from rlbridge.model.hf import AutoModel, LoraConfig, PreTrainedModel, get_peft_model, hf_logging
 from rlbridge.recipe.schema import Recipe
@@ -38,6 +39,13 @@ from rlbridge.recipe.targets import hf_targets
 
 class HFCritic:
     """Values of response tokens and critic updates (see the module docstring)."""
+
+    padding_free = True
+    """As HFTrainEngine.padding_free: rows grouped by length, each forward at its rows' own widths."""
+
+    @property
+    def _max_tokens(self) -> int | None:
+        return self.recipe.trainer.max_tokens_per_micro_batch
 
     def __init__(self, recipe: Recipe, model_dir: Path, *, device: str = "cpu") -> None:
         self.recipe = recipe
@@ -110,32 +118,24 @@ class HFCritic:
     def values(self, batch: SeqBatch) -> Tensor:
         """[b, R] float32 values of the response tokens (0 on padding), `trainer.logprob_chunk_size` rows
         per forward pass, on the batch's device."""
-        chunk = self.recipe.trainer.logprob_chunk_size
         self.module.eval()
-        parts: list[Tensor] = []
-        for start in range(0, batch.size, chunk):
-            sub = batch.select(slice(start, start + chunk)).to(self.device)
-            parts.append(torch.where(sub.response_mask > 0, self._values(sub), 0.0))
-        return torch.cat(parts).to(batch.input_ids.device)
+        out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
+        for rows in chunk_rows(batch, self.recipe.trainer.logprob_chunk_size, by_length=self.padding_free):
+            out[rows.to(out.device)] = self._padded_values(batch, rows).to(out.device)
+        return out
+
+    def _padded_values(self, batch: SeqBatch, rows: Tensor) -> Tensor:
+        """[len(rows), R] values of the rows (0 on padding), computed at the rows' own widths (padding_free)."""
+        sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
+        values = torch.where(sub.response_mask > 0, self._values(sub), 0.0)
+        return pad_columns(values, batch.response_width)
 
     # ------------------------------------------------------------------------------ training
     def train_step(self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int) -> dict[str, Any]:
         """One critic optimizer step over `batch` in the same micro-batches as the policy's train_step
         (backpropagating loss_fn(...) / num_micro_batches each). A non-finite loss or gradient skips the step.
         Metrics (prefixed): the loss closure's, critic_grad_norm (before clipping), critic_skipped."""
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        bad = False
-        for rows in torch.arange(batch.size).tensor_split(num_micro_batches):
-            sub = batch.select(rows).to(self.device)
-            loss, metrics = loss_fn(torch.where(sub.response_mask > 0, self._values(sub), 0.0), rows)
-            if not bool(torch.isfinite(loss.detach())):
-                bad = True
-                break
-            (loss / num_micro_batches).backward()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) / num_micro_batches
+        sums, bad = self._accumulate(batch, loss_fn, num_micro_batches)
         params = [p for _, p in self._trainable]
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
@@ -151,6 +151,36 @@ class HFCritic:
         self.master.to_model()
         self.num_optimizer_steps += 1
         return out
+
+    def gradients(
+        self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int
+    ) -> dict[str, Tensor]:
+        """The accumulated gradient train_step would clip and apply, without stepping (tests, diagnostics)."""
+        self._accumulate(batch, loss_fn, num_micro_batches)
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in self._trainable}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def _accumulate(
+        self, batch: SeqBatch, loss_fn: ValueLossFn, num_micro_batches: int
+    ) -> tuple[dict[str, float], bool]:
+        """Forward/backward every micro-batch into .grad: the metrics' means over the passes run and whether a
+        loss was not finite (it stops there)."""
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        done = 0
+        for rows in micro_batch_rows(
+            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+        ):
+            loss, metrics = loss_fn(self._padded_values(batch, rows), rows)
+            if not bool(torch.isfinite(loss.detach())):
+                return {k: v / max(done, 1) for k, v in sums.items()}, True
+            (loss / num_micro_batches).backward()
+            done += 1
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return {k: v / done for k, v in sums.items()}, False
 
     # ---------------------------------------------------------------------- state for checkpoints
     def trainable_state(self) -> dict[str, Tensor]:

@@ -460,6 +460,16 @@ def check_batches(r: Recipe, out: Issues) -> None:
                 fix=f"set trainer.micro_batch_size to {_choices(divisors(per_rank))}",
             )
         )
+    if r.trainer.max_tokens_per_micro_batch is not None and r.trainer.engine != "hf":
+        out.append(
+            RecipeIssue(
+                "trainer.max_tokens_per_micro_batch",
+                f"the {r.trainer.engine} engine forms micro-batches of micro_batch_size sequences; a token "
+                "budget is the hf engine's",
+                value=str(r.trainer.max_tokens_per_micro_batch),
+                fix="remove trainer.max_tokens_per_micro_batch (or set trainer.engine: hf)",
+            )
+        )
     if r.run.save_every > r.run.steps:
         out.append(
             RecipeIssue(

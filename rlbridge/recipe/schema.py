@@ -104,6 +104,12 @@ class TrainerCfg(Section):
     optim: OptimCfg = OptimCfg()
     micro_batch_size: PositiveInt = 1
     """Sequences per forward/backward pass on one data-parallel rank."""
+    max_tokens_per_micro_batch: PositiveInt | None = None
+    """hf engine: form forward/backward passes by a token budget instead of micro_batch_size. Rows sorted by
+    length are put together while rows x (longest prompt + longest response among them) stays within the
+    budget (a longer row gets a pass of its own), so short rows share larger passes. The update's gradient
+    is unchanged (the loss closure returns each pass's share of the mini-batch loss); per-pass metrics are
+    averaged over the passes actually run. null: micro_batch_size sequences per pass."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
     distributed_optimizer: bool = False

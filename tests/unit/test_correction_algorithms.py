@@ -133,8 +133,12 @@ def test_corrected_gradient_is_the_gradient_of_reweighted_advantages(
         ),
         num_micro_batches=2,
     )
+    # `factor` comes from t.logprobs (no-gradient chunks), the closure's weights from the training passes: with
+    # passes at their rows' own widths (engines/micro.py) the two log-probs differ in float32 rounding, so the
+    # absolute tolerance is 1e-6 of the tensor's largest entry (measured: 5e-7; 7e-7 with full-width passes)
     for name, g in got.items():
-        torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-7, msg=name)
+        w = want[name]
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * float(w.abs().max()), msg=name)
     moved = sum(float((got[n] - plain[n]).norm()) for n in got) / sum(float(plain[n].norm()) for n in got)
     assert moved > 0.05, moved  # negative control: the correction changes the gradient
 

@@ -16,6 +16,7 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf import HFTrainEngine, response_logits
+from rlbridge.engines.micro import micro_batch_rows
 from rlbridge.engines.moe import expert_report
 from rlbridge.engines.weights import save_hf
 from rlbridge.model.info import SHORT_NAMES
@@ -130,9 +131,12 @@ def test_lora_on_attention_and_on_every_expert(trained: dict[str, Any]) -> None:
 def test_every_routed_expert_trains_and_the_router_stays_frozen(trained: dict[str, Any]) -> None:
     assert all(s["skipped"] == 0.0 and s["grad_norm"] > 0 for s in trained["steps"])
     routed = trained["routed"]
-    # 2 steps x 2 layers x top-2 x every position of the padded batch (padding goes through the router too); the
-    # log-prob forward without gradients is not counted
-    assert sum(routed.values()) == 2 * LAYERS * 2 * trained["batch"].input_ids.numel(), routed
+    # 2 steps x 2 layers x top-2 x every position the training forwards compute (padding goes through the router
+    # too, but only the micro-batches' own widths: engines/micro.py); the log-prob forward is not counted
+    batch = trained["batch"]
+    positions = sum(batch.select(rows).trimmed().input_ids.numel() for rows in micro_batch_rows(batch, 2))
+    assert positions < batch.input_ids.numel()  # the trimmed micro-batches skip some padding
+    assert sum(routed.values()) == 2 * LAYERS * 2 * positions, routed
     report = trained["report"]
     assert report.dead == [] and report.unrouted == []
     assert report.trained == [(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)]

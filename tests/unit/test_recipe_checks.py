@@ -147,6 +147,13 @@ CASES = [
         {"trainer__micro_batch_size": 4},
     ),
     (
+        "token budget on megatron",
+        {"trainer__max_tokens_per_micro_batch": 4096},
+        "trainer.max_tokens_per_micro_batch",
+        "a token budget is the hf engine's",
+        {},
+    ),
+    (
         "mini batch does not split over dp",
         {"data__batch_size": 1, "rollout__n": 2},
         "data.mini_batch_size",
