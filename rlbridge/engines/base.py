@@ -142,6 +142,16 @@ class Critic(Protocol):
     def load_optimizer_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
 
+def take_gradients(
+    params: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Copies of the accumulated .grad of the named parameters (zeros where none), which are then cleared: what
+    an engine's or a critic's `gradients` returns instead of stepping."""
+    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params}
+    optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
 def load_named(
     params: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor], what: str
 ) -> None:

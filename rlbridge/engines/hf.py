@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
-from rlbridge.engines.base import LossFn, WeightExport, load_named
+from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
@@ -289,9 +289,7 @@ class HFTrainEngine:
     def gradients(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Tensor]:
         """The accumulated gradient train_step would clip and apply, without stepping (tests, diagnostics)."""
         self._accumulate(batch, loss_fn, num_micro_batches)
-        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in self._trainable}
-        self.optimizer.zero_grad(set_to_none=True)
-        return grads
+        return take_gradients(self._trainable, self.optimizer)
 
     def _accumulate(
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
@@ -306,9 +304,8 @@ class HFTrainEngine:
         done = 0
         for rows in groups:
             sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
-            with replay_routing(
-                self.model, sub.routed_experts
-            ):  # the backward's recomputed forwards replay too
+            # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
+            with replay_routing(self.model, sub.routed_experts):
                 loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width)
                 if not bool(torch.isfinite(loss.detach())):
                     return {k: v / max(done, 1) for k, v in sums.items()}, True

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import ValueLossFn, load_named
+from rlbridge.engines.base import ValueLossFn, load_named, take_gradients
 from rlbridge.engines.master import MasterWeights
 from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state
@@ -157,9 +157,7 @@ class HFCritic:
     ) -> dict[str, Tensor]:
         """The accumulated gradient train_step would clip and apply, without stepping (tests, diagnostics)."""
         self._accumulate(batch, loss_fn, num_micro_batches)
-        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in self._trainable}
-        self.optimizer.zero_grad(set_to_none=True)
-        return grads
+        return take_gradients(self._trainable, self.optimizer)
 
     def _accumulate(
         self, batch: SeqBatch, loss_fn: ValueLossFn, num_micro_batches: int

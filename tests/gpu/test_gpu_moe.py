@@ -61,11 +61,12 @@ def test_vllm_reloads_moe_weights_and_routed_experts() -> None:
     assert "routed_match 1.000" in rows["routed_experts"]["note"], rows["routed_experts"]
 
 
-def test_grpo_moe_lora_cli(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _train_moe(run_dir: Path, *extra: str) -> list[dict]:
+    """`rlbridge train recipes/moe-lora-cpu.yaml` on this device in bf16, 2 steps: its train records."""
     sets = [
         f"cluster.device={DEVICE}",
         f"rollout.engine={ROLLOUT}",
+        *extra,
         "model.dtype=bfloat16",
         "run.steps=2",
         "data.val=null",
@@ -77,8 +78,12 @@ def test_grpo_moe_lora_cli(tmp_path: Path) -> None:
     for s in sets:
         cmd += ["--set", s]
     _run(cmd, 420)
-    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if r["kind"] == "train"]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"]
+
+
+def test_grpo_moe_lora_cli(tmp_path: Path) -> None:
+    train = _train_moe(tmp_path / "run")
     figure("moe_cli_gap", steps=[(r["step"], r["logprob_diff_mean"], r["logprob_diff_max"]) for r in train])
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
@@ -97,24 +102,7 @@ def test_moe_vs_dense_logprob_gap() -> None:
 def test_routing_replay_with_vllm(tmp_path: Path) -> None:
     """Written 2026-12-02, not run on a GPU yet (docs/moe.md, "Routing replay"): vLLM returns each sample's routed
     experts (`enable_return_routed_experts`), the megatron trainer replays them, 2 bf16 steps. GPU time: ~2 min."""
-    run_dir = tmp_path / "run"
-    sets = [
-        f"cluster.device={DEVICE}",
-        f"rollout.engine={ROLLOUT}",
-        "rollout.routing_replay=true",
-        "model.dtype=bfloat16",
-        "run.steps=2",
-        "data.val=null",
-        "rollout.gpu_memory_utilization=0.15",
-        "rollout.enforce_eager=true",
-        "run.health.max_logprob_diff=0.5",
-    ]
-    cmd = [python(), "-m", "rlbridge", "train", "recipes/moe-lora-cpu.yaml", "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
-    _run(cmd, 420)
-    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if r["kind"] == "train"]
+    train = _train_moe(tmp_path / "run", "rollout.routing_replay=true")
     figure(
         "moe_replay_gap", steps=[(r["step"], r["logprob_diff_mean"], r["logprob_diff_max"]) for r in train]
     )

@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,27 +25,22 @@ pytestmark = [pytest.mark.timeout(1200 if DRY_RUN else 300)]
 JOB = ROOT / "tests" / "gpu" / "train_step_job.py"
 
 
+def run_job(engine: str, model_dir: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """train_step_job.py in a process of its own; its JSON result."""
+    out = tmp_path / "result.json"
+    cmd = [python(), str(JOB), "--engine", engine, "--model-dir", str(model_dir), "--device", P.device,
+           "--out", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=time_left(1100 if DRY_RUN else 240))  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("engine", ["hf", "megatron"])
 def test_one_step_moves_every_trainable_tensor_and_no_frozen_one(
     engine: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "result.json"
-    cmd = [
-        python(),
-        str(JOB),
-        "--engine",
-        engine,
-        "--model-dir",
-        str(model_dir),
-        "--device",
-        P.device,
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=time_left(1100 if DRY_RUN else 240))  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    r = json.loads(out.read_text())
+    r = run_job(engine, model_dir, tmp_path)
     figure(f"train_step_{engine}", **{k: v for k, v in r.items() if k not in ("unchanged", "frozen_changed")},
            num_unchanged=len(r["unchanged"]), num_frozen_changed=len(r["frozen_changed"]))  # fmt: skip
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
@@ -70,13 +66,7 @@ def test_moe_logprobs_and_one_step_per_expert(engine: str, moe_dir: Path, tmp_pa
     tokens trained (tensors of experts no token reached may stay), no frozen tensor moved. NOT RUN YET on a GPU.
     Bound: mean |log p| gap < 0.1 in bf16. The CPU dry run (bf16) measured 0.034 (hf) and 0.052 (megatron, max 1.55:
     a token routed to another of two near-tied experts; docs/moe.md); float32 on CPU: 4e-7 (tests/megatron)."""
-    out = tmp_path / "result.json"
-    cmd = [python(), str(JOB), "--engine", engine, "--model-dir", str(moe_dir), "--device", P.device,
-           "--out", str(out), "--moe"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=time_left(1100 if DRY_RUN else 240))  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    r = json.loads(out.read_text())
+    r = run_job(engine, moe_dir, tmp_path, "--moe")
     figure(f"moe_train_step_{engine}", **{k: v for k, v in r.items() if k not in ("unchanged", "frozen_changed")},
            unchanged=r["unchanged"][:8], num_frozen_changed=len(r["frozen_changed"]))  # fmt: skip
     assert r["reference_gap"]["mean"] < 0.1, r["reference_gap"]
