@@ -1,10 +1,12 @@
 """Synchronous vs asynchronous rollouts (rollout.mode, docs/async.md), side by side in one invocation.
 
     python bench/async_runs.py [--recipe recipes/quickstart.yaml] [--steps 20] [--seeds 1 2 3]
-                               [--staleness 1] [--set KEY=VALUE ...] [--out DIR] [--no-save]
+                               [--staleness 1] [--set KEY=VALUE ...] [--async-set KEY=VALUE ...]
+                               [--out DIR] [--no-save]
 
 For each seed, `rlbridge train RECIPE` once with rollout.mode sync and once with async (max_staleness k), the
-same seed, steps and every other key. Per run: seconds per step in the steady state (the mean of time_step over
+same seed, steps and every other key (async runs also get --async-set: by default token TIS, as docs/async.md
+recommends). Per run: seconds per step in the steady state (the mean of time_step over
 steps 2..N: every phase the driver waits on, so generation that overlaps the update is not counted twice;
 step 1 waits for a generation nothing overlapped), steps per minute, the mean reward of the last 5 steps, the
 greedy held-out accuracy at the end, and the mean staleness. Then the async / sync ratio of steps per minute
@@ -30,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
 from rlbridge.report.run import read_run  # noqa: E402
+
+TOKEN_TIS = "algorithm.rollout_correction.weights=token"  # recommended with async (docs/async.md)
 
 
 def train(recipe: str, run_dir: Path, sets: list[str]) -> float:
@@ -65,6 +69,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--async-set",
+        dest="async_sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only for the async runs (default: algorithm.rollout_correction.weights=token, docs/async.md)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
@@ -75,7 +87,7 @@ def main() -> None:
         for mode in ("sync", "async"):
             sets = [f"run.seed={seed}", f"run.steps={a.steps}", f"rollout.mode={mode}", *a.sets]
             if mode == "async":
-                sets.append(f"rollout.max_staleness={a.staleness}")
+                sets += [f"rollout.max_staleness={a.staleness}", *(a.async_sets or [TOKEN_TIS])]
             run_dir = out / f"{mode}-seed{seed}"
             wall = train(a.recipe, run_dir, sets)
             row = {"mode": mode, "seed": seed, **summarize(run_dir, wall)}
@@ -97,6 +109,7 @@ def main() -> None:
         "seeds": a.seeds,
         "max_staleness": a.staleness,
         "sets": a.sets,
+        "async_sets": a.async_sets or [TOKEN_TIS],
         "async_over_sync_steps_per_min": ratios,
         "async_over_sync_mean": statistics.fmean(ratios),
         "eval_accuracy_mean": acc,

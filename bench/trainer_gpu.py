@@ -328,6 +328,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--peak-reps", type=int, default=50)
+    ap.add_argument(
+        "--jobs-per-gpu",
+        type=int,
+        default=1,
+        help="jobs sharing one GPU at a time: their peak memory stays exact (per process), their timings do not",
+    )
     ap.add_argument("--profile", action="store_true", help="one extra step under torch.profiler per job")
     ap.add_argument(
         "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
@@ -379,7 +385,7 @@ def main() -> int:
     order = {(s["model"], s["mode"], s["engine"], s["attention"]): i for i, s in enumerate(specs)}
     rows, failures = [], []
     running: list[tuple[subprocess.Popen[str], dict[str, Any], int]] = []
-    free = list(range(gpus))
+    free = [g for g in range(gpus) for _ in range(args.jobs_per_gpu)]
     started = time.perf_counter()
     while specs or running:
         while specs and free:
