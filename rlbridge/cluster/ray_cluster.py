@@ -310,14 +310,17 @@ class Worker:
                 raise InputLost(
                     f"{self.name} worker could not get its input: the worker producing it is gone ({cause!r})"
                 ) from None
+            hint = self._hint(str(e))
             raise RlbridgeError(
-                f"{self.name} worker failed: {self._reading(str(e))}{cause!r}{self._where()}\n{_tail(str(e))}"
+                f"{self.name} worker failed: {hint or repr(cause)}{self._where()}{self._trace(str(e), hint)}"
             ) from None
         except RayActorError as e:
             if e.actor_init_failed:  # its constructor raised: Ray's message holds the traceback
+                hint = self._hint(str(e))
                 raise RlbridgeError(
-                    f"{self.name} worker failed while starting{self._where()}:\n{self._reading(str(e))}"
-                    f"{_tail(str(e))}"
+                    f"{self.name} worker failed while starting{self._where()}:"
+                    + (f"\n{hint}" if hint else "")
+                    + self._trace(str(e), hint)
                 ) from None
             raise RlbridgeError(
                 f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}"
@@ -330,10 +333,22 @@ class Worker:
             self.echo.check(self.log_file, self.name)
         return answer
 
-    def _reading(self, text: str) -> str:
-        """The recipe-level reading of a failure (self.explain), as the error's first line; "" when none."""
-        hint = self.explain(text) if self.explain is not None else None
-        return f"{hint}\n" if hint else ""
+    def _hint(self, text: str) -> str:
+        """The recipe-level reading of a failure (self.explain), to lead the error; "" when none."""
+        return (self.explain(text) or "") if self.explain is not None else ""
+
+    def _trace(self, text: str, hint: str) -> str:
+        """Below the error, the traceback's last lines; after a reading (`hint`), only the exception's own line and
+        where the whole traceback went (beside the worker's log), since the reading says what to change."""
+        if not hint:
+            return f"\n{_tail(text)}"
+        saved = self.log_file.with_suffix(".error.txt") if self.log_file is not None else None
+        try:
+            if saved is not None:
+                saved.write_text(text)
+        except OSError:
+            saved = None
+        return f"\n{_tail(text, 1)}" + (f"\n(the whole traceback: {saved})" if saved is not None else "")
 
     def _on_node(self) -> str:
         if self.node is None:

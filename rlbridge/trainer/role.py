@@ -193,6 +193,10 @@ class TrainerRole:
                 correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
             )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
+        if r.cluster.colocate and r.rollout.mode == "sync" and torch.cuda.is_initialized():
+            # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
+            # and a wake that needs them fails out of memory; each update then allocates them again, ~ms)
+            torch.cuda.empty_cache()
         return out
 
     def _update_mini(

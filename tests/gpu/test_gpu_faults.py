@@ -1,17 +1,23 @@
 """GPU faults on one H200 (issue 20 item 3), provoked for real, through `rlbridge train` of the GPU quickstart.
-NOT RUN YET on a GPU (written 2026-12-02, after the session's device time was spent): `bash scripts/gpu_check.sh faults`.
+Run: `bash scripts/gpu_check.sh faults` (results: bench/results/gpu_check-2026-12-02.md).
 
 A "hog" process (another user's job on a shared GPU) holds device memory with plain torch allocations:
-1. vLLM at start: the hog leaves 20 GiB free, the recipe asks vLLM for 0.3 x 140 GiB. The run exits 1 with an
-   error naming `rollout.gpu_memory_utilization`, the free memory and a value; that value then starts (1 step).
-2. The trainer out of memory: the trainer is held at the start of step 2's update (RLBRIDGE_FAULT_PAUSE, vLLM
-   already asleep), the hog takes all but ~0.5 GiB; the update fails with an error naming
-   `trainer.micro_batch_size`, the step-1 checkpoint stays, the resume command is printed, no process is left,
-   and once the hog is gone `rlbridge resume` finishes.
-3. vLLM at wake: the same pause, the hog leaves 6 GiB (enough for the update, not for vLLM's 42 GiB): the weight
+1. The trainer out of memory: the trainer is held at the start of step 2's update (RLBRIDGE_FAULT_PAUSE, vLLM
+   already asleep; the trainer returned its cached blocks after step 1's update), the hog takes all but ~0.5 GiB;
+   the update fails with an error naming `trainer.micro_batch_size`, the step-1 checkpoint stays, the resume
+   command is printed, no process is left, and once the hog is gone `rlbridge resume` finishes.
+2. vLLM at wake: the same pause, the hog leaves 6 GiB (enough for the update, not for vLLM's 21 GiB): the weight
    sync's wake fails with an error naming `rollout.gpu_memory_utilization` and `cluster.colocate`.
-4. A worker killed mid-step: kill -9 of the trainer actor (its pid from RLBRIDGE_FAULT_MARKER) during the paused
+3. A worker killed mid-step: kill -9 of the trainer actor (its pid from RLBRIDGE_FAULT_MARKER) during the paused
    update: "trainer worker died", the resume command, nothing left; the resume finishes.
+4. vLLM at start: the hog leaves 20 GiB free, the GPU tests' recipe asks vLLM for 0.15 x 140 GiB. The run exits 1
+   with an error naming `rollout.gpu_memory_utilization`, the free memory and a value (no traceback); that value
+   then starts (1 step).
+
+First run on an H200 2026-12-02 (bench/results/gpu_check-2026-12-02.md): 2 passed; 1 (the trainer's OOM) became
+vLLM's wake OOM, since the trainer's cached blocks covered step 2's update: the trainer now returns them after
+each update when colocated (rlbridge/trainer/role.py), which the wake needs anyway; 1 test's assertion expected
+the quickstart's 0.3 instead of the GPU tests' 0.15 (the message itself was right); 1 was cut by the deadline.
 
 GPU time (estimate): 6 CLI runs with eager vLLM, ~60-90 s each: ~7-8 min.
 """
@@ -102,25 +108,6 @@ def resume(tmp: Path, name: str, run_dir: Path) -> None:
     assert [r["step"] for r in train_records(run_dir)][-1] == 3
 
 
-def test_vllm_start_without_enough_free_memory_names_the_key_and_a_value_that_starts(tmp_path: Path) -> None:
-    hog = Hog(leave_gib=20.0)
-    try:
-        log = tmp_path / "start.log"
-        rc, _, left = procs.run(cli_args("train", tmp_path / "start", "run.steps=1"), log, time_left(300))
-        text = log.read_text(errors="replace")
-        keep_logs("vllm-start", log, tmp_path / "start")
-        assert rc == 1 and not left, f"exit {rc}, left {left}\n{text[-4000:]}"
-        m = re.search(r"set rollout\.gpu_memory_utilization: ([0-9.]+) or lower", text)
-        assert m and "rollout.gpu_memory_utilization is 0.3" in text and "GiB were free" in text, text[-4000:]
-        figure("gpu_fault_vllm_start", hog=hog.line, suggested=float(m.group(1)))
-        log2 = tmp_path / "start-fixed.log"
-        sets = ("run.steps=1", f"rollout.gpu_memory_utilization={m.group(1)}")
-        rc2, _, _ = procs.run(cli_args("train", tmp_path / "fixed", *sets), log2, time_left(300))
-        assert rc2 == 0, log2.read_text(errors="replace")[-4000:]
-    finally:
-        hog.stop()
-
-
 @pytest.mark.parametrize(
     ("leave_gib", "says"),
     [(0.5, "the trainer ran out of GPU memory"), (6.0, "vLLM ran out of GPU memory while waking up")],
@@ -154,3 +141,23 @@ def test_trainer_killed_mid_step_stops_cleanly_and_resumes(tmp_path: Path) -> No
     assert "trainer worker died" in text, text[-4000:]
     figure("gpu_fault_trainer_killed", stop_s=time.monotonic() - killed_at)
     resume(tmp_path, "killed", run_dir)
+
+
+def test_vllm_start_without_enough_free_memory_names_the_key_and_a_value_that_starts(tmp_path: Path) -> None:
+    hog = Hog(leave_gib=20.0)
+    try:
+        log = tmp_path / "start.log"
+        rc, _, left = procs.run(cli_args("train", tmp_path / "start", "run.steps=1"), log, time_left(300))
+        text = log.read_text(errors="replace")
+        keep_logs("vllm-start", log, tmp_path / "start")
+        assert rc == 1 and not left, f"exit {rc}, left {left}\n{text[-4000:]}"
+        m = re.search(r"set rollout\.gpu_memory_utilization: ([0-9.]+) or lower", text)
+        assert m and re.search(r"rollout\.gpu_memory_utilization is [0-9.]+ \(", text), text[-4000:]
+        assert "GiB were free" in text and 'File "' not in text, text[-4000:]  # the reading, no traceback
+        figure("gpu_fault_vllm_start", hog=hog.line, suggested=float(m.group(1)))
+        log2 = tmp_path / "start-fixed.log"
+        sets = ("run.steps=1", f"rollout.gpu_memory_utilization={m.group(1)}")
+        rc2, _, _ = procs.run(cli_args("train", tmp_path / "fixed", *sets), log2, time_left(300))
+        assert rc2 == 0, log2.read_text(errors="replace")[-4000:]
+    finally:
+        hog.stop()

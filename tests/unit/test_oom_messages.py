@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,23 +150,28 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def test_the_worker_error_leads_with_the_reading(local_ray: Any) -> None:
+def test_the_worker_error_leads_with_the_reading(local_ray: Any, tmp_path: Path) -> None:
     r = quickstart("trainer.micro_batch_size=32")
     plan = make_plan(r, read_model_info(r.model.path))
-    rollout = Worker("rollout", FailsToStart.remote(vllm_start_error(30.0, 0.5)))  # type: ignore[attr-defined]
+    log = tmp_path / "rollout.log"
+    rollout = Worker("rollout", FailsToStart.remote(vllm_start_error(30.0, 0.5)), log)  # type: ignore[attr-defined]
     rollout.explain = lambda text: explain(text, "rollout", r, plan)
     with pytest.raises(RlbridgeError) as started:
         rollout.call("ping", timeout=60)
     lines = str(started.value).splitlines()
-    assert lines[0] == "rollout worker failed while starting:"
+    assert lines[0] == f"rollout worker failed while starting (its log: {log}):"
     assert lines[1].startswith("vLLM could not start: rollout.gpu_memory_utilization is 0.3")
-    assert "on startup is less than" in str(started.value)  # vLLM's own text stays below
+    assert "on startup is less than" in lines[2]  # vLLM's own last line stays below
+    # the traceback is not printed (the reading says what to change) but kept beside the worker's log
+    assert lines[3:] == [f"(the whole traceback: {log.with_suffix('.error.txt')})"], lines
+    assert 'File "' in log.with_suffix(".error.txt").read_text()
     trainer = Worker("trainer", FailsInStep.remote())  # type: ignore[attr-defined]
     trainer.explain = lambda text: explain(text, "trainer", r, plan)
     with pytest.raises(RlbridgeError) as step:
         trainer.call("update", timeout=60)
     assert str(step.value).startswith("trainer worker failed: the trainer ran out of GPU memory")
     assert "trainer.micro_batch_size" in str(step.value).splitlines()[0]
+    assert 'File "' not in str(step.value)
     plain = Worker("trainer", FailsInStep.remote())  # type: ignore[attr-defined]  # no reading set: as before
     with pytest.raises(RlbridgeError, match=r"^trainer worker failed: RuntimeError\("):
         plain.call("update", timeout=60)
