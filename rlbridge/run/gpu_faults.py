@@ -56,6 +56,11 @@ def _gib(value: str, unit: str) -> float:
     return float(value) * _UNIT[unit]
 
 
+def _size(gib: float) -> str:
+    """0.02 GiB reads as 0.00: below 1 GiB, MiB."""
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
+
+
 def explain(text: str, role: str, recipe: Recipe, plan: Plan | None = None) -> str | None:
     """The recipe-level reading of a worker's failure `text` (role: "trainer" or "rollout"), or None."""
     util = recipe.rollout.gpu_memory_utilization
@@ -101,7 +106,7 @@ def explain(text: str, role: str, recipe: Recipe, plan: Plan | None = None) -> s
             _gib(m.group(3), m.group(4)),
             _gib(m.group(5), m.group(6)),
         )
-        where = f"tried to allocate {asked:.2f} GiB with {free:.2f} GiB free of {total:.1f} GiB"
+        where = f"tried to allocate {_size(asked)} with {_size(free)} free of {total:.1f} GiB"
         if role == "rollout":
             return (
                 f"the rollout ran out of GPU memory ({where}): lower rollout.gpu_memory_utilization (now {util}) "
