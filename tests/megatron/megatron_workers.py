@@ -75,9 +75,21 @@ def batch_dict(batch: SeqBatch) -> dict[str, Any]:
     }
 
 
-def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01, seen: dict | None = None) -> Any:
-    """A loss that reaches every adapter: -mean log-prob of response tokens - coef * mean entropy. With
-    `seen`, records the entropies it was handed (row index -> [R] tensor)."""
+def mean_logprob_loss(
+    batch: SeqBatch,
+    entropy_coef: float = 0.01,
+    seen: dict | None = None,
+    *,
+    shares: int = 2,
+    tokens: float | None = None,
+) -> Any:
+    """A loss that reaches every adapter: -mean log-prob of response tokens - coef * mean entropy over the
+    `tokens` real response tokens (default: those of `batch`). Each call returns its micro-batch's share times
+    `shares` (the micro-batches the engine divides by, times the data-parallel replicas DDP averages over),
+    as rlbridge.algo.objective's closures do: the gradient is then the same for any grouping of the rows into
+    micro-batches (index order at PP > 1, by length at PP = 1) or replicas. With `seen`, records the
+    entropies it was handed (row index -> [R] tensor)."""
+    total = float(batch.response_mask.sum()) if tokens is None else tokens
 
     def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if seen is not None:
@@ -85,7 +97,7 @@ def mean_logprob_loss(batch: SeqBatch, entropy_coef: float = 0.01, seen: dict | 
                 seen[row] = entropy[i].detach().cpu()
         mask = batch.response_mask[rows].to(logp.device)
         n = mask.sum().clamp(min=1)
-        loss = -(logp * mask).sum() / n - entropy_coef * (entropy * mask).sum() / n
+        loss = (-(logp * mask).sum() - entropy_coef * (entropy * mask).sum()) * shares / total
         return loss, {"mean_logp": float((logp.detach() * mask).sum() / n)}
 
     return loss_fn
@@ -101,11 +113,15 @@ def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
     def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict]:
         return output.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output).detach()}
 
-    with torch.no_grad(), compat.device_scope(), forward.train_mode(engine.model, False):
-        mbs = engine._split(batch, 1)
-        results = forward.run_schedule(engine.model, mbs, stage, forward_only=True)
-        out = results[0]["logits"][: batch.size] if results else None
-        return forward.broadcast_from_last_stage(out)
+    padding_free, engine.padding_free = engine.padding_free, False  # one micro-batch at the batch's width
+    try:
+        with torch.no_grad(), compat.device_scope(), forward.train_mode(engine.model, False):
+            mbs = engine._split(batch, 1)
+            results = forward.run_schedule(engine.model, mbs, stage, forward_only=True)
+            out = results[0]["logits"][: batch.size] if results else None
+            return forward.broadcast_from_last_stage(out)
+    finally:
+        engine.padding_free = padding_free
 
 
 def _global_layer(engine: Any, chunk_index: int, local_index: int) -> int:
@@ -148,10 +164,14 @@ def set_adapters(engine: Any, seed: int = 11, scale: float = 0.05) -> None:
     engine.optimizer.reload_model_params()
 
 
-def grads_in_hf_names(engine: Any, batch: SeqBatch, num_micro_batches: int = 2) -> dict[str, torch.Tensor]:
-    """First-step adapter gradients, converted to HF/PEFT names and full shapes by the bridge's adapter
-    exporter (a pure re-arrangement, so it maps gradients as it maps weights)."""
-    grads = engine.gradients(batch, mean_logprob_loss(batch), num_micro_batches=num_micro_batches)
+def grads_in_hf_names(
+    engine: Any, batch: SeqBatch, num_micro_batches: int = 2, loss: Any = None
+) -> dict[str, torch.Tensor]:
+    """First-step adapter gradients (of `loss`, default mean_logprob_loss(batch)), converted to HF/PEFT names
+    and full shapes by the bridge's adapter exporter (a pure re-arrangement, so it maps gradients as it maps
+    weights)."""
+    loss = mean_logprob_loss(batch, shares=num_micro_batches) if loss is None else loss
+    grads = engine.gradients(batch, loss, num_micro_batches=num_micro_batches)
     saved = {n: p.detach().clone() for n, p in engine._trainable}
     with torch.no_grad():
         for n, p in engine._trainable:
@@ -322,7 +342,7 @@ def tied_llama_suite(llama: str) -> dict[str, Any]:
     }
     res["full_frozen"] = engine.frozen_fingerprint()
     res["full_steps"] = [
-        engine.train_step(ragged, mean_logprob_loss(ragged), num_micro_batches=3) for _ in range(2)
+        engine.train_step(ragged, mean_logprob_loss(ragged, shares=3), num_micro_batches=3) for _ in range(2)
     ]
     res["full_logits"] = full_logits(engine, full)
     res["full_merged"] = engine.export_weights("merged").tensors
@@ -405,9 +425,10 @@ def layout_suite(
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if dp == 1:
         res["grads_hf"] = grads_in_hf_names(engine, ragged)
-    else:  # each replica gets its tensor_split share as one micro-batch: DDP's average == 2 micro-batches
+    else:  # each replica gets its tensor_split share as one micro-batch: DDP averages dp shares of the loss
         mine = ragged.select(torch.arange(ragged.size).tensor_split(dp)[dp_rank])
-        res["grads_hf"] = grads_in_hf_names(engine, mine, num_micro_batches=1)
+        share = mean_logprob_loss(mine, shares=dp, tokens=float(ragged.response_mask.sum()))
+        res["grads_hf"] = grads_in_hf_names(engine, mine, num_micro_batches=1, loss=share)
     if pp > 1:
         res["pp_duplicates"] = _pp_duplicate_check()
     if export:
@@ -813,3 +834,95 @@ def moe_replay_suite(model: str, routings: list[list]) -> dict[str, Any]:
     res["step"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
     engine.close()
     return res
+
+
+def spread_batch() -> SeqBatch:
+    """8 rows of very different prompt (1..14) and response (1..17) lengths (as tests/unit/test_padding_free)."""
+    g = torch.Generator().manual_seed(0)
+    prompt_lens, response_lens = [1, 14, 3, 2, 9, 1, 5, 12], [17, 1, 2, 4, 16, 3, 1, 6]
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in prompt_lens]
+    responses = [torch.randint(1, 256, (n,), generator=g).tolist() for n in response_lens]
+    return SeqBatch.from_token_lists(prompts, responses, pad_id=0)
+
+
+def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
+    """Length-grouped, trimmed micro-batches (engine.padding_free, PP = CP = 1) against the former index-order
+    ones at the batch's width, under LoRA and full fine-tuning: the micro-batches' rows and widths, log-probs
+    and first-step gradients of a grouping-invariant loss in both layouts; under LoRA also PPO's critic
+    (values, and the gradients of its value loss)."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    batch = spread_batch()
+    loss = mean_logprob_loss(batch, shares=num_micro_batches)
+    res: dict[str, Any] = {"batch": batch_dict(batch)}
+    ppo = {"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}}
+    for label, section in (("lora", lora()), ("full", {"rank": 0})):
+        recipe = make_recipe(qwen, lora=section, trainer=trainer(), algorithm=ppo)
+        engine = MegatronTrainEngine(recipe)
+        if label == "lora":
+            set_adapters(engine)  # adapters that are not a no-op
+            res.update(_critic_layouts(recipe, batch, num_micro_batches))
+        for free in (False, True):
+            engine.padding_free = free
+            key = f"{label}_{'trimmed' if free else 'padded'}"
+            mbs = engine._split(batch, num_micro_batches, training=True)
+            res[f"{key}_rows"] = [mb.rows.tolist() for mb in mbs]
+            res[f"{key}_widths"] = [int(mb.input_ids.shape[1]) for mb in mbs]
+            res[f"{key}_logprobs"] = engine.logprobs(batch)
+            res[f"{key}_grads"] = engine.gradients(batch, loss, num_micro_batches=num_micro_batches)
+        engine.close()
+    return res
+
+
+def _critic_layouts(recipe: Recipe, batch: SeqBatch, num_micro_batches: int) -> dict[str, Any]:
+    """PPO's megatron critic (beside the policy engine) in both layouts: values, and the gradients of the value
+    loss (each micro-batch's share of the batch loss: grouping-invariant)."""
+    from rlbridge.algo.objective import make_value_loss_fn
+    from rlbridge.engines.megatron.critic import MegatronCritic
+
+    critic = MegatronCritic(recipe)
+    g = torch.Generator().manual_seed(5)
+    state = critic.trainable_state()  # adapters that are not a no-op (LoRA's B starts at 0)
+    critic.load_trainable_state(
+        {n: torch.randn(t.shape, generator=g) * 0.05 if "linear_out" in n else t for n, t in state.items()}
+    )
+    critic.set_head(
+        torch.randn(1, int(critic.built.provider.hidden_size), generator=g) * 0.2, torch.tensor([0.3])
+    )
+    returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    out: dict[str, Any] = {}
+    for free in (False, True):
+        critic.padding_free = free
+        key = f"critic_{'trimmed' if free else 'padded'}"
+        out[f"{key}_values"] = values = critic.values(batch)
+        fn = make_value_loss_fn(
+            recipe.algorithm.critic,  # type: ignore[union-attr]  # a PpoCfg
+            values.detach() + 0.1 * batch.response_mask,
+            returns,
+            batch.response_mask,
+            micro_scale=float(num_micro_batches),
+        )
+        out[f"{key}_grads"] = _critic_grads(critic, batch, fn, num_micro_batches)
+    return out
+
+
+def _critic_grads(critic: Any, batch: SeqBatch, fn: Any, num_micro_batches: int) -> dict[str, torch.Tensor]:
+    """The critic's accumulated gradients of one train_step, taken before the optimizer applies them."""
+    from rlbridge.engines.megatron import params
+
+    grads: dict[str, torch.Tensor] = {}
+    state = critic.trainable_state()
+
+    def capture() -> Any:
+        for name, p in critic._trainable:
+            grads[name] = params.main_grad(p).detach().clone()
+        return True
+
+    apply = critic.optimizer.step_with_ready_grads
+    critic.optimizer.step_with_ready_grads = capture
+    try:
+        critic.train_step(batch, fn, num_micro_batches=num_micro_batches)
+    finally:
+        critic.optimizer.step_with_ready_grads = apply
+    critic.load_trainable_state(state)
+    return grads

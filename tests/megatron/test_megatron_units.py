@@ -47,6 +47,29 @@ def test_micro_batches_follow_tensor_split_and_pad_for_pipelines() -> None:
     assert {mb.input_ids.shape for mb in piped} == {(3, 4)}
 
 
+def test_length_grouped_micro_batches_are_trimmed_then_padded_for_sequence_parallelism() -> None:
+    """by_length: rows grouped by length, each micro-batch at its rows' own widths, the sequence padded to a
+    multiple of TP (sequence parallelism) after the trim; replayed experts stay on their columns."""
+    prompts, responses = [[1], [2, 3, 4, 5, 6], [4], [5, 6]], [[7, 7, 7, 7, 7, 7], [8], [9, 9], [1]]
+    full = SeqBatch.from_token_lists(prompts, responses, pad_id=0)  # [4, 5 + 6]
+    routed = full.input_ids[:, :, None, None].to(torch.int16).expand(-1, -1, 2, 2).clone()
+    batch = SeqBatch(full.input_ids, full.attention_mask, full.position_ids, full.response_mask,
+                     full.prompt_width, routed_experts=routed)  # fmt: skip
+    mbs = split_micro_batches(batch, 2, seq_multiple=4, by_length=True)
+    assert [mb.rows.tolist() for mb in mbs] == [[3, 1], [2, 0]]  # by response, then prompt length
+    assert [(mb.prompt_width, mb.response_width) for mb in mbs] == [(5, 1), (1, 6)]
+    assert [mb.input_ids.shape[1] for mb in mbs] == [8, 8]  # 6 and 7 columns, padded to multiples of 4
+    for mb in mbs:
+        p, r, n = mb.prompt_width, mb.response_width, len(mb.rows)
+        sub = batch.select(mb.rows).trimmed()
+        assert torch.equal(mb.input_ids[:, : p + r], sub.input_ids)
+        assert bool(mb.attention_mask[:, 0, :, p + r :].all())  # the added columns are masked keys
+        assert mb.routed_experts is not None and mb.routed_experts.shape[:2] == mb.input_ids.shape
+        assert torch.equal(mb.routed_experts[:n, : p + r, 1, 0], sub.input_ids.to(torch.int16))
+    with pytest.raises(ValueError, match="pipeline"):
+        split_micro_batches(batch, 2, equal_rows=True, by_length=True)
+
+
 def test_rope_theta_moved_by_transformers5_is_put_back() -> None:
     """transformers 5 keeps rope_theta in rope_parameters; Megatron-Bridge 0.3 read only the attribute and
     silently used base 10000 (found by `rlbridge train --smoke` on the Qwen2.5-7B recipe: theta 1e6)."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, forward, params, state
@@ -66,6 +66,9 @@ class ValueHead(nn.Linear):
 
 class MegatronCritic:
     """Values of response tokens and critic updates on one rank (see the module docstring)."""
+
+    padding_free = True
+    """As MegatronTrainEngine.padding_free: rows grouped by length, each micro-batch at its rows' own widths."""
 
     def __init__(self, recipe: Recipe) -> None:
         compat.activate()
@@ -120,11 +123,13 @@ class MegatronCritic:
 
     # --------------------------------------------------------------------------------- helpers
     def _split(self, batch: SeqBatch, num: int) -> list[forward.MicroBatch]:
-        return forward.split_micro_batches(batch.to(self.device), num)
+        """As the policy's (no pipeline, context or sequence parallelism here: the recipe checks reject them)."""
+        return forward.split_micro_batches(batch.to(self.device), num, by_length=self.padding_free)
 
     @staticmethod
     def _values(output: Tensor, mb: forward.MicroBatch) -> Tensor:
-        """[n, R] float32 values from the model's [m, S, 1] output (hidden states P - 1 .. P + R - 2)."""
+        """[n, r] float32 values from the model's [m, S, 1] output (hidden states p - 1 .. p + r - 2, at the
+        micro-batch's own widths)."""
         p, r, n = mb.prompt_width, mb.response_width, len(mb.rows)
         return output[:n, p - 1 : p + r - 1, 0].float()
 
@@ -139,9 +144,11 @@ class MegatronCritic:
             return output.new_zeros(()), {"values": self._values(output, mb)}
 
         with compat.device_scope(), forward.train_mode(self.model, False):
-            results = forward.run_schedule(self.model, self._split(batch, num), stage, forward_only=True)
+            mbs = self._split(batch, num)
+            results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
+            parts = [r["values"] for r in results]
             out = forward.broadcast_from_last_stage(
-                torch.cat([r["values"] for r in results]) if results else None
+                forward.batch_rows(parts, mbs, batch.size, batch.response_width) if results else None
             )
         mask = batch.response_mask.to(out.device) > 0
         return torch.where(mask, out.float(), torch.zeros((), dtype=torch.float32)).to(batch.input_ids.device)
@@ -153,7 +160,7 @@ class MegatronCritic:
         Metrics: the loss closure's (micro-batch mean), critic_grad_norm (before clipping), critic_skipped."""
 
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
-            values = self._values(output, mb)
+            values = pad_columns(self._values(output, mb), batch.response_width)  # the closure indexes [b, R]
             mask = batch.response_mask[mb.rows].to(values.device) > 0
             loss, metrics = loss_fn(torch.where(mask, values, torch.zeros((), dtype=values.dtype)), mb.rows)
             reduced = {k: float(v) for k, v in metrics.items()}

@@ -15,7 +15,8 @@ there the engine owns the Megatron side:
   schedule; a step with a non-finite loss or gradient is skipped and names the tensors;
 * exports go through the bridge (export.py).
 
-Conventions shared with the hf engine: micro-batches are `tensor_split` row groups, the update follows the
+Conventions shared with the hf engine: micro-batches are `tensor_split` row groups (without pipeline or context
+parallelism, of rows grouped by length and trimmed to their own widths: engines/micro.py), the update follows the
 gradient of the mean of the micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`), log-probs are [b, R]
 float32 with 0 on padding.
 """
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import LossFn, WeightExport, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
@@ -46,6 +47,9 @@ class MegatronTrainEngine:
     """TrainEngine for one rank of an initialized torch.distributed group. See the module docstring."""
 
     LOSS_SCALED_BY_MICRO_BATCHES = True
+    padding_free = True
+    """Without pipeline and context parallelism, micro-batches of rows grouped by length, each at its rows' own
+    widths (engines/micro.py); False: the former index-order micro-batches at the whole batch's width (tests)."""
 
     def __init__(self, recipe: Recipe, *, total_steps: int | None = None) -> None:
         compat.activate()
@@ -109,7 +113,16 @@ class MegatronTrainEngine:
             seq_multiple=provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
             equal_rows=pp > 1,
             count_multiple=pp if interleaved else 1,
+            by_length=self._by_length(),
         )
+
+    def _by_length(self) -> bool:
+        """Length-grouped, trimmed micro-batches only without pipeline parallelism (every stage-to-stage send
+        has one fixed shape) and without context parallelism (it shards the sequence): those keep the former
+        index-order micro-batches at the batch's width."""
+        provider = self.built.provider
+        cp = getattr(provider, "context_parallel_size", 1) or 1
+        return self.padding_free and provider.pipeline_model_parallel_size == 1 and cp == 1
 
     def _set_lr(self) -> float:
         lr = lr_at(self.recipe.trainer.optim, self.num_optimizer_steps, self.total_steps)
@@ -158,7 +171,8 @@ class MegatronTrainEngine:
         with compat.device_scope(), forward.train_mode(self.model, False), scope:
             mbs = self._split(batch, num)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
-            out = torch.cat([r["logprobs"] for r in results]) if results else None
+            parts = [r["logprobs"] for r in results]
+            out = forward.batch_rows(parts, mbs, batch.size, batch.response_width) if results else None
             out = forward.broadcast_from_last_stage(out)
         mask = batch.response_mask.to(out.device) > 0
         return torch.where(mask, out.float(), torch.zeros((), dtype=torch.float32)).to(batch.input_ids.device)
@@ -197,9 +211,12 @@ class MegatronTrainEngine:
             logp, entropy = forward.vocab_parallel_logprobs(
                 logits, targets, vocab_size=vocab, with_entropy=True
             )
+            assert entropy is not None
+            # the closure indexes [b, R] tensors: columns a trimmed micro-batch dropped come back as 0
+            width = batch.response_width
+            logp, entropy = pad_columns(logp, width), pad_columns(entropy, width)
             mask = batch.response_mask[mb.rows].to(logp.device) > 0
             zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-            assert entropy is not None
             loss, metrics = loss_fn(torch.where(mask, logp, zero), torch.where(mask, entropy, zero), mb.rows)
             reduced = {k: float(v) for k, v in metrics.items()}
             reduced["loss"] = float(loss.detach())

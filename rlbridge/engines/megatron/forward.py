@@ -8,7 +8,9 @@ layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
   built on CUDA and knows nothing of left padding;
 * RoPE in megatron-core uses positions 0..S-1 of the padded row, not `SeqBatch.position_ids`. Rotary
   attention scores depend only on q - k distances and pad keys are masked, so the result equals the
-  HF computation with positions counted from the first real token (checked in the tests);
+  HF computation with positions counted from the first real token (checked in the tests). For the same
+  reason a micro-batch trimmed to its rows' widths (`split_micro_batches(by_length=True)`: the left padding
+  common to its rows dropped) scores as it did at the batch's width (tests/megatron/test_megatron_padding_free);
 * log-softmax runs over the tensor-parallel vocab shard with megatron's TP reductions, so the full
   [b, t, vocab] logits are never gathered. (megatron's fused `vocab_parallel_cross_entropy` is not used:
   it overwrites float32 logits in place, which rules out also computing the entropy from them.)
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import SeqBatch, pad_columns
+from rlbridge.engines.micro import micro_batch_rows
 
 
 @dataclass
@@ -51,26 +54,37 @@ def attention_mask(valid_bs: torch.Tensor) -> torch.Tensor:
 
 
 def split_micro_batches(
-    batch: SeqBatch, num: int, *, seq_multiple: int = 1, equal_rows: bool = False, count_multiple: int = 1
+    batch: SeqBatch,
+    num: int,
+    *,
+    seq_multiple: int = 1,
+    equal_rows: bool = False,
+    count_multiple: int = 1,
+    by_length: bool = False,
 ) -> list[MicroBatch]:
     """`num` row groups whose sizes differ by at most one (torch.tensor_split, as the hf engine).
 
-    With `equal_rows` (pipeline parallelism: every stage-to-stage send has one fixed shape) a shorter group
-    is padded by repeating a row; `MicroBatch.rows` lists the real rows only and the stage closures drop
-    the extra outputs. The number of groups is topped up to a multiple of `count_multiple` (the interleaved
-    schedule wants whole rounds of one micro-batch per pipeline stage) with filler groups without real rows. The sequence is
-    right-padded (masked) to a multiple of `seq_multiple` for sequence parallelism.
+    `by_length` (the engine's choice without pipeline or context parallelism): rows sorted by their real
+    lengths before the cut and each group trimmed to its own widths (engines/micro.py), so no pass computes
+    on columns that are padding in all its rows; each MicroBatch then carries its own prompt/response
+    widths. Without it (pipeline parallelism: every stage-to-stage send has one fixed shape) the groups are
+    cut in index order at the whole batch's width.
+
+    With `equal_rows` (pipeline parallelism) a shorter group is padded by repeating a row; `MicroBatch.rows`
+    lists the real rows only and the stage closures drop the extra outputs. The number of groups is topped
+    up to a multiple of `count_multiple` (the interleaved schedule wants whole rounds of one micro-batch per
+    pipeline stage) with filler groups without real rows. The sequence is right-padded (masked) to a
+    multiple of `seq_multiple` for sequence parallelism, after any trimming.
     """
     if not 1 <= num <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num}")
-    ids, valid, pos, routed = batch.input_ids, batch.attention_mask, batch.position_ids, batch.routed_experts
-    extra = (-ids.shape[1]) % seq_multiple
-    if extra:
-        ids = torch.nn.functional.pad(ids, (0, extra))
-        valid = torch.nn.functional.pad(valid, (0, extra))
-        pos = torch.nn.functional.pad(pos, (0, extra))
-        if routed is not None:  # padded columns route like the last one (masked, never scored)
-            routed = torch.cat([routed, routed[:, -1:].expand(-1, extra, -1, -1)], dim=1)
+    if by_length:
+        if equal_rows or count_multiple > 1:
+            raise ValueError("length-grouped micro-batches vary in shape: not for pipeline parallelism")
+        return [
+            _micro_batch(batch.select(rows).trimmed(), rows, torch.arange(len(rows)), seq_multiple)
+            for rows in micro_batch_rows(batch, num)
+        ]
     groups = list(torch.arange(batch.size).tensor_split(num))
     groups += [torch.zeros(0, dtype=torch.long)] * ((-num) % count_multiple)
     width = max(len(g) for g in groups)
@@ -79,18 +93,32 @@ def split_micro_batches(
         take = rows
         if (equal_rows or not len(rows)) and len(rows) < width:
             take = torch.cat([rows, torch.zeros(width - len(rows), dtype=torch.long)])
-        out.append(
-            MicroBatch(
-                input_ids=ids[take],
-                position_ids=pos[take],
-                attention_mask=attention_mask(valid[take]),
-                rows=rows,
-                prompt_width=batch.prompt_width,
-                response_width=batch.response_width,
-                routed_experts=None if routed is None else routed[take],
-            )
-        )
+        out.append(_micro_batch(batch, rows, take, seq_multiple))
     return out
+
+
+def _micro_batch(batch: SeqBatch, rows: torch.Tensor, take: torch.Tensor, seq_multiple: int) -> MicroBatch:
+    """Rows `take` of `batch` (at its widths) as one micro-batch for the batch rows `rows`, the sequence
+    right-padded (masked) to a multiple of `seq_multiple`."""
+    ids, valid, pos, routed = batch.input_ids, batch.attention_mask, batch.position_ids, batch.routed_experts
+    ids, valid, pos = ids[take], valid[take], pos[take]
+    routed = None if routed is None else routed[take]
+    extra = (-ids.shape[1]) % seq_multiple
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra))
+        valid = torch.nn.functional.pad(valid, (0, extra))
+        pos = torch.nn.functional.pad(pos, (0, extra))
+        if routed is not None:  # padded columns route like the last one (masked, never scored)
+            routed = torch.cat([routed, routed[:, -1:].expand(-1, extra, -1, -1)], dim=1)
+    return MicroBatch(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=attention_mask(valid),
+        rows=rows,
+        prompt_width=batch.prompt_width,
+        response_width=batch.response_width,
+        routed_experts=routed,
+    )
 
 
 def set_routing_replay(chunk: torch.nn.Module, mb: MicroBatch) -> None:
@@ -168,6 +196,15 @@ def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor,
     """Logits that predict the response tokens ([n, R, v/tp]) and those tokens ([n, R]), real rows only."""
     p, r, n = mb.prompt_width, mb.response_width, len(mb.rows)
     return output[:n, p - 1 : p + r - 1], mb.input_ids[:n, p : p + r]
+
+
+def batch_rows(parts: list[torch.Tensor], mbs: list[MicroBatch], size: int, width: int) -> torch.Tensor:
+    """[size, width] from each micro-batch's [n, r <= width] results (in `mbs` order, real rows only): every
+    row back at its batch index, zeros in the columns a trimmed micro-batch dropped (padding in all its rows)."""
+    out = parts[0].new_zeros(size, width)
+    for part, mb in zip(parts, mbs, strict=True):
+        out[mb.rows.to(out.device)] = pad_columns(part, width)
+    return out
 
 
 def float32_output_layer(model: list[torch.nn.Module]) -> int:

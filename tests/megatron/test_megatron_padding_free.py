@@ -1,0 +1,75 @@
+"""The megatron engine's micro-batches without compute on padding (issue 16; engines/micro.py): at PP = CP = 1
+rows are grouped by length and each micro-batch runs at its rows' own widths, against the former index-order
+micro-batches at the whole batch's width, on the tiny Qwen2 (TP1, CPU, float32).
+
+The batch has prompts of 1..14 and responses of 1..17 tokens, so trimming drops most columns of the short
+groups. megatron's RoPE counts positions 0..S-1 of the (trimmed) row, which moves every position of a row by
+the same offset: q-k distances, hence the scores, are unchanged. Only float summation order differs.
+Tolerances: log-probs atol 1e-5; first-step gradients of a grouping-invariant loss (each micro-batch's share
+of the batch loss, as rlbridge.algo.objective's closures) within 1e-5 relative Frobenius error and 1e-5 of
+the tensor's largest entry elementwise, per trainable tensor (LoRA and full fine-tuning; PPO's critic under
+LoRA: values atol 1e-5, gradients of its value loss as the policy's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_dirs: dict[str, str], run_workers: Any) -> dict[str, Any]:
+    return run_workers("padding_free_suite", 1, qwen=tiny_dirs["qwen2"])[0]
+
+
+def _grad_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Worst relative Frobenius error and worst elementwise error relative to the tensor's largest entry."""
+    assert got.keys() == want.keys() and got
+    frob = worst = 0.0
+    for name, g in got.items():
+        w = want[name].double()
+        assert float(w.abs().max()) > 0, name
+        frob = max(frob, float((g.double() - w).norm() / w.norm()))
+        worst = max(worst, float((g.double() - w).abs().max() / w.abs().max()))
+    return frob, worst
+
+
+def test_micro_batches_are_grouped_by_length_and_trimmed(suite: dict[str, Any]) -> None:
+    width = int(suite["batch"]["input_ids"].shape[1])
+    for label in ("lora", "full"):
+        padded, trimmed = suite[f"{label}_padded_rows"], suite[f"{label}_trimmed_rows"]
+        assert padded == [[0, 1, 2], [3, 4, 5], [6, 7]]  # the former layout: index order
+        assert [len(r) for r in trimmed] == [3, 3, 2] and sorted(sum(trimmed, [])) == list(range(8))
+        assert trimmed != padded
+        assert suite[f"{label}_padded_widths"] == [width] * 3
+        widths = suite[f"{label}_trimmed_widths"]
+        assert max(widths) < width and widths[0] == 16 < 0.6 * width  # the short responses: 14 + 2 columns
+        positions = sum(len(r) * w for r, w in zip(trimmed, widths, strict=True))
+        assert positions < 0.7 * 8 * width, (positions, 8 * width)
+
+
+@pytest.mark.parametrize("label", ["lora", "full"])
+def test_logprobs_and_gradients_match_the_padded_micro_batches(suite: dict[str, Any], label: str) -> None:
+    mask = suite["batch"]["response_mask"]
+    got, want = suite[f"{label}_trimmed_logprobs"], suite[f"{label}_padded_logprobs"]
+    assert got.shape == want.shape == mask.shape and bool((got[mask == 0] == 0).all())
+    print(f"{label}: log-probs max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite[f"{label}_trimmed_grads"], suite[f"{label}_padded_grads"])
+    print(f"{label}: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
+def test_critic_values_and_gradients_match_the_padded_micro_batches(suite: dict[str, Any]) -> None:
+    mask = suite["batch"]["response_mask"]
+    got, want = suite["critic_trimmed_values"], suite["critic_padded_values"]
+    assert bool((got[mask == 0] == 0).all()) and float(want.abs().max()) > 0
+    print(f"critic: values max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite["critic_trimmed_grads"], suite["critic_padded_grads"])
+    print(f"critic: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
