@@ -402,8 +402,9 @@ DIFFERENCES = [
     "TRL via accelerate/Trainer (gradient accumulation over 4 micro-batches of 8)",
     "TRL defaults changed to match: gradient_checkpointing False (TRL default True), bf16 False (TRL default "
     "True), lr_scheduler constant (Trainer default linear), shuffle_dataset False (rlbridge's order fed in)",
-    "padding: the same in both: prompts left-padded to the longest prompt, responses right-padded to the "
-    "longest response of the 32 sequences, micro-batches of 8 at that width (neither trims a micro-batch)",
+    "padding: TRL left-pads prompts to the longest prompt and right-pads responses to the longest response of "
+    "the 32 sequences, micro-batches of 8 at that width; rlbridge (since 2026-12-02) groups the rows by length "
+    "into 4 micro-batches of 8, each trimmed to its own widths (rlbridge/engines/micro.py)",
     "per step outside the timed loop: rlbridge writes metrics.jsonl + a console line, and saves a final "
     "checkpoint after the last step (not in any step); TRL logs its metrics every step (logging_steps=1)",
     "health checks: rlbridge's first-step gate snapshots the trainable weights and fingerprints the frozen ones "
