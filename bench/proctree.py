@@ -36,7 +36,9 @@ def load_average() -> list[float]:
 
 
 class TreeMemory:
-    """Peak RSS and PSS summed over `pid` and its descendants, sampled every `interval` seconds."""
+    """Peak RSS and PSS summed over `pid` and its descendants, sampled every `interval` seconds.
+    RLBRIDGE_BENCH_PSS=0 skips PSS (psutil reads /proc/PID/smaps, which holds the process's memory-map lock
+    while it walks every mapping: suspected of slowing a large, allocating process, trl_grpo-cpu-2026-12-02.md)."""
 
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.root = psutil.Process(pid)
@@ -76,7 +78,9 @@ class TreeMemory:
             self._cpu[key] = cpu.user + cpu.system  # a process that exits keeps its last reading
         # PSS reads smaps_rollup (~6 ms of CPU per process with a large mapping, RSS ~0.02 ms): at a new
         # RSS peak and every 10th sample only, so that the sampler itself costs < 1% of a core
-        if rss > self.peak_rss or self.samples % 10 == 0:
+        if os.environ.get("RLBRIDGE_BENCH_PSS", "1") != "0" and (
+            rss > self.peak_rss or self.samples % 10 == 0
+        ):
             pss = 0
             for p, r, _, _ in infos:
                 try:
