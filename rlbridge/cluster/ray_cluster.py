@@ -342,13 +342,15 @@ class Worker:
         where the whole traceback went (beside the worker's log), since the reading says what to change."""
         if not hint:
             return f"\n{_tail(text)}"
-        saved = self.log_file.with_suffix(".error.txt") if self.log_file is not None else None
+        line = f"\n{_tail(text, 1)}"
+        if self.log_file is None:
+            return line
+        saved = self.log_file.with_suffix(".error.txt")
         try:
-            if saved is not None:
-                saved.write_text(text)
+            saved.write_text(text)
         except OSError:
-            saved = None
-        return f"\n{_tail(text, 1)}" + (f"\n(the whole traceback: {saved})" if saved is not None else "")
+            return line
+        return f"{line}\n(the whole traceback: {saved})"
 
     def _on_node(self) -> str:
         if self.node is None:
