@@ -837,12 +837,10 @@ def moe_replay_suite(model: str, routings: list[list]) -> dict[str, Any]:
 
 
 def spread_batch() -> SeqBatch:
-    """8 rows of very different prompt (1..14) and response (1..17) lengths (as tests/unit/test_padding_free)."""
-    g = torch.Generator().manual_seed(0)
-    prompt_lens, response_lens = [1, 14, 3, 2, 9, 1, 5, 12], [17, 1, 2, 4, 16, 3, 1, 6]
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in prompt_lens]
-    responses = [torch.randint(1, 256, (n,), generator=g).tolist() for n in response_lens]
-    return SeqBatch.from_token_lists(prompts, responses, pad_id=0)
+    """8 rows of very different prompt (1..14) and response (1..17) lengths (tests/fixtures/spread.py)."""
+    from tests.fixtures.spread import spread_lists
+
+    return SeqBatch.from_token_lists(*spread_lists(), pad_id=0)
 
 
 def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:

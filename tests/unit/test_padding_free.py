@@ -31,19 +31,11 @@ from rlbridge.engines.micro import budget_rows, micro_batch_rows
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe
+from tests.fixtures.spread import spread_lists
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 torch.set_num_threads(2)
 NUM_MICRO = 3
-
-
-def spread_lists(num_rows: int = 8, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    prompt_lens = [1, 14, 3, 2, 9, 1, 5, 12][:num_rows]
-    response_lens = [17, 1, 2, 4, 16, 3, 1, 6][:num_rows]
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompt_lens]
-    responses = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in response_lens]
-    return prompts, responses
 
 
 def spread_batch() -> SeqBatch:
