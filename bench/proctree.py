@@ -43,6 +43,7 @@ class TreeMemory:
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.root = psutil.Process(pid)
         self.interval = interval
+        self.pss = os.environ.get("RLBRIDGE_BENCH_PSS", "1") != "0"
         self.peak_rss = 0
         self.peak_pss = 0
         self.peak_procs = 0
@@ -78,9 +79,7 @@ class TreeMemory:
             self._cpu[key] = cpu.user + cpu.system  # a process that exits keeps its last reading
         # PSS reads smaps_rollup (~6 ms of CPU per process with a large mapping, RSS ~0.02 ms): at a new
         # RSS peak and every 10th sample only, so that the sampler itself costs < 1% of a core
-        if os.environ.get("RLBRIDGE_BENCH_PSS", "1") != "0" and (
-            rss > self.peak_rss or self.samples % 10 == 0
-        ):
+        if self.pss and (rss > self.peak_rss or self.samples % 10 == 0):
             pss = 0
             for p, r, _, _ in infos:
                 try:
