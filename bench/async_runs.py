@@ -2,11 +2,13 @@
 
     python bench/async_runs.py [--recipe recipes/quickstart.yaml] [--steps 20] [--seeds 1 2 3]
                                [--staleness 1] [--set KEY=VALUE ...] [--async-set KEY=VALUE ...]
-                               [--out DIR] [--no-save]
+                               [--out DIR] [--json PATH] [--no-save]
+    python bench/async_runs.py --combine A.json B.json ...   # one report from runs made in several invocations
 
 For each seed, `rlbridge train RECIPE` once with rollout.mode sync and once with async (max_staleness k), the
 same seed, steps and every other key (async runs also get --async-set: by default token TIS, as docs/async.md
-recommends). Per run: seconds per step in the steady state (the mean of time_step over
+recommends). --combine merges the --json files of several invocations (one seed each, say, when one device
+call cannot hold all the runs) into one report, as if they had run in one. Per run: seconds per step in the steady state (the mean of time_step over
 steps 2..N: every phase the driver waits on, so generation that overlaps the update is not counted twice;
 step 1 waits for a generation nothing overlapped), steps per minute, the mean reward of the last 5 steps, the
 greedy held-out accuracy at the end, and the mean staleness. Then the async / sync ratio of steps per minute
@@ -18,6 +20,7 @@ machine shared with other work the ratio is not a property of rlbridge alone.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -30,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import report  # noqa: E402
+from bench.common import machine, report  # noqa: E402
 from rlbridge.report.run import read_run  # noqa: E402
 
 TOKEN_TIS = "algorithm.rollout_correction.weights=token"  # recommended with async (docs/async.md)
@@ -78,8 +81,29 @@ def main() -> None:
         help="only for the async runs (default: algorithm.rollout_correction.weights=token, docs/async.md)",
     )
     ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--json", type=Path, default=None, help="also write the result document here")
+    ap.add_argument(
+        "--combine", type=Path, nargs="+", default=None, metavar="JSON", help="merge these results"
+    )
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
+    if a.combine:
+        docs = [json.loads(p.read_text()) for p in a.combine]
+        rows = [r for d in docs for r in d["rows"]]
+        first = docs[0]
+        seeds = [s for d in docs for s in d["seeds"]]
+        result = summary(
+            first["recipe"],
+            first["steps"],
+            seeds,
+            first["max_staleness"],
+            first["sets"],
+            first["async_sets"],
+            rows,
+        )
+        result["combined_from"] = [{"command": d["command"], "date": d["machine"]["date"]} for d in docs]
+        report("async_runs", result, rows, save=not a.no_save)
+        return
     out = a.out or Path(tempfile.mkdtemp(prefix="rlbridge-async-"))
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
@@ -92,31 +116,50 @@ def main() -> None:
             wall = train(a.recipe, run_dir, sets)
             row = {"mode": mode, "seed": seed, **summarize(run_dir, wall)}
             rows.append(row)
-            print(
-                f"{mode} seed {seed}: {row['s_per_step']:.2f} s/step, accuracy {row['eval_accuracy']:.3f}",
-                file=sys.stderr,
-            )
+            print(f"{mode} seed {seed}: {json.dumps(row)}", file=sys.stderr)  # kept if a later run fails
+    result = summary(a.recipe, a.steps, a.seeds, a.staleness, a.sets, a.async_sets or [TOKEN_TIS], rows)
+    result["load_average_before_after"] = [load_before, os.getloadavg()[0]]
+    result["run_dirs"] = str(out)
+    report("async_runs", result, rows, save=not a.no_save)
+    if a.json:
+        doc = {
+            "benchmark": "async_runs",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": machine(),
+            **result,
+            "rows": rows,
+        }
+        a.json.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def summary(
+    recipe: str,
+    steps: int,
+    seeds: list[int],
+    staleness: int,
+    sets: list[str],
+    async_sets: list[str],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The async / sync ratio of steps per minute per seed and each mode's mean held-out accuracy."""
     ratios = []
-    for seed in a.seeds:
+    for seed in seeds:
         sync, asyn = (
             next(r for r in rows if r["seed"] == seed and r["mode"] == m) for m in ("sync", "async")
         )
         ratios.append(asyn["steps_per_min"] / sync["steps_per_min"])
     acc = {m: statistics.fmean(r["eval_accuracy"] for r in rows if r["mode"] == m) for m in ("sync", "async")}
-    result = {
-        "recipe": a.recipe,
-        "steps": a.steps,
-        "seeds": a.seeds,
-        "max_staleness": a.staleness,
-        "sets": a.sets,
-        "async_sets": a.async_sets or [TOKEN_TIS],
+    return {
+        "recipe": recipe,
+        "steps": steps,
+        "seeds": seeds,
+        "max_staleness": staleness,
+        "sets": sets,
+        "async_sets": async_sets,
         "async_over_sync_steps_per_min": ratios,
         "async_over_sync_mean": statistics.fmean(ratios),
         "eval_accuracy_mean": acc,
-        "load_average_before_after": [load_before, os.getloadavg()[0]],
-        "run_dirs": str(out),
     }
-    report("async_runs", result, rows, save=not a.no_save)
 
 
 if __name__ == "__main__":
