@@ -141,14 +141,20 @@ def summary(
     async_sets: list[str],
     rows: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The async / sync ratio of steps per minute per seed and each mode's mean held-out accuracy."""
+    """The async / sync ratio of steps per minute per seed and each mode's mean held-out accuracy, over the seeds
+    that have both runs (a run cut short, say by a device call's limit, leaves its seed unpaired: listed, not
+    averaged)."""
+    paired = [s for s in seeds if {r["mode"] for r in rows if r["seed"] == s} == {"sync", "async"}]
     ratios = []
-    for seed in seeds:
+    for seed in paired:
         sync, asyn = (
             next(r for r in rows if r["seed"] == seed and r["mode"] == m) for m in ("sync", "async")
         )
         ratios.append(asyn["steps_per_min"] / sync["steps_per_min"])
-    acc = {m: statistics.fmean(r["eval_accuracy"] for r in rows if r["mode"] == m) for m in ("sync", "async")}
+    acc = {
+        m: statistics.fmean(r["eval_accuracy"] for r in rows if r["mode"] == m and r["seed"] in paired)
+        for m in ("sync", "async")
+    }
     return {
         "recipe": recipe,
         "steps": steps,
@@ -159,6 +165,7 @@ def summary(
         "async_over_sync_steps_per_min": ratios,
         "async_over_sync_mean": statistics.fmean(ratios),
         "eval_accuracy_mean": acc,
+        "unpaired_seeds": [s for s in seeds if s not in paired],
     }
 
 
