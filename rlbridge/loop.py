@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlbridge.algo.advantages import dynamic_sampling_filter, overlong_penalty
-from rlbridge.algo.correction import health_problems
+from rlbridge.algo.correction import MismatchNotices, health_problems
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
@@ -148,7 +148,7 @@ def train_step(
         s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
-    check_mismatch(r, m, step)
+    check_mismatch(r, m, step, s.mismatch_notices)
     if source.overlapped:  # the load below would wait for them: time it as what it is
         with timer("rollout_wait"):
             source.wait_sent()
@@ -337,18 +337,24 @@ def check_agreement(r: Recipe, m: dict[str, Any]) -> None:
         )
 
 
-def check_mismatch(r: Recipe, m: dict[str, Any], step: int) -> None:
-    """run.health's importance-weight limits (algo/correction.py): a warning, or a stop with on_mismatch: stop."""
+def check_mismatch(r: Recipe, m: dict[str, Any], step: int, notices: MismatchNotices | None = None) -> None:
+    """run.health's importance-weight limits (algo/correction.py): a warning (the first step out, then every 10th
+    while they stay out: `notices`), or a stop with on_mismatch: stop."""
     problems = health_problems(r.run.health, m)
-    if not problems:
-        return
-    text = f"step {step}: rollout and trainer disagree: {'; '.join(problems)}"
-    if r.run.health.on_mismatch == "stop":
+    if problems and r.run.health.on_mismatch == "stop":
         raise RlbridgeError(
-            f"{text} (run.health.on_mismatch: stop; set it to warn to continue, or correct the gap "
-            "with algorithm.rollout_correction: docs/rollout-correction.md)"
+            f"step {step}: rollout and trainer disagree: {'; '.join(problems)} (run.health.on_mismatch: stop; set "
+            "it to warn to continue, or correct the gap with algorithm.rollout_correction: docs/rollout-correction.md)"
         )
-    log(f"[yellow]warning[/] {text} (algorithm.rollout_correction corrects it: docs/rollout-correction.md)")
+    text = (notices or MismatchNotices()).notice(step, problems)
+    if text is None:
+        return
+    if problems:
+        log(
+            f"[yellow]warning[/] {text} (algorithm.rollout_correction corrects it: docs/rollout-correction.md)"
+        )
+    else:
+        log(text)
 
 
 def evaluate(s: Session, step: int) -> dict[str, float]:

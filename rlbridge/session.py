@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from rich.markup import escape
 
+from rlbridge.algo.correction import MismatchNotices
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import logs
@@ -102,6 +103,8 @@ class Session:
         self.rollout: Rollout | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
+        self.mismatch_notices = MismatchNotices()
+        """When the loop warns of importance weights outside run.health's limits (not at every step of a long gap)."""
         self.stall = stalls.from_recipe(
             recipe.run.health,
             lambda msg: log(f"[yellow]warning[/] {escape(msg)}"),

@@ -215,3 +215,27 @@ def health_problems(health: HealthCfg, m: Mapping[str, object]) -> list[str]:
             f"effective sample size {ess:.3g} of the importance weights is under run.health.min_ess {health.min_ess}"
         )
     return out
+
+
+class MismatchNotices:
+    """When to speak of run.health's importance-weight limits, so that a gap that persists is not repeated on
+    every step: the full text at the first step outside the limits, a one-line reminder every `every` steps while
+    they stay out, and a line when the weights are back within them."""
+
+    def __init__(self, every: int = 10) -> None:
+        self.every = every
+        self.since: int | None = None  # the first step of the current run of steps outside the limits
+
+    def notice(self, step: int, problems: list[str]) -> str | None:
+        """The text to print at this step (None: nothing)."""
+        if not problems:
+            if self.since is None:
+                return None
+            since, self.since = self.since, None
+            return f"step {step}: the importance weights are back within run.health's limits (outside since step {since})"
+        if self.since is None:
+            self.since = step
+            return f"step {step}: rollout and trainer disagree: {'; '.join(problems)}"
+        if (step - self.since) % self.every == 0:
+            return f"step {step}: rollout and trainer still disagree (since step {self.since}): {'; '.join(problems)}"
+        return None

@@ -441,7 +441,8 @@ class HealthCfg(Section):
     """A step whose normalized effective sample size of the importance weights (rc_ess) falls below this gets a
     warning, or stops the run with on_mismatch: stop."""
     on_mismatch: Literal["warn", "stop"] = "warn"
-    """What a step outside is_weight_range or min_ess does: print a warning, or stop the run."""
+    """What a step outside is_weight_range or min_ess does: print a warning (at the first step out, then every 10th
+    while the gap lasts, and when it ends), or stop the run."""
     stall_factor: Annotated[float, Field(gt=1)] = 5.0
     """A phase of a step (generate, reward, update, sync, eval, checkpoint, ...) that has run this many times its
     median in earlier steps, and at least stall_floor_s, is stalled: a warning names the phase and its likely

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any
 
 import pytest
@@ -485,3 +486,26 @@ def test_recipe_accepts_the_documented_settings(tmp_path: Any, sets: list[str]) 
         "name: t\nmodel: {path: x}\ndata: {train: {path: 'builtin:arithmetic'}}\nreward: {fn: arithmetic}\nalgorithm: {name: grpo}\n"
     )
     validate_recipe(f, sets, model_checks=False)
+
+
+def test_a_lasting_gap_is_warned_once_then_every_tenth_step_and_its_end_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rlbridge.algo.correction import MismatchNotices
+    from rlbridge.loop import check_mismatch
+    from rlbridge.recipe.schema import Recipe
+
+    r = Recipe.model_validate(
+        {"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}}}
+    )
+    bad, good = {"rc_weight_mean": 3.0, "rc_ess": 0.9}, {"rc_weight_mean": 1.0, "rc_ess": 0.9}
+    notices = MismatchNotices()
+    for step in range(1, 26):
+        check_mismatch(r, bad if 3 <= step <= 23 else good, step, notices)
+    text = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert re.findall(r"step (\d+):", text) == ["3", "13", "23", "24"], text
+    assert "step 3: rollout and trainer disagree: mean importance weight 3" in text
+    assert "step 13: rollout and trainer still disagree (since step 3)" in text
+    assert (
+        "step 24: the importance weights are back within run.health's limits (outside since step 3)" in text
+    )
