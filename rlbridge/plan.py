@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.schema import Recipe
@@ -168,19 +168,30 @@ def batches(r: Recipe, dp: int) -> Batches:
 def lora_params(r: Recipe, m: ModelInfo) -> int:
     from rlbridge.recipe.targets import megatron_targets
 
+    dense = replace(m, moe_intermediate=0)  # the shapes of a dense layer's MLP
     total = 0
     for target in megatron_targets(r.lora.targets, r.lora.type):
-        fan_in, fan_out = _LORA_SHAPES[target](m)
-        copies = m.num_experts if (m.is_moe and target in _MLP_TARGETS) else 1
-        total += copies * r.lora.rank * (fan_in + fan_out)
-    return total * m.layers
+        if m.is_moe and target in _MLP_TARGETS:  # one adapter per expert on MoE layers, one on dense layers
+            fan_in, fan_out = _LORA_SHAPES[target](m)
+            total += m.moe_layers * m.num_experts * r.lora.rank * (fan_in + fan_out)
+            fan_in, fan_out = _LORA_SHAPES[target](dense)
+            total += m.dense_layers * r.lora.rank * (fan_in + fan_out)
+        else:
+            fan_in, fan_out = _LORA_SHAPES[target](m)
+            total += m.layers * r.lora.rank * (fan_in + fan_out)
+    return total
 
 
 def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     p = r.trainer.parallel
     wbytes = DTYPE_BYTES[r.model.dtype]
     layers_per_stage = m.layers / p.pipeline
-    mlp = m.mlp_params() / (p.expert * p.expert_tensor if m.is_moe else p.tensor)
+    if m.is_moe:  # a layer's MLP on average: experts shard over EP x ETP, a dense layer's MLP over TP
+        moe_share = m.moe_layers / m.layers
+        mlp = m.mlp_params() * moe_share / (p.expert * p.expert_tensor)
+        mlp += m.dense_mlp_params() * (1 - moe_share) / p.tensor
+    else:
+        mlp = m.mlp_params() / p.tensor
     stage_params = (
         layers_per_stage * (m.attention_params() / p.tensor + mlp) + m.embedding_params() / p.tensor
     )

@@ -121,10 +121,17 @@ class ModelInfo:
     """Routed experts per MoE layer (0 for a dense model)."""
     moe_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    dense_layers: int = 0
+    """Layers of an MoE model whose MLP is dense (`intermediate` wide): DeepSeek's / GLM's first_k_dense_replace,
+    Qwen-MoE's mlp_only_layers and decoder_sparse_step, moe_layer_freq; the others are MoE layers."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelInfo:
@@ -157,6 +164,7 @@ class ModelInfo:
             num_experts=experts,
             moe_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
             shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            dense_layers=dense_layer_count(cfg, layers) if experts else 0,
         )
 
     # ---- parameter counts (biases and norms included roughly; they are small)
@@ -165,9 +173,13 @@ class ModelInfo:
         kv = 2 * self.kv_heads * self.head_dim
         return self.hidden * (q + kv) + q * self.hidden
 
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
     def mlp_params(self) -> int:
+        """One layer's MLP: the dense one, or an MoE layer's (routed + shared experts + router)."""
         if not self.is_moe:
-            return 3 * self.hidden * self.intermediate
+            return self.dense_mlp_params()
         routed = self.num_experts * 3 * self.hidden * self.moe_intermediate
         return routed + 3 * self.hidden * self.shared_expert_intermediate + self.hidden * self.num_experts
 
@@ -178,7 +190,25 @@ class ModelInfo:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def total_params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.hidden
+        dense_gap = self.dense_layers * (self.mlp_params() - self.dense_mlp_params())
+        return self.layers * self.layer_params() - dense_gap + self.embedding_params() + self.hidden
+
+
+def dense_layer_count(cfg: dict[str, Any], layers: int) -> int:
+    """How many layers of an MoE config have a dense MLP, by the keys transformers' MoE models read (0: every
+    layer is MoE, as in Mixtral and the Qwen3-MoE releases)."""
+    only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+    step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen2/3-MoE: layer i is MoE when (i + 1) % step == 0
+    first_k = int(
+        cfg.get("first_k_dense_replace") or 0
+    )  # DeepSeek V2/V3, GLM-4.5, Kimi: the first k are dense
+    freq = cfg.get("moe_layer_freq")
+    freq = int(freq) if isinstance(freq, int) and freq > 0 else 1  # DeepSeek: MoE where i % freq == 0
+
+    def moe(i: int) -> bool:
+        return i not in only and (i + 1) % step == 0 and i >= first_k and i % freq == 0
+
+    return sum(1 for i in range(layers) if not moe(i))
 
 
 def read_model_info(path: str) -> ModelInfo:

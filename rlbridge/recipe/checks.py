@@ -213,6 +213,17 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
         if r.trainer.engine == "megatron":
             check_moe_megatron(r, out)
             check_routing_replay_megatron(r, out)
+        if r.rollout.routing_replay and m.dense_layers:
+            out.append(
+                RecipeIssue(
+                    "rollout.routing_replay",
+                    f"{m.architecture} has {m.dense_layers} dense layers among its {m.layers}: vLLM returns the "
+                    "experts per model layer and the transformers recorder per MoE layer, and the trainers do not "
+                    "map one onto the other yet; replay is offered for models whose every layer is MoE",
+                    value="true",
+                    fix="set rollout.routing_replay: false",
+                )
+            )
         check_moe_lora(r, out)
     elif r.rollout.routing_replay:
         out.append(
