@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU benchmarks still owed by issues 16 and 18, as parts that fit a device call (600 s) each; run on the GPU
+# machine after .gpu_site/receive.sh (PYTHONPATH /tmp/site). Each part writes under $OUT/<part>/ (default
+# ./gpu_out) and stops at GPU_BENCH_BUDGET_S (default 560 s) from its start; results then go into bench/results/
+# by hand, with the date and this command.
+#
+#   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (sync 3 ran 2026-12-02; ~150 s)
+#   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
+#                                       # 6 steps, without and with trainer.max_tokens_per_micro_batch 32768 (~2 x 3 min)
+#   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts (~4 min)
+#   bash scripts/gpu_bench.sh update    # issue 16 goal 1: bench/update_padding.py, Qwen2.5-0.5B shape, LoRA and full FT (~3 min)
+#   bash scripts/gpu_bench.sh memory    # issue 16 goal 7: trainer_gpu.py peaks vs the plan, 4 shapes x both engines (~8 min)
+#   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
+set -uo pipefail
+
+main() {
+[ $# -eq 0 ] && { sed -n 2,13p "$0"; exit 2; }
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH=/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-$(command -v python || command -v python3)}
+deadline=$(( $(date +%s) + ${GPU_BENCH_BUDGET_S:-560} ))
+left() { echo $(( deadline - $(date +%s) )); }
+scale=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set run.eval_every=0)
+for part in "$@"; do
+  mkdir -p "$OUT/$part"
+  echo "== $part, $(date -u +%H:%M:%SZ), $(left) s left"
+  case "$part" in
+    async3)
+      timeout "$(left)" "$PY" bench/async_runs.py --recipe recipes/quickstart-gpu.yaml --steps 30 --seeds 3 --no-save \
+        --json "$OUT/$part/async_seed3.json" --out "$OUT/$part/runs" > "$OUT/$part/log.txt" 2>&1
+      grep -E "^(sync|async) seed" "$OUT/$part/log.txt" ;;
+    inloop)
+      for budget in none 32768; do
+        sets=("${scale[@]}" --set run.steps=6)
+        [ "$budget" != none ] && sets+=(--set trainer.max_tokens_per_micro_batch=$budget)
+        timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "$OUT/$part/$budget" "${sets[@]}" \
+          > "$OUT/$part/$budget.log" 2>&1
+        rm -rf "$OUT/$part/$budget/checkpoints"
+        grep -E "^step|done" "$OUT/$part/$budget.log" | tail -7
+      done ;;
+    gengap)
+      timeout "$(left)" "$PY" bench/generation_gap.py --recipe recipes/quickstart-gpu.yaml --steps 4 "${scale[@]}" \
+        --set rollout.weight_sync=merged --no-save > "$OUT/$part/log.txt" 2>&1
+      tail -8 "$OUT/$part/log.txt" ;;
+    update)
+      for r in 16 0; do
+        timeout "$(left)" "$PY" bench/update_padding.py --model qwen2.5-0.5b --device cuda --batch 512 --micro 32 \
+          --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
+        tail -6 "$OUT/$part/rank$r.txt"
+      done ;;
+    memory)
+      for mb in 2 8; do for resp in 256 1024; do
+        timeout "$(left)" "$PY" bench/trainer_gpu.py --attention sdpa --micro $mb --batch 8 --prompt 256 --response $resp \
+          --warmup 1 --steps 3 --peak-reps 5 --jobs-per-gpu 4 --out "$OUT/$part/mb$mb-r$resp" \
+          > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
+        tail -12 "$OUT/$part/mb$mb-r$resp.txt"
+      done; done ;;
+    *) echo "unknown part $part (async3, inloop, gengap, update, memory)" >&2; exit 2 ;;
+  esac
+  [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
+done
+}
+
+main "$@"
+exit $?
