@@ -185,8 +185,8 @@ class MegatronTrainEngine:
     # -------------------------------------------------------------------------------- training
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
         """One optimizer step over `batch` in `num_micro_batches` row groups, or as many as the token budget
-        needs (`max_tokens`). Metrics: loss_fn's metrics averaged over the passes run, loss, grad_norm (before clipping), lr, skipped and, on a skipped step,
-        `nonfinite` (a list of names)."""
+        needs (`max_tokens`). Metrics: loss_fn's metrics averaged over the passes run, loss, grad_norm (before
+        clipping), lr, skipped and, on a skipped step, `nonfinite` (a list of names)."""
         metrics = self._accumulate(batch, loss_fn, num_micro_batches)
         with compat.device_scope():
             metrics.update(self._apply_update(bad_loss=not forward.finite(metrics.get("loss", 0.0))))

@@ -69,8 +69,9 @@ def split_micro_batches(
     lengths before the cut and each group trimmed to its own widths (engines/micro.py), so no pass computes
     on columns that are padding in all its rows; each MicroBatch then carries its own prompt/response
     widths. With `max_tokens` too (trainer.max_tokens_per_micro_batch), as many groups as that token budget
-    needs (engines/micro.py budget_rows) instead of `num`. Without by_length (pipeline parallelism: every stage-to-stage send has one fixed shape) the groups are
-    cut in index order at the whole batch's width.
+    needs (engines/micro.py budget_rows) instead of `num`. Without by_length (pipeline parallelism: every
+    stage-to-stage send has one fixed shape) the groups are cut in index order at the whole batch's width and
+    `max_tokens` is ignored.
 
     With `equal_rows` (pipeline parallelism) a shorter group is padded by repeating a row; `MicroBatch.rows`
     lists the real rows only and the stage closures drop the extra outputs. The number of groups is topped
