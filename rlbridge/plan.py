@@ -267,8 +267,8 @@ def _critic_gib(
 
 def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     """Korthikanti et al. 2022 per-layer activation bytes, with recompute, plus fp32 logits of one micro-batch.
-    With trainer.max_tokens_per_micro_batch a pass holds at most max(budget, one longest sequence) tokens of
-    sequences no longer than the longest: an upper bound in place of micro_batch_size full-length rows."""
+    With trainer.max_tokens_per_micro_batch (either engine) a pass holds at most max(budget, one longest sequence)
+    tokens of sequences no longer than the longest: an upper bound in place of micro_batch_size full-length rows."""
     p = r.trainer.parallel
     s, h = b.max_sequence_tokens / p.context, m.hidden
     budget = r.trainer.max_tokens_per_micro_batch

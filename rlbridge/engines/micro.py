@@ -12,7 +12,8 @@ count(mini)), which sums to the mini-batch loss for *any* partition of the rows 
 accumulated gradient is unchanged up to float summation order; what changes are the per-micro-batch metrics
 the engine averages (a mean over different groups of rows). The same holds for a token budget
 (trainer.max_tokens_per_micro_batch), which changes the number of passes too: the engine still divides each
-pass's loss by the nominal num_micro_batches, which the closure's micro_scale undoes.
+pass's loss by the nominal num_micro_batches, which the closure's micro_scale undoes (the megatron engine, whose
+schedule divides by the passes it runs, rescales: engines/megatron/forward.py nominal_scale).
 """
 
 from __future__ import annotations

@@ -471,16 +471,6 @@ def check_batches(r: Recipe, out: Issues) -> None:
                 fix=f"set trainer.micro_batch_size to {_choices(divisors(per_rank))}",
             )
         )
-    if r.trainer.max_tokens_per_micro_batch is not None and r.trainer.engine != "hf":
-        out.append(
-            RecipeIssue(
-                "trainer.max_tokens_per_micro_batch",
-                f"the {r.trainer.engine} engine forms micro-batches of micro_batch_size sequences; a token "
-                "budget is the hf engine's",
-                value=str(r.trainer.max_tokens_per_micro_batch),
-                fix="remove trainer.max_tokens_per_micro_batch (or set trainer.engine: hf)",
-            )
-        )
     if r.run.save_every > r.run.steps:
         out.append(
             RecipeIssue(
@@ -491,7 +481,28 @@ def check_batches(r: Recipe, out: Issues) -> None:
         )
 
 
+def check_token_budget(r: Recipe, out: Issues) -> None:
+    """The megatron engine forms passes by a token budget only without pipeline and context parallelism:
+    pipeline stages exchange activations of one fixed shape, and context parallelism shards the sequence."""
+    p = r.trainer.parallel
+    if r.trainer.max_tokens_per_micro_batch is None or r.trainer.engine != "megatron":
+        return
+    if p.pipeline > 1 or p.context > 1:
+        out.append(
+            RecipeIssue(
+                "trainer.max_tokens_per_micro_batch",
+                f"the megatron engine at pipeline {p.pipeline} x context {p.context} sends micro-batches of one "
+                "fixed shape (micro_batch_size rows at the batch's width), which a token budget would vary",
+                value=str(r.trainer.max_tokens_per_micro_batch),
+                fix="remove trainer.max_tokens_per_micro_batch, or set trainer.parallel.pipeline and "
+                "trainer.parallel.context to 1",
+            )
+        )
+
+
 # ----------------------------------------------------------------------------------- LoRA / sync
+
+
 def check_lora(r: Recipe, out: Issues) -> None:
     lora, ro = r.lora, r.rollout
     if ro.weight_sync == "adapter":
@@ -826,6 +837,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_layout,
     check_rollout_layout,
     check_batches,
+    check_token_budget,
     check_lora,
     check_algorithm,
     check_rollout_correction,

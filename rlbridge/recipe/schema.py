@@ -105,11 +105,13 @@ class TrainerCfg(Section):
     micro_batch_size: PositiveInt = 1
     """Sequences per forward/backward pass on one data-parallel rank."""
     max_tokens_per_micro_batch: PositiveInt | None = None
-    """hf engine: form forward/backward passes by a token budget instead of micro_batch_size. Rows sorted by
-    length are put together while rows x (longest prompt + longest response among them) stays within the
-    budget (a longer row gets a pass of its own), so short rows share larger passes. The update's gradient
-    is unchanged (the loss closure returns each pass's share of the mini-batch loss); per-pass metrics are
-    averaged over the passes actually run. null: micro_batch_size sequences per pass."""
+    """Form the training passes (forward/backward, policy and critic) by a token budget instead of
+    micro_batch_size: hf engine, and megatron engine at trainer.parallel.pipeline = context = 1 (refused
+    otherwise: those send micro-batches of one fixed shape). Rows sorted by length are put together while rows x
+    (longest prompt + longest response among them) stays within the budget (a longer row gets a pass of its
+    own), so short rows share larger passes. The update's gradient is unchanged (the loss closure returns each
+    pass's share of the mini-batch loss); per-pass metrics are averaged over the passes actually run. Log-prob
+    and value passes keep logprob_chunk_size. null: micro_batch_size sequences per pass."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
     distributed_optimizer: bool = False

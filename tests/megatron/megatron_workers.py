@@ -843,11 +843,22 @@ def spread_batch() -> SeqBatch:
     return SeqBatch.from_token_lists(*spread_lists(), pad_id=0)
 
 
+BUDGET = 48
+"""trainer.max_tokens_per_micro_batch for the spread batch: 5 training passes where micro_batch_size gives 3."""
+LAYOUTS: tuple[tuple[str, bool, int | None], ...] = (
+    ("padded", False, None),
+    ("trimmed", True, None),
+    ("budget", True, BUDGET),
+)
+"""(result key, padding_free, max_tokens): the former index-order micro-batches at the batch's width, those
+grouped by length and trimmed, and those formed by the token budget."""
+
+
 def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
-    """Length-grouped, trimmed micro-batches (engine.padding_free, PP = CP = 1) against the former index-order
-    ones at the batch's width, under LoRA and full fine-tuning: the micro-batches' rows and widths, log-probs
-    and first-step gradients of a grouping-invariant loss in both layouts; under LoRA also PPO's critic
-    (values, and the gradients of its value loss)."""
+    """Length-grouped, trimmed micro-batches (engine.padding_free, PP = CP = 1), with and without a token budget,
+    against the former index-order ones at the batch's width, under LoRA and full fine-tuning: the micro-batches'
+    rows and widths, log-probs and first-step gradients of a grouping-invariant loss in each layout; under LoRA
+    also PPO's critic (values, and the gradients of its value loss)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
     batch = spread_batch()
@@ -860,9 +871,9 @@ def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
         if label == "lora":
             set_adapters(engine)  # adapters that are not a no-op
             res.update(_critic_layouts(recipe, batch, num_micro_batches))
-        for free in (False, True):
-            engine.padding_free = free
-            key = f"{label}_{'trimmed' if free else 'padded'}"
+        for key, free, budget in LAYOUTS:
+            engine.padding_free, engine.max_tokens = free, budget
+            key = f"{label}_{key}"
             mbs = engine._split(batch, num_micro_batches, training=True)
             res[f"{key}_rows"] = [mb.rows.tolist() for mb in mbs]
             res[f"{key}_widths"] = [int(mb.input_ids.shape[1]) for mb in mbs]
@@ -889,9 +900,12 @@ def _critic_layouts(recipe: Recipe, batch: SeqBatch, num_micro_batches: int) -> 
     )
     returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     out: dict[str, Any] = {}
-    for free in (False, True):
-        critic.padding_free = free
-        key = f"critic_{'trimmed' if free else 'padded'}"
+    for key, free, budget in LAYOUTS:
+        critic.padding_free, critic.max_tokens = free, budget
+        key = f"critic_{key}"
+        out[f"{key}_rows"] = [
+            mb.rows.tolist() for mb in critic._split(batch, num_micro_batches, training=True)
+        ]
         out[f"{key}_values"] = values = critic.values(batch)
         fn = make_value_loss_fn(
             recipe.algorithm.critic,  # type: ignore[union-attr]  # a PpoCfg

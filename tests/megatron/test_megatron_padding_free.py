@@ -9,6 +9,10 @@ Tolerances: log-probs atol 1e-5; first-step gradients of a grouping-invariant lo
 of the batch loss, as rlbridge.algo.objective's closures) within 1e-5 relative Frobenius error and 1e-5 of
 the tensor's largest entry elementwise, per trainable tensor (LoRA and full fine-tuning; PPO's critic under
 LoRA: values atol 1e-5, gradients of its value loss as the policy's).
+
+A token budget (trainer.max_tokens_per_micro_batch 48: 5 training passes where micro_batch_size gives 3, so
+megatron's schedule divides each pass's loss by 5, not 3) is held to the same tolerances against the same
+index-order layout; log-probs and values keep their logprob_chunk_size passes under a budget, as the hf engine's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+
+from rlbridge.batch import SeqBatch
+from rlbridge.engines.micro import budget_rows
+from tests.fixtures.spread import spread_lists
 
 pytestmark = pytest.mark.integration
 
@@ -72,4 +80,41 @@ def test_critic_values_and_gradients_match_the_padded_micro_batches(suite: dict[
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     frob, worst = _grad_errors(suite["critic_trimmed_grads"], suite["critic_padded_grads"])
     print(f"critic: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
+def _budget_groups() -> list[list[int]]:
+    batch = SeqBatch.from_token_lists(*spread_lists(), pad_id=0)
+    return [g.tolist() for g in budget_rows(batch, 48)]
+
+
+def test_token_budget_forms_the_hf_engines_passes(suite: dict[str, Any]) -> None:
+    groups = _budget_groups()
+    assert len(groups) == 5  # not micro_batch_size's 3: the schedule's num_microbatches changes
+    for label in ("lora", "full", "critic"):
+        assert suite[f"{label}_budget_rows"] == groups, label
+    widths = [w for label in ("lora", "full") for w in suite[f"{label}_budget_widths"]]
+    assert widths == [16, 6, 18, 25, 18] * 2  # each pass at its own rows' widths
+
+
+@pytest.mark.parametrize("label", ["lora", "full"])
+def test_token_budget_logprobs_and_gradients_match_the_padded_micro_batches(
+    suite: dict[str, Any], label: str
+) -> None:
+    got, want = suite[f"{label}_budget_logprobs"], suite[f"{label}_padded_logprobs"]
+    print(f"{label} budget: log-probs max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite[f"{label}_budget_grads"], suite[f"{label}_padded_grads"])
+    print(f"{label} budget: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
+def test_token_budget_critic_values_and_gradients_match_the_padded_micro_batches(
+    suite: dict[str, Any],
+) -> None:
+    got, want = suite["critic_budget_values"], suite["critic_padded_values"]
+    print(f"critic budget: values max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite["critic_budget_grads"], suite["critic_padded_grads"])
+    print(f"critic budget: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
     assert frob < 1e-5 and worst < 1e-5, (frob, worst)

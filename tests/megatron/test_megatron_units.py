@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.megatron.forward import attention_mask, split_micro_batches
+from rlbridge.engines.megatron.forward import attention_mask, nominal_scale, split_micro_batches
 from rlbridge.engines.megatron.params import ParamSets, check_param_sets
+from rlbridge.engines.micro import budget_rows
 from rlbridge.errors import RlbridgeError
 
 
@@ -68,6 +69,24 @@ def test_length_grouped_micro_batches_are_trimmed_then_padded_for_sequence_paral
         assert torch.equal(mb.routed_experts[:n, : p + r, 1, 0], sub.input_ids.to(torch.int16))
     with pytest.raises(ValueError, match="pipeline"):
         split_micro_batches(batch, 2, equal_rows=True, by_length=True)
+
+
+def test_token_budget_forms_the_micro_batches_where_rows_are_grouped_by_length() -> None:
+    """max_tokens: budget_rows' groups (the hf engine's) at their own widths, however many; ignored for the
+    index-order layout (pipeline or context parallelism, where validation refuses the budget)."""
+    prompts, responses = [[1], [2, 3, 4, 5, 6], [4], [5, 6]], [[7, 7, 7, 7, 7, 7], [8], [9, 9], [1]]
+    batch = SeqBatch.from_token_lists(prompts, responses, pad_id=0)
+    mbs = split_micro_batches(batch, 2, by_length=True, max_tokens=8)
+    assert (
+        [mb.rows.tolist() for mb in mbs]
+        == [g.tolist() for g in budget_rows(batch, 8)]
+        == [[3], [1], [2], [0]]
+    )
+    assert [mb.input_ids.shape[1] for mb in mbs] == [3, 6, 3, 7]
+    plain = split_micro_batches(batch, 2, max_tokens=8)
+    assert [mb.rows.tolist() for mb in plain] == [[0, 1], [2, 3]]
+    # megatron-core divides each pass's loss by the passes run: 4 x (4 / 2) / 4 = the nominal / 2 each
+    assert nominal_scale(len(mbs), 2) == 2.0 and nominal_scale(3, 3) == 1.0
 
 
 def test_rope_theta_moved_by_transformers5_is_put_back() -> None:

@@ -253,7 +253,8 @@ def test_ppo_policy_and_critic_match_the_padded_micro_batches(
         assert_grads_close(got_critic, want_critic, tol)
 
 
-def test_plan_bounds_activations_by_the_token_budget() -> None:
+@pytest.mark.parametrize("engine", ["hf", "megatron"])
+def test_plan_bounds_activations_by_the_token_budget(engine: str) -> None:
     info = ModelInfo(
         architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
         kv_heads=3, head_dim=64, vocab=49152, max_positions=8192, tied_embeddings=True,
@@ -264,7 +265,7 @@ def test_plan_bounds_activations_by_the_token_budget() -> None:
         raw = {
             "name": "t",
             "model": {"path": "x", "dtype": "float32"},
-            "trainer": {"engine": "hf", **trainer},
+            "trainer": {"engine": engine, **trainer},
             "rollout": rollout,
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "cluster": {"device": "cpu"},

@@ -146,12 +146,19 @@ CASES = [
         "not a multiple of micro_batch_size 3",
         {"trainer__micro_batch_size": 4},
     ),
-    (
-        "token budget on megatron",
-        {"trainer__max_tokens_per_micro_batch": 4096},
+    (  # the fixed recipe: megatron at pipeline = context = 1 takes the budget
+        "token budget on megatron with pipeline parallelism",
+        {"trainer__max_tokens_per_micro_batch": 4096, "trainer__parallel": {"tensor": 2, "pipeline": 2}},
         "trainer.max_tokens_per_micro_batch",
-        "a token budget is the hf engine's",
-        {},
+        "at pipeline 2 x context 1 sends micro-batches of one fixed shape",
+        {"trainer__max_tokens_per_micro_batch": 4096},
+    ),
+    (
+        "token budget on megatron with context parallelism",
+        {"trainer__max_tokens_per_micro_batch": 4096, "trainer__parallel": {"tensor": 2, "context": 2}},
+        "trainer.max_tokens_per_micro_batch",
+        "at pipeline 1 x context 2",
+        {"trainer__parallel": {"tensor": 2, "context": 2}},
     ),
     (
         "mini batch does not split over dp",

@@ -81,6 +81,8 @@ class MegatronCritic:
         self.recipe = recipe
         self.lr = float(recipe.algorithm.critic.lr)  # type: ignore[union-attr]  # a critic exists only under PPO: the algorithm is a PpoCfg
         self.num_optimizer_steps = 0
+        self.max_tokens = recipe.trainer.max_tokens_per_micro_batch
+        """As MegatronTrainEngine.max_tokens: training passes by this token budget."""
         seed = recipe.run.seed
         with compat.device_scope(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # adapters and head from run.seed, the global RNG untouched
@@ -122,9 +124,14 @@ class MegatronCritic:
         self.device = next(self.model[0].parameters()).device
 
     # --------------------------------------------------------------------------------- helpers
-    def _split(self, batch: SeqBatch, num: int) -> list[forward.MicroBatch]:
+    def _split(self, batch: SeqBatch, num: int, *, training: bool = False) -> list[forward.MicroBatch]:
         """As the policy's (no pipeline, context or sequence parallelism here: the recipe checks reject them)."""
-        return forward.split_micro_batches(batch.to(self.device), num, by_length=self.padding_free)
+        return forward.split_micro_batches(
+            batch.to(self.device),
+            num,
+            by_length=self.padding_free,
+            max_tokens=self.max_tokens if training else None,
+        )
 
     @staticmethod
     def _values(output: Tensor, mb: forward.MicroBatch) -> Tensor:
@@ -155,21 +162,24 @@ class MegatronCritic:
 
     # -------------------------------------------------------------------------------- training
     def train_step(self, batch: SeqBatch, loss_fn: ValueLossFn, *, num_micro_batches: int) -> dict[str, Any]:
-        """One critic optimizer step over `batch` in `num_micro_batches` row groups (megatron's schedule
-        backpropagates loss_fn(...) / num_micro_batches each, DDP averages over data-parallel replicas).
-        Metrics: the loss closure's (micro-batch mean), critic_grad_norm (before clipping), critic_skipped."""
+        """One critic optimizer step over `batch` in `num_micro_batches` row groups, or as many as the token
+        budget needs (each pass backpropagates loss_fn(...) / num_micro_batches: forward.nominal_scale; DDP
+        averages over data-parallel replicas). Metrics: the loss closure's (mean over the passes run),
+        critic_grad_norm (before clipping), critic_skipped."""
 
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             values = pad_columns(self._values(output, mb), batch.response_width)  # the closure indexes [b, R]
             mask = batch.response_mask[mb.rows].to(values.device) > 0
             loss, metrics = loss_fn(torch.where(mask, values, torch.zeros((), dtype=values.dtype)), mb.rows)
+            loss = loss * scale  # a new tensor: the schedule divides the returned loss in place
             reduced = {k: float(v) for k, v in metrics.items()}
             reduced["critic_loss"] = float(loss.detach())
-            return loss.clone(), reduced  # the schedule divides the returned loss in place
+            return loss, reduced
 
         with compat.device_scope(), forward.train_mode(self.model, True):
             self._zero_grads()
-            mbs = self._split(batch, num_micro_batches)
+            mbs = self._split(batch, num_micro_batches, training=True)
+            scale = forward.nominal_scale(len(mbs), num_micro_batches)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
             sums: dict[str, float] = {}
             for item in results:

@@ -16,9 +16,10 @@ there the engine owns the Megatron side:
 * exports go through the bridge (export.py).
 
 Conventions shared with the hf engine: micro-batches are `tensor_split` row groups (without pipeline or context
-parallelism, of rows grouped by length and trimmed to their own widths: engines/micro.py), the update follows the
-gradient of the mean of the micro-batch losses (`LOSS_SCALED_BY_MICRO_BATCHES`), log-probs are [b, R]
-float32 with 0 on padding.
+parallelism, of rows grouped by length and trimmed to their own widths, or formed by the token budget
+trainer.max_tokens_per_micro_batch: engines/micro.py), each pass backpropagates its loss / num_micro_batches
+(`LOSS_SCALED_BY_MICRO_BATCHES`; forward.nominal_scale when a budget runs another number of passes), log-probs
+are [b, R] float32 with 0 on padding.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class MegatronTrainEngine:
         self.total_steps = total_steps or total_optimizer_steps(recipe)
         self.num_optimizer_steps = 0
         self._warned_micro = False
+        self.max_tokens = recipe.trainer.max_tokens_per_micro_batch
+        """Training passes by this token budget (engines/micro.py budget_rows) where micro-batches are grouped
+        by length (`_by_length`); the recipe checks refuse it under pipeline or context parallelism."""
         with compat.device_scope():
             self.built = P.build(recipe)
             if getattr(
@@ -114,6 +118,7 @@ class MegatronTrainEngine:
             equal_rows=pp > 1,
             count_multiple=pp if interleaved else 1,
             by_length=self._by_length(),
+            max_tokens=self.max_tokens if training else None,
         )
 
     def _by_length(self) -> bool:
@@ -179,9 +184,9 @@ class MegatronTrainEngine:
 
     # -------------------------------------------------------------------------------- training
     def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Any]:
-        """One optimizer step over `batch` in `num_micro_batches` row groups. Metrics: loss_fn's metrics
-        averaged over micro-batches, loss, grad_norm (before clipping), lr, skipped and, on a skipped step,
-        `nonfinite` (a list of names)."""
+        """One optimizer step over `batch` in `num_micro_batches` row groups, or as many as the token budget
+        needs (`max_tokens`). Metrics: loss_fn's metrics averaged over the passes run, loss, grad_norm (before
+        clipping), lr, skipped and, on a skipped step, `nonfinite` (a list of names)."""
         metrics = self._accumulate(batch, loss_fn, num_micro_batches)
         with compat.device_scope():
             metrics.update(self._apply_update(bad_loss=not forward.finite(metrics.get("loss", 0.0))))
@@ -204,6 +209,7 @@ class MegatronTrainEngine:
         forward.zero_grads(self.model, self.optimizer)
 
     def _accumulate(self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int) -> dict[str, Any]:
+        """Forward/backward every micro-batch through the schedule; the metrics' means over the passes run."""
         vocab = self.bundle.vocab_size
 
         def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -218,13 +224,15 @@ class MegatronTrainEngine:
             mask = batch.response_mask[mb.rows].to(logp.device) > 0
             zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
             loss, metrics = loss_fn(torch.where(mask, logp, zero), torch.where(mask, entropy, zero), mb.rows)
+            loss = loss * scale  # a new tensor: the schedule divides the returned loss in place
             reduced = {k: float(v) for k, v in metrics.items()}
             reduced["loss"] = float(loss.detach())
-            return loss.clone(), reduced  # the schedule divides the returned loss in place
+            return loss, reduced
 
         with compat.device_scope(), forward.train_mode(self.model, True):
             self._zero_grads()
             mbs = self._split(batch, num_micro_batches, training=True)
+            scale = forward.nominal_scale(len(mbs), num_micro_batches)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=False)
             metrics = _mean(results) if results else None
             return dict(forward.broadcast_from_last_stage(metrics))

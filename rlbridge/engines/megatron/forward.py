@@ -61,14 +61,17 @@ def split_micro_batches(
     equal_rows: bool = False,
     count_multiple: int = 1,
     by_length: bool = False,
+    max_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """`num` row groups whose sizes differ by at most one (torch.tensor_split, as the hf engine).
 
     `by_length` (the engine's choice without pipeline or context parallelism): rows sorted by their real
     lengths before the cut and each group trimmed to its own widths (engines/micro.py), so no pass computes
     on columns that are padding in all its rows; each MicroBatch then carries its own prompt/response
-    widths. Without it (pipeline parallelism: every stage-to-stage send has one fixed shape) the groups are
-    cut in index order at the whole batch's width.
+    widths. With `max_tokens` too (trainer.max_tokens_per_micro_batch), as many groups as that token budget
+    needs (engines/micro.py budget_rows) instead of `num`. Without by_length (pipeline parallelism: every
+    stage-to-stage send has one fixed shape) the groups are cut in index order at the whole batch's width and
+    `max_tokens` is ignored.
 
     With `equal_rows` (pipeline parallelism) a shorter group is padded by repeating a row; `MicroBatch.rows`
     lists the real rows only and the stage closures drop the extra outputs. The number of groups is topped
@@ -83,7 +86,7 @@ def split_micro_batches(
             raise ValueError("length-grouped micro-batches vary in shape: not for pipeline parallelism")
         return [
             _micro_batch(batch.select(rows).trimmed(), rows, torch.arange(len(rows)), seq_multiple)
-            for rows in micro_batch_rows(batch, num)
+            for rows in micro_batch_rows(batch, num, max_tokens=max_tokens)
         ]
     groups = list(torch.arange(batch.size).tensor_split(num))
     groups += [torch.zeros(0, dtype=torch.long)] * ((-num) % count_multiple)
@@ -277,6 +280,14 @@ def run_schedule(
         micro_batch_size=first.input_ids.shape[0],
         forward_only=forward_only,
     )
+
+
+def nominal_scale(passes: int, num_micro_batches: int) -> float:
+    """What a pass's loss is multiplied by so that megatron-core's schedule, which divides it by the passes run
+    (num_microbatches), backpropagates loss / num_micro_batches as the hf engine does: a token budget changes
+    the number of passes, and the loss closures' micro_scale undoes the nominal num_micro_batches only.
+    Also keeps the "loss" metric (the passes' mean) the mini-batch loss for any grouping."""
+    return passes / num_micro_batches
 
 
 def broadcast_from_last_stage(value: Any) -> Any:

@@ -114,7 +114,8 @@ NOT_IN_TABLE: dict[str, str] = {
     "trainer.engine": "selects this engine (megatron) or the hf engine; nothing to set on a provider",
     "trainer.bridge": "selects the loader (AutoBridge or mbridge) that builds the provider",
     "trainer.ppo_epochs": "loop-level: how often each step's rollouts are passed over",
-    "trainer.max_tokens_per_micro_batch": "hf engine only (engines/micro.py); validation refuses it for megatron",
+    "trainer.max_tokens_per_micro_batch": "forms the engine's training passes (forward.split_micro_batches); "
+    "refused with pipeline or context parallelism",
     "lora.type": "selects the PEFT class (PEFT_CLASSES) instead of setting a field; tested separately",
     "trainer.optim.min_lr": "read at every step by lr_at, the schedule shared with the hf engine",
     "trainer.optim.schedule": "read at every step by lr_at, the schedule shared with the hf engine",
