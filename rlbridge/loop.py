@@ -174,7 +174,29 @@ def train_step(
     record["time_step"] = sum(timer.seconds.values())
     record["tokens_per_s"] = record["tokens"] / max(record["time_step"], 1e-9)
     s.metrics.write(record)
+    memory_notice(s.plan, record, s.memory_told)
     return record
+
+
+def memory_notice(plan: Plan, record: dict[str, Any], told: set[str]) -> None:
+    """The trainer's measured GPU peak (metrics trainer_gpu_gib_max, on CUDA only) against the plan's estimate:
+    one line after the first step, and a warning the first time a step's peak exceeds the estimate by > 15 %
+    (the plan is what tells a user of an out-of-memory before launching). `told`: what was said ("first",
+    "over"), kept by the session."""
+    peak = record.get("trainer_gpu_gib_max")
+    if peak is None or plan.memory is None:
+        return
+    est = plan.memory.trainer_total
+    reserved = record.get("trainer_gpu_reserved_gib_max", peak)
+    text = f"trainer GPU memory: peak {peak:.2f} GiB allocated ({reserved:.2f} reserved); the plan estimated {est:.2f}"
+    if peak > 1.15 * est and "over" not in told:
+        told.update(("first", "over"))
+        log(
+            f"[yellow]warning[/] step {record['step']}: {text}: the plan underestimates this run's trainer memory"
+        )
+    elif "first" not in told:
+        told.add("first")
+        log(f"step {record['step']}: {text}")
 
 
 def rollout_digest(ro: Rollouts) -> str:

@@ -71,6 +71,7 @@ class TrainerRole:
         self._gate_done = not recipe.run.health.first_step
         self._routed: dict[ExpertId, int] = {}
         """Tokens routed per expert in the training forwards since the gate started (MoE models)."""
+        device_memory_peaks()  # the first step's peak then starts from the built model, not from its load
 
     # ---------------------------------------------------------------- passthroughs
     def _shard(self, rows: torch.Tensor) -> torch.Tensor:
@@ -193,6 +194,7 @@ class TrainerRole:
                 correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
             )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
+        out.update(device_memory_peaks())
         if r.cluster.colocate and r.rollout.mode == "sync" and torch.cuda.is_initialized():
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms)
@@ -491,3 +493,18 @@ def _mean_metrics(items: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = vals[-1]
     return out
+
+
+def device_memory_peaks() -> dict[str, float]:
+    """This process's peak CUDA memory since the previous call (the first: since start-up, the model's load
+    included), allocated and reserved by torch's caching allocator, in GiB; then the counters restart, so each
+    step's figure covers its reference / critic passes and its update. Empty off CUDA. Named *_max: a trainer
+    group reports the largest replica's (trainer/group.py)."""
+    if not torch.cuda.is_initialized():
+        return {}
+    peaks = {
+        "trainer_gpu_gib_max": torch.cuda.max_memory_allocated() / 2**30,
+        "trainer_gpu_reserved_gib_max": torch.cuda.max_memory_reserved() / 2**30,
+    }
+    torch.cuda.reset_peak_memory_stats()
+    return peaks

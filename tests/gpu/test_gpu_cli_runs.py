@@ -164,12 +164,16 @@ def test_train_two_steps(engine: str, sync: str, cli_runs: dict[tuple[str, str],
            steps=[r["step"] for r in records], logprob_diff_mean=gaps,
            logprob_diff_max=[r.get("logprob_diff_max") for r in records],
            overhead_s=run.seconds - sum(phases["time_step"]), sync_bytes=[r.get("sync_bytes") for r in records],
-           reward_mean=[r.get("reward_mean") for r in records], gpu=run.gpu, **phases)  # fmt: skip
+           reward_mean=[r.get("reward_mean") for r in records], gpu=run.gpu, **phases,
+           trainer_gpu_gib_max=[r.get("trainer_gpu_gib_max") for r in records])  # fmt: skip
     assert run.rc == 0, f"exit {run.rc} after {run.seconds:.0f} s (None: timed out)\n{run.tail()}"
     assert not run.leftovers, f"processes of the run still alive 30 s after it exited: {run.leftovers}"
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
     assert all(isinstance(g, float) and math.isfinite(g) and g < P.cli_gap_bound for g in gaps), gaps
+    if not DRY_RUN:  # the trainer's measured GPU peak (loop.memory_notice), on CUDA only
+        assert all(r.get("trainer_gpu_gib_max", 0) > 0 for r in records), records
+        assert "trainer GPU memory: peak" in " ".join(run.tail(10**7).split()), run.tail()
 
 
 @pytest.mark.parametrize("engine", ["hf", "megatron"])
