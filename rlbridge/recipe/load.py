@@ -1,7 +1,7 @@
 """Recipe loading: safe YAML, `--set` overrides, and errors a person can act on.
 
 Every problem is collected (never only the first): YAML syntax, unknown keys (with "did you mean"),
-wrong types, missing keys, and the cross-field checks of `checks.py`. Each carries its dotted key, the
+wrong types, missing keys, and the cross-field checks of `checks/`. Each carries its dotted key, the
 offending value, the YAML line where it came from, and how to fix it.
 """
 

@@ -20,7 +20,7 @@ Design, one rank of the trainer's torch.distributed group (the policy's Megatron
   replicated residual stream (a vocab-parallel output layer has to all-reduce it instead). The head is a
   TP duplicate for the gradient norm (counted on TP rank 0 only). Sequence and context parallelism would
   shard the hidden states over the sequence and are rejected by the recipe checks, as is pipeline
-  parallelism (recipe/checks.py check_algorithm).
+  parallelism (recipe/checks/training.py check_algorithm).
 * the update is megatron-core's optimizer (Adam, clipping from trainer.optim, mixed precision where the
   model is bf16/fp16; the head stays float32) at the constant algorithm.critic.lr; data parallelism
   averages the gradients in megatron's DDP, exactly as for the policy. A non-finite loss or gradient skips

@@ -1,0 +1,79 @@
+"""Cross-field rules, and rules that need the model's config.json and the cluster shape.
+
+Each rule appends a RecipeIssue naming the key, the numbers involved and the smallest fix. All rules run;
+all problems are reported together. Rules are plain functions of (recipe, model info) so each is tested
+with a failing and a passing recipe.
+
+Rule modules: layout (cluster and batches), model (config.json: shape, MoE, recompute), training (LoRA, sync,
+algorithm, rollout correction, async), files (datasets, reward code, loggers); common (the shared helpers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlbridge.errors import RecipeIssue, RlbridgeError
+from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
+from rlbridge.recipe.checks.common import Issues
+from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
+from rlbridge.recipe.checks.layout import (
+    check_batches,
+    check_layout,
+    check_rollout_layout,
+    check_token_budget,
+)
+from rlbridge.recipe.checks.model import check_model_shape
+from rlbridge.recipe.checks.training import (
+    check_algorithm,
+    check_async,
+    check_async_memory,
+    check_lora,
+    check_rollout_correction,
+)
+from rlbridge.recipe.schema import Recipe
+
+__all__ = ["Issues", "RULES", "check_loggers", "check_model_shape", "run_checks"]
+
+# ---------------------------------------------------------------------------------------- entry
+RecipeRule = Callable[[Recipe, Issues], None]
+RULES: tuple[RecipeRule, ...] = (
+    check_layout,
+    check_rollout_layout,
+    check_batches,
+    check_token_budget,
+    check_lora,
+    check_algorithm,
+    check_rollout_correction,
+    check_async,
+    check_files,
+    check_reward,
+    check_loggers,
+)
+
+
+def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelInfo | None]:
+    """All rules; returns every issue found and the model info (None when not read)."""
+    out: Issues = []
+    for rule in RULES:
+        rule(r, out)
+    if not model_checks:
+        return out, None
+    if r.model.path not in SHORT_NAMES and not resolve_model_path(r.model.path).is_dir():
+        out.append(
+            RecipeIssue(
+                "model.path",
+                "model directory not found",
+                value=r.model.path,
+                fix=f"point model.path at a local HF model directory, use a short name ({', '.join(SHORT_NAMES)}), "
+                "or pass --no-model-checks",
+            )
+        )
+        return out, None
+    try:
+        info = read_model_info(r.model.path)
+    except RlbridgeError as e:
+        out.append(RecipeIssue("model.path", str(e), value=r.model.path))
+        return out, None
+    check_model_shape(r, info, out)
+    check_async_memory(r, info, out)
+    return out, info

@@ -1,0 +1,214 @@
+"""The cluster layout (trainer parallelism and the rollout's engines on the devices) and the batch sizes."""
+
+from __future__ import annotations
+
+from rlbridge.errors import RecipeIssue
+from rlbridge.recipe.checks.common import Issues, choices, divisors
+from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
+
+
+# -------------------------------------------------------------------------------- cluster layout
+def check_layout(r: Recipe, out: Issues) -> None:
+    p = r.trainer.parallel
+    world = r.world_size
+    model_parallel = p.tensor * p.pipeline * p.context
+    if r.trainer.engine == "hf":
+        for key, value in (
+            ("tensor", p.tensor),
+            ("pipeline", p.pipeline),
+            ("context", p.context),
+            ("expert", p.expert),
+            ("expert_tensor", p.expert_tensor),
+        ):
+            if value != 1:
+                out.append(
+                    RecipeIssue(
+                        f"trainer.parallel.{key}",
+                        f"the hf engine has no {key} parallelism",
+                        value=str(value),
+                        fix=f"set trainer.parallel.{key}: 1 or trainer.engine: megatron",
+                    )
+                )
+        if world != 1:
+            out.append(
+                RecipeIssue(
+                    "cluster.gpus_per_node",
+                    f"the hf engine trains in one process, but the cluster has {world} devices",
+                    value=str(world),
+                    fix="set cluster.nodes: 1 and cluster.gpus_per_node: 1, or use trainer.engine: megatron",
+                )
+            )
+        return
+    if world % model_parallel:
+        ok = [
+            d
+            for d in divisors(world)
+            if d % (p.pipeline * p.context) == 0 and d // (p.pipeline * p.context) >= 1
+        ]
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.tensor",
+                f"world size {world} (cluster.nodes {r.cluster.nodes} x gpus_per_node {r.cluster.gpus_per_node}) is not divisible by "
+                f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context} = {model_parallel}",
+                fix=f"make tensor x pipeline x context divide {world} (e.g. tensor x pipeline x context in {choices(ok)})",
+            )
+        )
+        return
+    dp = world // model_parallel
+    expert_group = p.expert * p.expert_tensor
+    if world % (expert_group * p.pipeline) or (dp * p.context * p.tensor) % expert_group:
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.expert",
+                f"expert {p.expert} x expert_tensor {p.expert_tensor} = {expert_group} must divide the "
+                f"{dp * p.context * p.tensor} ranks of a pipeline stage (data {dp} x context {p.context} x tensor {p.tensor})",
+                fix=f"set trainer.parallel.expert to one of {choices([d for d in divisors(dp * p.context * p.tensor // p.expert_tensor)])}",
+            )
+        )
+    if p.sequence_parallel and p.tensor == 1:
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.sequence_parallel",
+                "sequence parallel needs tensor parallel > 1",
+                fix="set trainer.parallel.sequence_parallel: false or trainer.parallel.tensor >= 2",
+            )
+        )
+    if p.virtual_pipeline is not None and p.pipeline == 1:
+        out.append(
+            RecipeIssue(
+                "trainer.parallel.virtual_pipeline",
+                "virtual pipeline needs pipeline > 1",
+                value=str(p.virtual_pipeline),
+                fix="remove trainer.parallel.virtual_pipeline or set pipeline >= 2",
+            )
+        )
+    if r.cluster.device == "cpu":
+        if p.sequence_parallel:
+            out.append(
+                RecipeIssue(
+                    "trainer.parallel.sequence_parallel",
+                    "sequence parallel needs reduce-scatter, which gloo (CPU) lacks",
+                    fix="set trainer.parallel.sequence_parallel: false for CPU runs (--set trainer.parallel.sequence_parallel=false)",
+                )
+            )
+        if r.trainer.distributed_optimizer:
+            out.append(
+                RecipeIssue(
+                    "trainer.distributed_optimizer",
+                    "the distributed optimizer needs reduce-scatter, which gloo (CPU) lacks",
+                    fix="set trainer.distributed_optimizer: false for CPU runs",
+                )
+            )
+        if p.context > 1:
+            out.append(
+                RecipeIssue(
+                    "trainer.parallel.context",
+                    "context parallel needs Transformer Engine's attention, which CPU runs lack",
+                    value=str(p.context),
+                    fix="set trainer.parallel.context: 1 for CPU runs (rlbridge train --smoke does this)",
+                )
+            )
+    if r.trainer.bridge == "mbridge" and r.lora.enabled:
+        out.append(
+            RecipeIssue(
+                "trainer.bridge",
+                "mbridge has no LoRA support",
+                value="mbridge",
+                fix="set trainer.bridge: megatron-bridge (or lora.rank: 0 for full fine-tuning)",
+            )
+        )
+
+
+def check_rollout_layout(r: Recipe, out: Issues) -> None:
+    gpus = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
+    if gpus % r.rollout.tensor_parallel:
+        out.append(
+            RecipeIssue(
+                "rollout.tensor_parallel",
+                f"rollout tensor_parallel {r.rollout.tensor_parallel} does not divide the {gpus} rollout devices",
+                fix=f"set rollout.tensor_parallel to {choices(divisors(gpus))}",
+            )
+        )
+    if r.cluster.colocate and r.rollout.gpus is not None:
+        out.append(
+            RecipeIssue(
+                "rollout.gpus",
+                "rollout.gpus is only used when cluster.colocate is false",
+                fix="remove rollout.gpus or set cluster.colocate: false",
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------- batch sizes
+def check_batches(r: Recipe, out: Issues) -> None:
+    d, n, mbs = r.data, r.rollout.n, r.trainer.micro_batch_size
+    if r.algorithm.name in GROUP_ALGORITHMS and n < 2:
+        out.append(
+            RecipeIssue(
+                "rollout.n",
+                f"{r.algorithm.name} compares completions within a group and needs at least 2 per prompt",
+                value=str(n),
+                fix="set rollout.n: 4 (or 2)",
+            )
+        )
+    mini = r.mini_batch_size
+    if d.batch_size % mini:
+        out.append(
+            RecipeIssue(
+                "data.mini_batch_size",
+                f"mini_batch_size {mini} does not divide batch_size {d.batch_size}",
+                fix=f"set data.mini_batch_size to {choices(divisors(d.batch_size))}",
+            )
+        )
+        return
+    p = r.trainer.parallel
+    model_parallel = p.tensor * p.pipeline * p.context
+    dp = max(r.world_size // model_parallel, 1) if r.world_size % model_parallel == 0 else 1
+    seqs = mini * n
+    if seqs % dp:
+        out.append(
+            RecipeIssue(
+                "data.mini_batch_size",
+                f"a mini-batch holds {mini} prompts x n {n} = {seqs} sequences, "
+                f"which do not split over {dp} data-parallel ranks",
+                fix="make mini_batch_size x rollout.n a multiple of the data-parallel size",
+            )
+        )
+        return
+    per_rank = seqs // dp
+    if per_rank % mbs:
+        out.append(
+            RecipeIssue(
+                "trainer.micro_batch_size",
+                f"each data-parallel rank gets {per_rank} sequences per mini-batch "
+                f"({mini} prompts x n {n} / dp {dp}), not a multiple of micro_batch_size {mbs}",
+                fix=f"set trainer.micro_batch_size to {choices(divisors(per_rank))}",
+            )
+        )
+    if r.run.save_every > r.run.steps:
+        out.append(
+            RecipeIssue(
+                "run.save_every",
+                f"save_every {r.run.save_every} exceeds run.steps {r.run.steps}: only the final save would happen",
+                fix=f"set run.save_every <= {r.run.steps} or 0",
+            )
+        )
+
+
+def check_token_budget(r: Recipe, out: Issues) -> None:
+    """The megatron engine forms passes by a token budget only without pipeline and context parallelism:
+    pipeline stages exchange activations of one fixed shape, and context parallelism shards the sequence."""
+    p = r.trainer.parallel
+    if r.trainer.max_tokens_per_micro_batch is None or r.trainer.engine != "megatron":
+        return
+    if p.pipeline > 1 or p.context > 1:
+        out.append(
+            RecipeIssue(
+                "trainer.max_tokens_per_micro_batch",
+                f"the megatron engine at pipeline {p.pipeline} x context {p.context} sends micro-batches of one "
+                "fixed shape (micro_batch_size rows at the batch's width), which a token budget would vary",
+                value=str(r.trainer.max_tokens_per_micro_batch),
+                fix="remove trainer.max_tokens_per_micro_batch, or set trainer.parallel.pipeline and "
+                "trainer.parallel.context to 1",
+            )
+        )

@@ -1,0 +1,278 @@
+"""LoRA and weight sync, the algorithm, rollout correction, asynchronous rollouts."""
+
+from __future__ import annotations
+
+import math
+
+from rlbridge.errors import RecipeIssue
+from rlbridge.model.info import ModelInfo
+from rlbridge.recipe.checks.common import VLLM_LORA_RANKS, Issues
+from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.targets import (
+    CANONICAL_ONLY,
+    unknown_targets,
+)
+
+# ----------------------------------------------------------------------------------- LoRA / sync
+
+
+def check_lora(r: Recipe, out: Issues) -> None:
+    lora, ro = r.lora, r.rollout
+    if ro.weight_sync == "adapter":
+        if not lora.enabled:
+            out.append(
+                RecipeIssue(
+                    "rollout.weight_sync",
+                    "adapter weight sync needs LoRA (lora.rank > 0)",
+                    value="adapter",
+                    fix="set rollout.weight_sync: merged, or lora.rank > 0",
+                )
+            )
+        elif lora.rank > ro.max_lora_rank:
+            out.append(
+                RecipeIssue(
+                    "lora.rank",
+                    f"LoRA rank {lora.rank} is greater than rollout.max_lora_rank {ro.max_lora_rank}",
+                    fix=f"set rollout.max_lora_rank to {min(v for v in VLLM_LORA_RANKS if v >= lora.rank)}",
+                )
+            )
+        if lora.type == "dora" and ro.engine == "vllm":
+            out.append(
+                RecipeIssue(
+                    "lora.type",
+                    "vLLM cannot serve DoRA adapters",
+                    value="dora",
+                    fix="set rollout.weight_sync: merged",
+                )
+            )
+        if ro.engine == "vllm" and ro.max_lora_rank not in VLLM_LORA_RANKS:
+            out.append(
+                RecipeIssue(
+                    "rollout.max_lora_rank",
+                    f"vLLM accepts max_lora_rank in {VLLM_LORA_RANKS}",
+                    value=str(ro.max_lora_rank),
+                    fix=f"set rollout.max_lora_rank: {min(v for v in VLLM_LORA_RANKS if v >= ro.max_lora_rank) if ro.max_lora_rank <= 512 else 512}",
+                )
+            )
+    if not lora.enabled:
+        return
+    bad = unknown_targets(lora.targets)
+    if bad:
+        out.append(
+            RecipeIssue(
+                "lora.targets",
+                f"unknown target(s) {', '.join(bad)}",
+                fix="use linear_qkv, linear_proj, linear_fc1, linear_fc2 (or HF names q_proj, ..., down_proj, or all-linear)",
+            )
+        )
+    split = sorted(set(lora.targets) & CANONICAL_ONLY)
+    if split and lora.type != "canonical_lora" and r.trainer.engine == "megatron":
+        out.append(
+            RecipeIssue(
+                "lora.targets",
+                f"{', '.join(split)} exist only with lora.type canonical_lora",
+                fix="set lora.type: canonical_lora, or use linear_qkv / linear_fc1",
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------------- algorithm
+def check_algorithm(r: Recipe, out: Issues) -> None:
+    algo = r.algorithm
+    if algo.name != "ppo":
+        return
+    if r.trainer.engine == "megatron":  # the critic's value head reads the full, TP-replicated hidden states
+        par = r.trainer.parallel
+        for key, value, what in (
+            ("pipeline", par.pipeline, "a pipeline"),
+            ("context", par.context, "a context-parallel layout"),
+        ):
+            if value > 1:
+                out.append(
+                    RecipeIssue(
+                        f"trainer.parallel.{key}",
+                        f"PPO's critic on the megatron engine does not support {what} yet",
+                        value=str(value),
+                        fix=f"set trainer.parallel.{key}: 1 (tensor and data parallelism work), or trainer.engine: hf",
+                    )
+                )
+        if par.sequence_parallel:
+            out.append(
+                RecipeIssue(
+                    "trainer.parallel.sequence_parallel",
+                    "PPO's critic on the megatron engine needs the full hidden "
+                    "states on every tensor-parallel rank",
+                    value="true",
+                    fix="set trainer.parallel.sequence_parallel: false",
+                )
+            )
+        if r.trainer.bridge != "megatron-bridge":
+            out.append(
+                RecipeIssue(
+                    "trainer.bridge",
+                    "PPO's critic on the megatron engine is built through Megatron-Bridge",
+                    value=r.trainer.bridge,
+                    fix="set trainer.bridge: megatron-bridge",
+                )
+            )
+    if algo.adaptive_kl_target is not None and (algo.kl.where != "reward" or algo.kl.coef == 0):
+        out.append(
+            RecipeIssue(
+                "algorithm.adaptive_kl_target",
+                f"the adaptive KL controller moves the KL penalty in the reward, starting from kl.coef "
+                f"(kl.where is {algo.kl.where}, kl.coef is {algo.kl.coef})",
+                value=str(algo.adaptive_kl_target),
+                fix="set algorithm.kl.where: reward and algorithm.kl.coef > 0 (e.g. 0.05), or remove adaptive_kl_target",
+            )
+        )
+
+
+def check_rollout_correction(r: Recipe, out: Issues) -> None:
+    rc, key = r.algorithm.rollout_correction, "algorithm.rollout_correction"
+    low, high = r.run.health.is_weight_range
+    if not low < 1.0 < high:
+        out.append(
+            RecipeIssue(
+                "run.health.is_weight_range",
+                "the range must hold 1 (trainer and rollout agree) strictly inside",
+                value=f"[{low}, {high}]",
+                fix="set run.health.is_weight_range: [0.5, 2.0]",
+            )
+        )
+    if rc.bypass:
+        for name, on in (
+            ("weights", rc.weights != "none"),
+            ("mask_band", rc.mask_band is not None),
+            ("reject", rc.reject is not None),
+        ):
+            if on:
+                out.append(
+                    RecipeIssue(
+                        f"{key}.{name}",
+                        "bypass takes the old log-probs from the rollout, so there is no trainer "
+                        "log-prob to weigh, mask or reject by (the PPO ratio against the rollout corrects instead)",
+                        fix=f"remove {key}.{name}, or set {key}.bypass: false",
+                    )
+                )
+    # judged by value against the default, not by whether the key was written: the resolved recipe in a run
+    # directory writes every default out, and `rlbridge resume` must accept it (test_resume_unit)
+    default = type(rc)()
+    if rc.weights == "none" and rc.clamp_high not in (None, default.clamp_high):
+        out.append(
+            RecipeIssue(
+                f"{key}.clamp_high",
+                "clamp_high truncates importance weights, and weights is none",
+                value=str(rc.clamp_high),
+                fix=f"set {key}.weights: token (or sequence), or remove clamp_high",
+            )
+        )
+    if rc.mask_level != default.mask_level and rc.mask_band is None:
+        out.append(
+            RecipeIssue(
+                f"{key}.mask_level",
+                "mask_level says how mask_band judges, and there is no mask_band",
+                value=rc.mask_level,
+                fix=f"set {key}.mask_band (e.g. [0.5, 2.0]), or remove mask_level",
+            )
+        )
+    if rc.mask_band is not None:
+        low, high = rc.mask_band
+        if not low < 1.0 < high:
+            out.append(
+                RecipeIssue(
+                    f"{key}.mask_band",
+                    "the band must hold 1 (trainer and rollout agree) strictly inside: "
+                    "low < 1 < high, else it masks agreeing tokens",
+                    value=f"[{low}, {high}]",
+                    fix=f"set {key}.mask_band: [{min(low, 0.5)}, {max(high, 2.0)}]",
+                )
+            )
+        elif rc.weights != "none" and rc.clamp_high is not None and rc.clamp_high >= high:
+            out.append(
+                RecipeIssue(
+                    f"{key}.clamp_high",
+                    f"clamp_high {rc.clamp_high} is at or above mask_band's high {high}: "
+                    "weights that high are masked before the clamp could act",
+                    value=str(rc.clamp_high),
+                    fix=f"set {key}.clamp_high below {high}, or to null",
+                )
+            )
+
+
+def check_async(r: Recipe, out: Issues) -> None:
+    """rollout.mode async (docs/async.md): what the overlapped pipeline cannot do, and the staleness bound."""
+    ro, rc = r.rollout, r.algorithm.rollout_correction
+    if ro.mode != "async":
+        return
+    if ro.max_staleness == 0:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                "async generates ahead of the trainer, at least one weight version behind; 0 is the synchronous loop",
+                value="0",
+                fix="set rollout.max_staleness: 1 (or more), or rollout.mode: sync",
+            )
+        )
+    corrected = rc.bypass or rc.weights != "none"
+    if ro.max_staleness > 1 and not corrected:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"samples up to {ro.max_staleness} weight versions old and a loss without an off-policy "
+                "correction: the gradient is biased by how far the rollout policy has drifted",
+                value=str(ro.max_staleness),
+                fix="set algorithm.rollout_correction.weights: token (truncated importance sampling) or "
+                "algorithm.rollout_correction.bypass: true, or rollout.max_staleness: 1",
+            )
+        )
+    if getattr(r.algorithm, "dynamic_sampling", False):
+        out.append(
+            RecipeIssue(
+                "algorithm.dynamic_sampling",
+                "dynamic sampling refills a step's batch by generating again with the newest weights, "
+                "which an async pipeline has already moved past",
+                value="true",
+                fix="set algorithm.dynamic_sampling: false, or rollout.mode: sync",
+            )
+        )
+    if ro.max_staleness >= r.run.steps:
+        out.append(
+            RecipeIssue(
+                "rollout.max_staleness",
+                f"the run has {r.run.steps} steps: a pipeline {ro.max_staleness} steps deep never overlaps",
+                value=str(ro.max_staleness),
+                fix=f"set rollout.max_staleness below run.steps ({r.run.steps}), or rollout.mode: sync",
+            )
+        )
+
+
+def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """async on shared GPUs: vLLM stays resident next to the trainer, so both must fit at once (plan.memory)."""
+    c = r.cluster
+    if r.rollout.mode != "async" or not c.colocate or c.device != "cuda" or r.rollout.engine != "vllm":
+        return
+    from rlbridge.plan import batches, memory
+
+    p = r.trainer.parallel
+    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
+    mem = memory(r, m, dp, batches(r, dp))
+    if mem.trainer_total + mem.rollout_total <= mem.capacity:
+        return
+    margin = 1.0  # GiB for CUDA contexts and fragmentation
+    fits = math.floor((mem.capacity - mem.trainer_total - margin) / mem.capacity * 100) / 100
+    need = (mem.rollout_weights + 0.5) / mem.capacity  # the weights and a small KV cache
+    fix = (
+        f"set rollout.gpu_memory_utilization: {fits} (or lower), or cluster.colocate: false"
+        if fits >= need
+        else "set cluster.colocate: false (the rollout on devices of its own), or rollout.mode: sync"
+    )
+    out.append(
+        RecipeIssue(
+            "rollout.gpu_memory_utilization",
+            f"async keeps vLLM resident next to the trainer: the trainer's ~{mem.trainer_total:.1f} GiB and vLLM's "
+            f"{r.rollout.gpu_memory_utilization} x {mem.capacity:.0f} GiB = {mem.rollout_total:.1f} GiB exceed "
+            f"the {mem.capacity:.0f} GiB per device",
+            value=str(r.rollout.gpu_memory_utilization),
+            fix=fix,
+        )
+    )
