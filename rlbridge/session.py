@@ -104,9 +104,9 @@ class Session:
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.mismatch_notices = MismatchNotices()
+        """When the loop warns of importance weights outside run.health's limits (not at every step of a long gap)."""
         self.memory_told: set[str] = set()
         """What the loop has said of the trainer's measured GPU peak against the plan (loop.memory_notice)."""
-        """When the loop warns of importance weights outside run.health's limits (not at every step of a long gap)."""
         self.stall = stalls.from_recipe(
             recipe.run.health,
             lambda msg: log(f"[yellow]warning[/] {escape(msg)}"),
