@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -382,24 +383,53 @@ class Session:
         the next version number, or `version` (a resume re-sends the checkpoint's weights under their own).
 
         The export travels as a Ray object reference from the trainer straight to the rollout worker:
-        the driver never holds (or copies) the weights."""
+        the driver never holds (or copies) the weights. With rollout.weight_transport cuda_ipc (merged) it holds
+        CUDA IPC handles of tensors the trainer keeps on the GPU: they are released as soon as the rollout has
+        loaded them (before vLLM's KV cache wakes), and whatever happens."""
         assert self.trainer is not None and self.rollout is not None
+        trainer, kind = self.trainer, self.recipe.rollout.weight_sync
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
-        ref = self.trainer.export_weights(self.recipe.rollout.weight_sync, as_files=same_node)
+        ipc = kind == "merged" and self.recipe.rollout.weight_transport == "cuda_ipc"
+        ref = trainer.export_weights(kind, as_files=same_node and not ipc, cuda_ipc=ipc)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version
+        held = ipc
+
+        def load() -> Any:
+            nonlocal held
+            try:
+                return rollout.call("load_weights", ref, v)
+            finally:
+                if held:
+                    held = False
+                    release_export(trainer, failing=sys.exc_info()[0] is not None)
+
         try:
-            self.memory.load(lambda: rollout.call("load_weights", ref, v))
+            self.memory.load(load)
         except (
             rc.InputLost
         ):  # the trainer died while exporting: say so (which rank, which node), not the rollout
-            self.trainer.raise_if_lost(ref)
+            trainer.raise_if_lost(ref)
             raise
-        return self.trainer.last_export_bytes()
+        finally:
+            if held:  # the load never ran (e.g. vLLM's wake failed)
+                release_export(trainer, failing=sys.exc_info()[0] is not None)
+        return trainer.last_export_bytes()
 
     def release_rollout_memory(self) -> None:
         """Colocated GPUs: vLLM sleeps during the update (a no-op on CPU or separate devices)."""
         self.memory.release()
+
+
+def release_export(trainer: Trainer, *, failing: bool) -> None:
+    """trainer.release_export(); while another error is on its way (`failing`), a failure here is only logged, so
+    that the error that stopped the sync is the one reported."""
+    try:
+        trainer.release_export()
+    except Exception as e:
+        if not failing:
+            raise
+        log_plain(f"warning: releasing the trainer's CUDA IPC export failed too: {e}")
 
 
 def rollout_slot(plan: Plan, place: rc.Placement) -> int:

@@ -15,6 +15,9 @@
 #                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~6 min: 75 s + 69 s + ~180 s bf16, 2026-12-02)
 #   bash scripts/gpu_check.sh faults # issue 20: out of GPU memory (vLLM at start, at wake; the trainer) with a memory
 #                                    # hog, a trainer killed mid-step; resume (~7-8 min; estimate, not yet run)
+#   bash scripts/gpu_check.sh ipc    # issue 16 goal 3: merged sync by CUDA IPC (rollout.weight_transport cuda_ipc) vs
+#                                    # files, trainer and vLLM in two processes on one GPU, 3 sleep/wake/IPC cycles
+#                                    # (~2-3 min; estimate, not yet run)
 #   bash scripts/gpu_check.sh 3 4    # several parts, in that order, under one budget
 #   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
@@ -45,10 +48,11 @@ for p in "$@"; do  # several parts run in the order given, under one budget: bas
     4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
     moe) files+=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
     faults) files+=(tests/gpu/test_gpu_faults.py) ;;  # issue 20: vLLM / trainer out of memory, trainer killed
+    ipc) files+=(tests/gpu/test_gpu_ipc_sync.py) ;;  # issue 16 goal 3: CUDA IPC merged sync vs files, memory over cycles
     all) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
                  tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py
                  tests/gpu/test_gpu_async.py) ;;
-    *) echo "usage: bash scripts/gpu_check.sh [1|2|3|4|moe|faults|all] ... (several parts: one budget, in order)" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [1|2|3|4|moe|faults|ipc|all] ... (several parts: one budget, in order)" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-./gpu_out}

@@ -35,6 +35,10 @@ class WeightExport:
     """Set when the export was already written as an HF (merged) or PEFT (adapter) directory on this node;
     `tensors` is then empty and the receiver takes ownership of the directory (same-node hand-off: no copy
     through Ray's object store)."""
+    ipc: dict[str, Any] | None = None
+    """Set for rollout.weight_transport cuda_ipc: CUDA IPC handles of merged tensors on the trainer's GPU, as plain
+    data (rlbridge/rollout/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its
+    `release_export`."""
 
 
 class TrainEngine(Protocol):

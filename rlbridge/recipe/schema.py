@@ -142,6 +142,12 @@ class RolloutCfg(Section):
     """Maximum generated tokens per completion."""
     weight_sync: Literal["merged", "adapter"] = "merged"
     """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
+    weight_transport: Literal["files", "cuda_ipc"] = "files"
+    """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in
+    /dev/shm that vLLM reloads) or cuda_ipc (a colocated CUDA trainer shares its GPU tensors with vLLM by CUDA IPC
+    handles, no copy through host memory; needs cluster.device cuda, colocate, one node, rollout.engine vllm at
+    tensor_parallel 1, weight_sync merged and a trainer of one process). cuda_ipc is not yet verified on a GPU
+    (tests/gpu/test_gpu_ipc_sync.py)."""
     max_lora_rank: PositiveInt = 64
     """vLLM's max_lora_rank; must be >= lora.rank when weight_sync is adapter."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8

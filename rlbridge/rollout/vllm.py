@@ -34,9 +34,11 @@ in child processes with `spawn` (the CPU platform forces it), so a script that c
 needs an `if __name__ == "__main__":` guard; pytest's entry points have one
 (tests/integration/test_vllm_rollout.py runs two engines one after the other under `python -m pytest`).
 
-On large GPU models the merged route costs a write of the full state dict to /dev/shm per sync; vLLM 0.32's
-weight-transfer engines (`vllm/distributed/weight_transfer/`: CUDA IPC for colocated trainers, NCCL
-otherwise) avoid that and are the next step for the GPU path.
+On large GPU models the merged route costs a write of the full state dict to /dev/shm per sync.
+rollout.weight_transport cuda_ipc (opt-in; colocated CUDA trainer, tensor_parallel 1) avoids it: the trainer
+hands over CUDA IPC handles of its merged tensors (rlbridge/rollout/ipc.py) and the worker reloads from them in
+place (`collective_rpc("rlbridge_load_ipc")`, which calls the worker's `reload_weights(weights_iterator=...)`,
+present in both vLLM 0.26 and 0.32). Not yet verified on a GPU (tests/gpu/test_gpu_ipc_sync.py).
 """
 
 from __future__ import annotations
@@ -79,6 +81,34 @@ class WorkerExtension:
 
         parallel = getattr(self, "parallel_config", None)
         reseed(set_random_seed, seed, getattr(parallel, "data_parallel_index", 0) or 0)
+
+    def rlbridge_load_ipc(self, payload: dict[str, Any]) -> int:
+        """Reload the weights in place from a colocated trainer's CUDA IPC export (rlbridge/rollout/ipc.py):
+        the handles are opened on this worker's GPU (checked to be the trainer's), read by vLLM's in-place reload,
+        and let go once the device is done with them. Returns the number of tensors."""
+        from rlbridge.rollout import ipc
+
+        device: Any = getattr(self, "device", None)
+        if device is None or device.type != "cuda":
+            raise RuntimeError(f"CUDA IPC weight sync needs a CUDA vLLM worker, this one runs on {device}")
+        pairs = ipc.open_shared(payload, device)
+        try:
+            return self.rlbridge_load_tensors(pairs)
+        finally:
+            del pairs  # closes the handles: the trainer may then free the memory (TrainerRole.release_export)
+
+    def rlbridge_load_tensors(self, pairs: list[tuple[str, Any]]) -> int:
+        """Reload the weights in place from (HF name, tensor) pairs on any device: the path CUDA IPC takes, which
+        the CPU build can test. Waits for the device to finish reading them. Returns the number of tensors."""
+        import torch
+
+        count = len(pairs)
+        reload: Any = getattr(self, "reload_weights")  # noqa: B009  # vLLM's Worker, which this class is mixed into
+        reload(weights_iterator=iter(pairs))
+        device: Any = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return count
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -344,6 +374,14 @@ class VllmRollout:
     def _load_merged(self, weights: WeightExport) -> None:
         import torch
 
+        if weights.ipc is not None:
+            if self.cpu:
+                raise ValueError(
+                    "a CUDA IPC export cannot load into vLLM's CPU build (rollout.weight_transport)"
+                )
+            self._llm.collective_rpc("rlbridge_load_ipc", args=(weights.ipc,))
+            self._after_merged_reload(None)
+            return
         new_dir = (
             Path(weights.path)
             if weights.path
@@ -359,6 +397,9 @@ class VllmRollout:
         except BaseException:
             remove_dir(new_dir)
             raise
+        self._after_merged_reload(new_dir)
+
+    def _after_merged_reload(self, new_dir: Path | None) -> None:
         # KV blocks cached for shared prompt prefixes were computed with the old weights.
         self._llm.reset_prefix_cache()
         remove_dir(self._weights_dir)

@@ -47,9 +47,14 @@ class Trainer(Protocol):
         """The step's policy (and, for PPO, critic) updates; their metrics."""
         ...
 
-    def export_weights(self, kind: str, *, as_files: bool = False) -> Any:
+    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
         """The weights for the rollout, as something the rollout's load_weights accepts (over Ray: a reference
-        that goes from the trainer to the rollout without passing through the driver)."""
+        that goes from the trainer to the rollout without passing through the driver). cuda_ipc: CUDA IPC handles
+        of merged tensors the trainer keeps on its GPU until `release_export`."""
+        ...
+
+    def release_export(self) -> None:
+        """Drop what a cuda_ipc export keeps alive (after the rollout loaded it, or when the sync failed)."""
         ...
 
     def last_export_bytes(self) -> int: ...
@@ -116,8 +121,13 @@ class RayTrainer:
             return self.workers.call_metrics(TrainerRole.update.__name__, *args)
         return self._call(TrainerRole.update, *args)
 
-    def export_weights(self, kind: str, *, as_files: bool = False) -> Any:
-        return self.workers.submit(TrainerRole.export_weights.__name__, kind, as_files=as_files)
+    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
+        return self.workers.submit(
+            TrainerRole.export_weights.__name__, kind, as_files=as_files, cuda_ipc=cuda_ipc
+        )
+
+    def release_export(self) -> None:
+        self._call(TrainerRole.release_export)
 
     def last_export_bytes(self) -> int:
         return int(self._call(TrainerRole.last_export_bytes))
@@ -168,8 +178,11 @@ class LocalTrainer:
     ) -> dict[str, float]:
         return self.role.update(batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
 
-    def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
-        return self.role.export_weights(kind, as_files=as_files)
+    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
+        return self.role.export_weights(kind, as_files=as_files, cuda_ipc=cuda_ipc)
+
+    def release_export(self) -> None:
+        self.role.release_export()
 
     def last_export_bytes(self) -> int:
         return self.role.last_export_bytes()

@@ -7,6 +7,7 @@ builds the loss closure from the recipe, and checks that the first updates reall
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -66,6 +67,8 @@ class TrainerRole:
         self.updates = 0
         self._signal_updates = 0
         self._export_bytes = 0
+        self._shared: list[torch.Tensor] = []
+        """The tensors of a CUDA IPC export, alive until `release_export` (the rollout reads them in place)."""
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
         self._gate_done = not recipe.run.health.first_step
@@ -100,13 +103,17 @@ class TrainerRole:
             return torch.zeros(0, batch.response_width)
         return self.critic.values(batch.select(rows))
 
-    def export_weights(self, kind: str, *, as_files: bool = False) -> WeightExport:
+    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
         """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
-        directory in the rollout's dtype and handed over by path, instead of shipped through Ray."""
+        directory in the rollout's dtype and handed over by path, instead of shipped through Ray. cuda_ipc
+        (merged, rollout.weight_transport cuda_ipc): the tensors stay on this GPU in the rollout's dtype and the
+        export carries CUDA IPC handles of them; they are kept until `release_export`."""
         weights = self.engine.export_weights(kind)  # collective with a multi-rank engine: every rank calls it
         self._export_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
         if not self.is_holder:
             return WeightExport(kind, {}, weights.adapter_config)
+        if cuda_ipc:
+            return self._share_merged(weights)
         if not as_files:
             return weights
         from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter, write_merged
@@ -121,6 +128,32 @@ class TrainerRole:
         else:
             out = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
         return WeightExport(kind, {}, weights.adapter_config, path=str(out))
+
+    def _share_merged(self, weights: WeightExport) -> WeightExport:
+        from rlbridge.rollout import ipc
+
+        if weights.kind != "merged":
+            raise RlbridgeError(
+                f"rollout.weight_transport cuda_ipc moves merged weights, not {weights.kind!r}"
+            )
+        if not torch.cuda.is_available():
+            raise RlbridgeError("rollout.weight_transport cuda_ipc needs the trainer on a CUDA device")
+        self.release_export()  # one the rollout never loaded (a failed sync) goes first
+        device = torch.device("cuda", torch.cuda.current_device())
+        payload, self._shared = ipc.share(
+            weights.tensors, dtype=getattr(torch, self.recipe.model.dtype), device=device
+        )
+        return WeightExport("merged", {}, ipc=payload)
+
+    def release_export(self) -> None:
+        """Drop the tensors of the last CUDA IPC export (the rollout has loaded them, or the sync failed) and
+        give their memory back to the device (a no-op without one)."""
+        if not self._shared:
+            return
+        self._shared = []
+        gc.collect()
+        torch.cuda.ipc_collect()  # blocks the receiver has let go of; then the cache, for vLLM's KV cache
+        torch.cuda.empty_cache()
 
     def last_export_bytes(self) -> int:
         return self._export_bytes

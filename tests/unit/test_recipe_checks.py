@@ -448,3 +448,42 @@ def test_routing_replay_checks(tmp_path: Path) -> None:
     assert "Model Runner V2" in dict(issues)["rollout.routing_replay"], issues
     cpu["rollout"]["engine"] = "hf"
     assert check(tmp_path, cpu) == []  # transformers rollouts record the routing on any device
+
+
+def ipc_recipe(**over: object) -> dict:
+    """The accepted cuda_ipc recipe: hf trainer on one GPU, vLLM colocated at tensor_parallel 1, merged sync."""
+    r = base(rollout__weight_transport="cuda_ipc", rollout__tensor_parallel=1, cluster__gpus_per_node=1)
+    r["trainer"] = {"engine": "hf", "micro_batch_size": 2}
+    for dotted, value in over.items():
+        node = r
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return r
+
+
+# (overrides that break the cuda_ipc recipe, the key its issue must name)
+IPC_REFUSED = [
+    ({"cluster__device": "cpu"}, "cluster.device"),
+    ({"cluster__colocate": False}, "cluster.colocate"),
+    ({"cluster__nodes": 2}, "cluster.nodes"),
+    ({"cluster__address": "10.0.0.1:6379"}, "cluster.address"),
+    ({"rollout__engine": "hf"}, "rollout.engine"),
+    ({"rollout__weight_sync": "adapter"}, "rollout.weight_sync"),
+    ({"rollout__tensor_parallel": 2}, "rollout.tensor_parallel"),
+    ({"cluster__gpus_per_node": 2, "trainer__engine": "megatron"}, "cluster.gpus_per_node"),
+]
+
+
+def test_cuda_ipc_accepted(tmp_path: Path) -> None:
+    assert check(tmp_path, ipc_recipe()) == []
+    megatron_one_gpu = ipc_recipe(trainer={"engine": "megatron", "micro_batch_size": 2})
+    assert check(tmp_path, megatron_one_gpu) == []
+
+
+@pytest.mark.parametrize(("bad", "key"), IPC_REFUSED, ids=[k for _, k in IPC_REFUSED])
+def test_cuda_ipc_refused(tmp_path: Path, bad: dict, key: str) -> None:
+    issues = [(k, msg) for k, msg in check(tmp_path, ipc_recipe(**bad)) if "weight_transport" in msg]
+    assert keys(issues) == {key}, issues
+    assert all("rollout.weight_transport: files" in msg for _, msg in issues)

@@ -29,6 +29,7 @@ from rlbridge.recipe.checks.training import (
     check_async_memory,
     check_lora,
     check_rollout_correction,
+    check_weight_transport,
 )
 from rlbridge.recipe.schema import Recipe
 
@@ -42,6 +43,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_batches,
     check_token_budget,
     check_lora,
+    check_weight_transport,
     check_algorithm,
     check_rollout_correction,
     check_async,

@@ -76,6 +76,37 @@ def check_lora(r: Recipe, out: Issues) -> None:
         )
 
 
+def check_weight_transport(r: Recipe, out: Issues) -> None:
+    """rollout.weight_transport cuda_ipc: the trainer hands vLLM CUDA IPC handles of its merged tensors, which only
+    a vLLM worker in another process on the same GPU can open, and which must cover the whole model."""
+    ro, c = r.rollout, r.cluster
+    if ro.weight_transport != "cuda_ipc":
+        return
+    why = "rollout.weight_transport cuda_ipc shares the trainer's GPU tensors with vLLM on the same GPU"
+    fix_files = "or rollout.weight_transport: files"
+    needs: list[tuple[str, bool, str, str, str]] = [  # (key, broken, value, reason, fix)
+        ("cluster.device", c.device != "cuda", c.device, "CUDA IPC needs CUDA devices", "set cluster.device: cuda"),
+        ("cluster.colocate", not c.colocate, "false", "it needs the trainer and vLLM on the same GPU",
+         "set cluster.colocate: true"),
+        ("cluster.nodes", c.nodes != 1, str(c.nodes), "IPC handles open on the node that made them only",
+         "set cluster.nodes: 1"),
+        ("cluster.address", c.address is not None, str(c.address),
+         "on an existing Ray cluster the rollout may land on another node", "remove cluster.address"),
+        ("rollout.engine", ro.engine != "vllm", ro.engine, "only the vLLM rollout loads weights from IPC handles",
+         "set rollout.engine: vllm"),
+        ("rollout.weight_sync", ro.weight_sync != "merged", ro.weight_sync,
+         "it moves merged weights (an adapter is small: files cost little)", "set rollout.weight_sync: merged"),
+        ("rollout.tensor_parallel", ro.tensor_parallel != 1, str(ro.tensor_parallel),
+         "one vLLM worker must hold the whole model on the trainer's GPU", "set rollout.tensor_parallel: 1"),
+        ("cluster.gpus_per_node", c.nodes == 1 and c.gpus_per_node != 1, str(c.gpus_per_node),
+         "one trainer process must hold the whole merged model on the rollout's GPU (a multi-rank trainer's "
+         "export is gathered on rank 0; not supported with IPC yet)", "set cluster.gpus_per_node: 1"),
+    ]  # fmt: skip
+    for key, broken, value, reason, fix in needs:
+        if broken:
+            out.append(RecipeIssue(key, f"{why}: {reason}", value=value, fix=f"{fix}, {fix_files}"))
+
+
 # ---------------------------------------------------------------------------------------- algorithm
 def check_algorithm(r: Recipe, out: Issues) -> None:
     algo = r.algorithm
