@@ -81,6 +81,13 @@ def main() -> None:
         help="only for the async runs (default: algorithm.rollout_correction.weights=token, docs/async.md)",
     )
     ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["sync", "async"],
+        default=["sync", "async"],
+        help="run only these (a seed's other run can come from an earlier --json through --combine)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the result document here")
     ap.add_argument(
         "--combine", type=Path, nargs="+", default=None, metavar="JSON", help="merge these results"
@@ -91,7 +98,7 @@ def main() -> None:
         docs = [json.loads(p.read_text()) for p in a.combine]
         rows = [r for d in docs for r in d["rows"]]
         first = docs[0]
-        seeds = [s for d in docs for s in d["seeds"]]
+        seeds = list(dict.fromkeys(s for d in docs for s in d["seeds"]))  # a seed may come from two documents
         result = summary(
             first["recipe"],
             first["steps"],
@@ -108,7 +115,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     for seed in a.seeds:
-        for mode in ("sync", "async"):
+        for mode in a.modes:
             sets = [f"run.seed={seed}", f"run.steps={a.steps}", f"rollout.mode={mode}", *a.sets]
             if mode == "async":
                 sets += [f"rollout.max_staleness={a.staleness}", *(a.async_sets or [TOKEN_TIS])]
@@ -132,6 +139,10 @@ def main() -> None:
         a.json.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")  # nan: no seed has both runs
+
+
 def summary(
     recipe: str,
     steps: int,
@@ -152,7 +163,7 @@ def summary(
         )
         ratios.append(asyn["steps_per_min"] / sync["steps_per_min"])
     acc = {
-        m: statistics.fmean(r["eval_accuracy"] for r in rows if r["mode"] == m and r["seed"] in paired)
+        m: mean([r["eval_accuracy"] for r in rows if r["mode"] == m and r["seed"] in paired])
         for m in ("sync", "async")
     }
     return {
@@ -163,7 +174,7 @@ def summary(
         "sets": sets,
         "async_sets": async_sets,
         "async_over_sync_steps_per_min": ratios,
-        "async_over_sync_mean": statistics.fmean(ratios),
+        "async_over_sync_mean": mean(ratios),
         "eval_accuracy_mean": acc,
         "unpaired_seeds": [s for s in seeds if s not in paired],
     }

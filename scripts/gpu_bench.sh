@@ -4,7 +4,9 @@
 # ./gpu_out) and stops at GPU_BENCH_BUDGET_S (default 560 s) from its start; results then go into bench/results/
 # by hand, with the date and this command.
 #
-#   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (sync 3 ran 2026-12-02; ~150 s)
+#   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (sync 3 ran 2026-12-02; ~2.5 min,
+#                                       # ~4.5 with the first vLLM compile of a fresh machine); then --combine with
+#                                       # bench/results/async_runs-gpu-2026-12-02.json
 #   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
 #                                       # 6 steps, without and with trainer.max_tokens_per_micro_batch 32768 (~2 x 3 min)
 #   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts (~4 min)
@@ -14,7 +16,7 @@
 set -uo pipefail
 
 main() {
-[ $# -eq 0 ] && { sed -n 2,13p "$0"; exit 2; }
+[ $# -eq 0 ] && { sed -n 2,15p "$0"; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 OUT=${OUT:-./gpu_out}
@@ -31,7 +33,7 @@ for part in "$@"; do
   echo "== $part, $(date -u +%H:%M:%SZ), $(left) s left"
   case "$part" in
     async3)
-      timeout "$(left)" "$PY" bench/async_runs.py --recipe recipes/quickstart-gpu.yaml --steps 30 --seeds 3 --no-save \
+      timeout "$(left)" "$PY" bench/async_runs.py --recipe recipes/quickstart-gpu.yaml --steps 30 --seeds 3 --modes async --no-save \
         --json "$OUT/$part/async_seed3.json" --out "$OUT/$part/runs" > "$OUT/$part/log.txt" 2>&1
       grep -E "^(sync|async) seed" "$OUT/$part/log.txt" ;;
     inloop)
