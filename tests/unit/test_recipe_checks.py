@@ -33,6 +33,11 @@ def base(**over: object) -> dict:
         "reward": {"fn": "arithmetic"},
         "cluster": {"nodes": 1, "gpus_per_node": 8},
     }
+    return overridden(r, **over)
+
+
+def overridden(r: dict, **over: object) -> dict:
+    """`r` with each `a__b__c=value` set at r["a"]["b"]["c"] (in place)."""
     for dotted, value in over.items():
         node = r
         *parents, last = dotted.split("__")
@@ -454,13 +459,7 @@ def ipc_recipe(**over: object) -> dict:
     """The accepted cuda_ipc recipe: hf trainer on one GPU, vLLM colocated at tensor_parallel 1, merged sync."""
     r = base(rollout__weight_transport="cuda_ipc", rollout__tensor_parallel=1, cluster__gpus_per_node=1)
     r["trainer"] = {"engine": "hf", "micro_batch_size": 2}
-    for dotted, value in over.items():
-        node = r
-        *parents, last = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return r
+    return overridden(r, **over)
 
 
 # (overrides that break the cuda_ipc recipe, the key its issue must name)
