@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, report  # noqa: E402
+from bench.common import report  # noqa: E402
 from rlbridge.report.run import read_run  # noqa: E402
 
 TOKEN_TIS = "algorithm.rollout_correction.weights=token"  # recommended with async (docs/async.md)
@@ -127,15 +127,8 @@ def main() -> None:
     result = summary(a.recipe, a.steps, a.seeds, a.staleness, a.sets, a.async_sets or [TOKEN_TIS], rows)
     result["load_average_before_after"] = [load_before, os.getloadavg()[0]]
     result["run_dirs"] = str(out)
-    report("async_runs", result, rows, save=not a.no_save)
+    doc = report("async_runs", result, rows, save=not a.no_save)
     if a.json:
-        doc = {
-            "benchmark": "async_runs",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": machine(),
-            **result,
-            "rows": rows,
-        }
         a.json.write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -22,7 +22,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def report(name: str, result: dict[str, Any], rows: list[dict[str, Any]], *, save: bool = True) -> None:
+def report(
+    name: str, result: dict[str, Any], rows: list[dict[str, Any]], *, save: bool = True
+) -> dict[str, Any]:
+    """Prints the result document (JSON) and the table, saves a dated copy with `save`; returns the document."""
     doc = {
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -40,6 +43,7 @@ def report(name: str, result: dict[str, Any], rows: list[dict[str, Any]], *, sav
         (RESULTS / f"{name}-{stamp}.md").write_text(
             f"# {name} ({doc['machine']['date']})\n\n`{doc['command']}`\n\n{table}\n"
         )
+    return doc
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
