@@ -23,31 +23,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import report  # noqa: E402
+from bench.common import report, rlbridge_train  # noqa: E402
 from rlbridge.report.run import read_run  # noqa: E402
 
 TOKEN_TIS = "algorithm.rollout_correction.weights=token"  # recommended with async (docs/async.md)
-
-
-def train(recipe: str, run_dir: Path, sets: list[str]) -> float:
-    args = [sys.executable, "-m", "rlbridge", "train", recipe, "--run-dir", str(run_dir)]
-    for s in sets:
-        args += ["--set", s]
-    start = time.perf_counter()
-    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
-    if res.returncode != 0:
-        raise SystemExit(f"rlbridge train failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
-    return time.perf_counter() - start
 
 
 def summarize(run_dir: Path, wall: float) -> dict[str, Any]:
@@ -120,7 +107,7 @@ def main() -> None:
             if mode == "async":
                 sets += [f"rollout.max_staleness={a.staleness}", *(a.async_sets or [TOKEN_TIS])]
             run_dir = out / f"{mode}-seed{seed}"
-            wall = train(a.recipe, run_dir, sets)
+            wall = rlbridge_train(a.recipe, run_dir, sets)
             row = {"mode": mode, "seed": seed, **summarize(run_dir, wall)}
             rows.append(row)
             print(f"{mode} seed {seed}: {json.dumps(row)}", file=sys.stderr)  # kept if a later run fails

@@ -1,16 +1,32 @@
-"""Benchmark output: one JSON document on stdout plus a markdown table, and a dated copy under bench/results/."""
+"""Benchmark output: one JSON document on stdout plus a markdown table, and a dated copy under bench/results/;
+and `rlbridge train` as a child process for the benchmarks that time whole runs."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parents[1]
+
+
+def rlbridge_train(recipe: str, run_dir: Path, sets: list[str]) -> float:
+    """`rlbridge train RECIPE --run-dir RUN_DIR --set ...` in a child process; its wall seconds. A failed run ends
+    the benchmark with the run's last output."""
+    args = [sys.executable, "-m", "rlbridge", "train", recipe, "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    start = time.perf_counter()
+    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    if res.returncode != 0:
+        raise SystemExit(f"rlbridge train failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
+    return time.perf_counter() - start
 
 
 def machine() -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,16 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import report  # noqa: E402
+from bench.common import report, rlbridge_train  # noqa: E402
 
 
 def in_loop(recipe: str, run_dir: Path, sets: list[str]) -> list[dict[str, Any]]:
-    args = [sys.executable, "-m", "rlbridge", "train", recipe, "--run-dir", str(run_dir)]
-    for s in sets:
-        args += ["--set", s]
-    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
-    if res.returncode != 0:
-        raise SystemExit(f"rlbridge train failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
+    rlbridge_train(recipe, run_dir, sets)
     from rlbridge.report.run import read_run
 
     steps = read_run(run_dir).train
