@@ -96,8 +96,15 @@ def main() -> None:
             rows,
         )
         result["combined_from"] = [{"command": d["command"], "date": d["machine"]["date"]} for d in docs]
-        report("async_runs", result, rows, save=not a.no_save)
-        return
+        doc = report("async_runs", result, rows, save=not a.no_save)
+    else:
+        doc = run_modes(a)
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def run_modes(a: argparse.Namespace) -> dict[str, Any]:
+    """Every seed x mode of `a` as a child `rlbridge train`; returns report()'s document."""
     out = a.out or Path(tempfile.mkdtemp(prefix="rlbridge-async-"))
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
@@ -114,9 +121,7 @@ def main() -> None:
     result = summary(a.recipe, a.steps, a.seeds, a.staleness, a.sets, a.async_sets or [TOKEN_TIS], rows)
     result["load_average_before_after"] = [load_before, os.getloadavg()[0]]
     result["run_dirs"] = str(out)
-    doc = report("async_runs", result, rows, save=not a.no_save)
-    if a.json:
-        a.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return report("async_runs", result, rows, save=not a.no_save)
 
 
 def mean(values: list[float]) -> float:
