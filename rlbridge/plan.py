@@ -266,27 +266,52 @@ def _critic_gib(
 
 
 def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
-    """Korthikanti et al. 2022 per-layer activation bytes, with recompute, plus fp32 logits of one micro-batch.
-    With trainer.max_tokens_per_micro_batch (either engine) a pass holds at most max(budget, one longest sequence)
-    tokens of sequences no longer than the longest: an upper bound in place of micro_batch_size full-length rows."""
+    """Bytes one training pass holds for its backward, per device: the layers' saved tensors plus the loss's.
+
+    Per token and layer, in 16-bit bytes (h hidden, I the MLP width a token spans, kv = kv_heads x head_dim):
+    the two RMSNorms' inputs and their float32 upcasts, the inputs of the q/k/v, o, gate/up and down projections,
+    SDPA's q, k, v and output (no [s, s] scores: both engines use SDPA / flash attention), SwiGLU's gate, up and
+    product: `18h + 8I + 4kv` for the hf engine, `18h + 10.6I + 4kv` for megatron (its fused SwiGLU keeps more
+    of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
+    copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
+    ~12 bytes per scored position and vocabulary entry (float32 logits, their log-softmax and its gradient) on
+    the response positions (hf: logits_to_keep) or on every position (megatron).
+
+    A pass holds micro_batch_size full-length sequences, or with trainer.max_tokens_per_micro_batch (either
+    engine) at most max(budget, one longest sequence) tokens: upper bounds. Measured against this on an H200:
+    bench/results/plan_memory-2026-12-02b.md."""
     p = r.trainer.parallel
     s, h = b.max_sequence_tokens / p.context, m.hidden
     budget = r.trainer.max_tokens_per_micro_batch
     tokens = s * r.trainer.micro_batch_size if budget is None else max(budget / p.context, s)
-    per_layer = tokens * h * (34 + 5 * m.heads * s / h) / p.tensor
-    granularity = r.trainer.recompute.granularity
-    if granularity == "selective":
-        per_layer = tokens * h * 34 / p.tensor
+    hf = r.trainer.engine == "hf"
+    unit = DTYPE_BYTES[r.model.dtype] / 2
+    width = m.mlp_width_per_token()
+    per_token = (18 * h + (8.0 if hf else 10.6) * width + 4 * m.kv_heads * m.head_dim) * unit / p.tensor
+    if hf and r.lora.enabled and unit < 2:
+        per_token += 4 * _lora_input_width(r, m)
     layers = m.layers / p.pipeline
-    if granularity == "full":
-        act = layers * 2 * tokens * h + per_layer  # checkpointed inputs + one layer recomputed
+    if r.trainer.recompute.granularity == "full":
+        act = (
+            layers * 2 * unit * tokens * h + per_token * tokens
+        )  # checkpointed inputs + one layer recomputed
     else:
-        act = layers * per_layer
+        act = layers * per_token * tokens
     in_flight = min(
         p.pipeline, b.micro_batches_per_mini_batch
     )  # 1F1B keeps up to pp micro-batches on stage 0
-    logits = tokens * m.vocab * 4 / p.tensor
+    scored = tokens * (r.rollout.max_response_tokens + 1) / b.max_sequence_tokens if hf else tokens
+    logits = 12 * scored * m.vocab / p.tensor
     return act * in_flight + logits
+
+
+def _lora_input_width(r: Recipe, m: ModelInfo) -> float:
+    """Per token and layer, the summed input widths of the modules peft adapts (each casts its own float32 copy
+    of its input, so q, k and v hold three copies of the same one)."""
+    from rlbridge.recipe.targets import hf_targets
+
+    widths = {"o_proj": m.heads * m.head_dim, "down_proj": m.mlp_width_per_token()}
+    return float(sum(widths.get(name, m.hidden) for name in hf_targets(r.lora.targets)))
 
 
 def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:

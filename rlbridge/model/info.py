@@ -121,6 +121,8 @@ class ModelInfo:
     """Routed experts per MoE layer (0 for a dense model)."""
     moe_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    experts_per_token: int = 0
+    """Routed experts each token goes through (top-k; 0 for a dense model)."""
     dense_layers: int = 0
     """Layers of an MoE model whose MLP is dense (`intermediate` wide): DeepSeek's / GLM's first_k_dense_replace,
     Qwen-MoE's mlp_only_layers and decoder_sparse_step, moe_layer_freq; the others are MoE layers."""
@@ -164,6 +166,9 @@ class ModelInfo:
             num_experts=experts,
             moe_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
             shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1)
+            if experts
+            else 0,
             dense_layers=dense_layer_count(cfg, layers) if experts else 0,
         )
 
@@ -172,6 +177,14 @@ class ModelInfo:
         q = self.heads * self.head_dim
         kv = 2 * self.kv_heads * self.head_dim
         return self.hidden * (q + kv) + q * self.hidden
+
+    def mlp_width_per_token(self) -> float:
+        """The MLP width one token's activations span, averaged over the layers: `intermediate` on a dense
+        layer; top-k routed experts plus the shared expert on an MoE layer."""
+        if not self.is_moe:
+            return float(self.intermediate)
+        moe = self.experts_per_token * self.moe_intermediate + self.shared_expert_intermediate
+        return (self.moe_layers * moe + self.dense_layers * self.intermediate) / self.layers
 
     def dense_mlp_params(self) -> int:
         return 3 * self.hidden * self.intermediate

@@ -15,6 +15,10 @@ QWEN7B = str(FIX / "qwen2.5-7b-instruct")  # 28 layers, 28 heads, 4 KV heads, de
 MOE = str(FIX / "qwen3-30b-a3b")  # 48 layers, 32 heads, 4 KV heads, 128 experts
 
 
+ASYNC = {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.7}
+"""Async mode on base()'s 80 GiB GPUs: vLLM's 56 GiB fit resident next to the trainer's ~16 GiB."""
+
+
 def base(**over: object) -> dict:
     """A valid megatron recipe on 8 GPUs (tp 2 -> dp 4) that each test breaks in one place."""
     r: dict = {
@@ -310,35 +314,35 @@ CASES = [
     ),
     (
         "async with max_staleness 0",
-        {"rollout__mode": "async", "rollout__max_staleness": 0},
+        {**ASYNC, "rollout__max_staleness": 0},
         "rollout.max_staleness",
         "synchronous loop",
-        {"rollout__mode": "async", "rollout__max_staleness": 1},
+        {**ASYNC, "rollout__max_staleness": 1},
     ),
     (
         "async staleness above 1 without an off-policy correction",
-        {"rollout__mode": "async", "rollout__max_staleness": 2},
+        {**ASYNC, "rollout__max_staleness": 2},
         "rollout.max_staleness",
         "off-policy correction",
         {
-            "rollout__mode": "async",
+            **ASYNC,
             "rollout__max_staleness": 2,
             "algorithm": {"name": "grpo", "rollout_correction": {"weights": "token"}},
         },
     ),
     (
         "async with DAPO's dynamic sampling",
-        {"rollout__mode": "async", "algorithm": {"name": "dapo"}},
+        {**ASYNC, "algorithm": {"name": "dapo"}},
         "algorithm.dynamic_sampling",
         "async pipeline",
-        {"rollout__mode": "async", "algorithm": {"name": "dapo", "dynamic_sampling": False}},
+        {**ASYNC, "algorithm": {"name": "dapo", "dynamic_sampling": False}},
     ),
     (
         "async pipeline deeper than the run",
-        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 1},
+        {**ASYNC, "rollout__max_staleness": 1, "run__steps": 1},
         "rollout.max_staleness",
         "never overlaps",
-        {"rollout__mode": "async", "rollout__max_staleness": 1, "run__steps": 2},
+        {**ASYNC, "rollout__max_staleness": 1, "run__steps": 2},
     ),
     (
         "async: vLLM resident next to the trainer does not fit",

@@ -1,0 +1,97 @@
+"""The plan's trainer memory (plan._activations and the rest of Memory.trainer_total) against peaks measured on an
+H200: within 15 % (issue 16 goal 7), so that a run that will not fit is refused before it starts.
+
+The peaks are torch.cuda.max_memory_allocated of the trainer process: bench/results/inloop-gpu-2026-12-02 (the
+hf engine in `rlbridge train`, today's code) and trainer_gpu-2026-11-30-sdpa.md (the megatron engine, whose
+training path has not changed since). bench/results/plan_memory-2026-12-02b.md has the table."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from rlbridge.model.info import ModelInfo, read_model_info
+from rlbridge.plan import make_plan
+from rlbridge.recipe import load_recipe
+from rlbridge.recipe.schema import Recipe
+
+SMOLLM2 = ModelInfo(
+    architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
+    kv_heads=3, head_dim=64, vocab=49152, max_positions=8192, tied_embeddings=True,
+)  # fmt: skip
+QWEN05 = ModelInfo(
+    architecture="Qwen2ForCausalLM", model_type="qwen2", hidden=896, intermediate=4864, layers=24, heads=14,
+    kv_heads=2, head_dim=64, vocab=151936, max_positions=32768, tied_embeddings=True,
+)  # fmt: skip
+TOLERANCE = 0.15
+
+IN_LOOP = ["data.batch_size=64", "rollout.n=8", "rollout.max_response_tokens=256"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "measured_gib"),
+    [([], 4.715), (["trainer.max_tokens_per_micro_batch=32768"], 55.44)],
+    ids=["micro_batch_size 8", "token budget 32768"],
+)
+def test_in_loop_peaks_of_the_hf_engine(sets: list[str], measured_gib: float) -> None:
+    r = load_recipe("recipes/quickstart-gpu.yaml", IN_LOOP + sets)
+    memory = make_plan(r, read_model_info(r.model.path)).memory
+    assert memory is not None
+    assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
+
+
+def sweep_recipe(engine: str, lora: bool) -> Recipe:
+    """bench/trainer_gpu.py's jobs of 2026-11-30: bf16, 8 x (512 + 512) tokens, micro-batches of 4."""
+    return Recipe.model_validate({
+        "name": "t", "model": {"path": "x", "dtype": "bfloat16"}, "lora": {"rank": 16 if lora else 0, "alpha": 32},
+        "trainer": {"engine": engine, "micro_batch_size": 4},
+        "rollout": {"n": 1, "max_prompt_tokens": 512, "max_response_tokens": 512},
+        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8}, "cluster": {"device": "cuda"},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("info", "lora", "measured_gib"),
+    [(SMOLLM2, True, 5.59), (SMOLLM2, False, 7.56), (QWEN05, True, 14.08), (QWEN05, False, 21.38)],
+    ids=["smollm2 lora", "smollm2 full", "qwen2.5-0.5b lora", "qwen2.5-0.5b full"],
+)
+def test_megatron_engine_sweep_peaks(info: ModelInfo, lora: bool, measured_gib: float) -> None:
+    memory = make_plan(sweep_recipe("megatron", lora), info).memory
+    assert memory is not None
+    assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
+
+
+def activations(info: ModelInfo, **raw: Any) -> float:
+    r = sweep_recipe(raw.pop("engine", "hf"), raw.pop("lora", True))
+    if raw:
+        r = Recipe.model_validate({**r.model_dump(), **raw})
+    memory = make_plan(r, info).memory
+    assert memory is not None
+    return memory.activations
+
+
+def test_terms_follow_what_a_pass_keeps() -> None:
+    bf16 = activations(SMOLLM2)
+    # peft's float32 copies of the adapted inputs: only LoRA on a 16-bit model in the hf engine
+    assert activations(SMOLLM2, lora=False) < bf16
+    fp32 = activations(SMOLLM2, model={"path": "x", "dtype": "float32"})
+    fp32_full = activations(SMOLLM2, lora=False, model={"path": "x", "dtype": "float32"})
+    assert fp32 == pytest.approx(fp32_full)
+    # full recompute keeps only layer inputs
+    assert activations(SMOLLM2, trainer={"recompute": {"granularity": "full"}}) < 0.3 * bf16
+    # the loss scores the response positions in the hf engine, every position in megatron: moving 511 of the
+    # 1024 tokens from the response to the prompt shrinks only the hf figure
+    short = {"rollout": {"n": 1, "max_prompt_tokens": 1023, "max_response_tokens": 1}}
+    assert activations(SMOLLM2, **short) < bf16
+    megatron = activations(SMOLLM2, engine="megatron")
+    assert activations(SMOLLM2, engine="megatron", **short) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_an_moe_layer_spans_its_top_k_experts() -> None:
+    moe = replace(QWEN05, num_experts=64, moe_intermediate=512, experts_per_token=4)
+    assert moe.mlp_width_per_token() == 4 * 512
+    half = replace(moe, dense_layers=12)
+    assert half.mlp_width_per_token() == (12 * 2048 + 12 * 4864) / 24
+    assert activations(moe, lora=False) < activations(QWEN05, lora=False)  # 2048 < 4864 wide per token
