@@ -95,3 +95,17 @@ def test_an_moe_layer_spans_its_top_k_experts() -> None:
     half = replace(moe, dense_layers=12)
     assert half.mlp_width_per_token() == (12 * 2048 + 12 * 4864) / 24
     assert activations(moe, lora=False) < activations(QWEN05, lora=False)  # 2048 < 4864 wide per token
+
+
+def test_many_small_passes_on_a_gpu_get_a_token_budget_that_fits() -> None:
+    def notes(*sets: str) -> list[str]:
+        r = load_recipe("recipes/quickstart-gpu.yaml", IN_LOOP + list(sets))
+        return [n for n in make_plan(r, read_model_info(r.model.path)).notes if "host-bound" in n]
+
+    (note,) = notes()  # 64 passes of 8: the budget measured on the H200, whose 52 GiB fit in 60 % of 139
+    assert "64 passes of 8 sequences" in note and "max_tokens_per_micro_batch: 32768 runs at most 6" in note
+    (small,) = notes("cluster.gpu_memory_gib=80")  # 48 GiB of room: the next budget down
+    assert "max_tokens_per_micro_batch: 16384" in small
+    assert notes("trainer.max_tokens_per_micro_batch=32768") == []  # already set
+    assert notes("trainer.micro_batch_size=64") == []  # 8 passes: not host-bound enough to matter
+    assert notes("cluster.device=cpu") == []  # compute-bound passes on a CPU
