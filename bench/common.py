@@ -3,6 +3,7 @@ and `rlbridge train` as a child process for the benchmarks that time whole runs.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -16,16 +17,35 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
 
 
+PROGRESS = (
+    "step ",
+    "done ",
+    "eval step",
+    "rlbridge rollout: vLLM engine up",
+    "rlbridge trainer: model loaded",
+)
+"""Lines of a child `rlbridge train` echoed as they come: a benchmark cut by a deadline still shows how far it got."""
+
+
 def rlbridge_train(recipe: str, run_dir: Path, sets: list[str]) -> float:
-    """`rlbridge train RECIPE --run-dir RUN_DIR --set ...` in a child process; its wall seconds. A failed run ends
-    the benchmark with the run's last output."""
+    """`rlbridge train RECIPE --run-dir RUN_DIR --set ...` in a child process; its wall seconds. Progress lines
+    (PROGRESS) go to stderr as they come; a failed run ends the benchmark with the run's last output."""
     args = [sys.executable, "-m", "rlbridge", "train", recipe, "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     start = time.perf_counter()
-    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
-    if res.returncode != 0:
-        raise SystemExit(f"rlbridge train failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            tail.append(line)
+            if line.startswith(PROGRESS):
+                print(f"  [{run_dir.name}] {line.rstrip()}", file=sys.stderr, flush=True)
+    if child.returncode != 0:
+        raise SystemExit(f"rlbridge train failed ({child.returncode}):\n{''.join(tail)[-4000:]}")
     return time.perf_counter() - start
 
 

@@ -123,6 +123,11 @@ def main() -> None:
     sets = [*a.sets, f"run.steps={a.steps}", "rollout.mode=sync", "run.eval_every=0"]
     with tempfile.TemporaryDirectory(prefix="rlbridge-gengap-") as tmp:
         loop_rows = in_loop(a.recipe, Path(tmp) / "run", sets)
+    print(
+        f"in the loop: {json.dumps(loop_rows)}; now vLLM alone on the same prompts",
+        file=sys.stderr,
+        flush=True,
+    )
     alone_rows = standalone(a.recipe, sets, a.steps)
     rows = []
     for lp, sa in zip(loop_rows, alone_rows, strict=True):
