@@ -167,6 +167,7 @@ def train_step(
         "weight_version": s.version,
         "rollout_version": ro.weight_version,
         "staleness": staleness,
+        **s.rollout_memory_seconds(),  # sleep_s inside time_update, wake_s inside time_sync
         "data_epoch": s.sampler.state()["epoch"],
         "rollout_sha": rollout_digest(ro),
         **{f"time_{k}": v for k, v in timer.seconds.items()},

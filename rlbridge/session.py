@@ -420,6 +420,11 @@ class Session:
         """Colocated GPUs: vLLM sleeps during the update (a no-op on CPU or separate devices)."""
         self.memory.release()
 
+    def rollout_memory_seconds(self) -> dict[str, float]:
+        """Colocated GPUs: the seconds vLLM's sleep (inside time_update) and wake-ups (inside time_sync) took
+        since the last call, as metrics sleep_s / wake_s; empty elsewhere."""
+        return self.memory.take_seconds()
+
 
 def release_export(trainer: Trainer, *, failing: bool) -> None:
     """trainer.release_export(); while another error is on its way (`failing`), a failure here is only logged, so

@@ -13,6 +13,7 @@ when not colocated, the machine is `enabled=False` and all transitions are no-op
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -30,6 +31,8 @@ class RolloutMemory:
         self._call = call
         self.enabled = enabled
         self.state = RolloutState.AWAKE
+        self.seconds: dict[str, float] = {}
+        """Seconds spent in vLLM's sleep (`sleep_s`) and wake-ups (`wake_s`) since take_seconds()."""
 
     def _move(self, expected: RolloutState, new: RolloutState, method: str, *args: Any) -> None:
         if self.state is not expected:
@@ -37,8 +40,16 @@ class RolloutMemory:
                 f"rollout memory: {method}{args} from state {self.state.value}, expected {expected.value}"
             )
         if self.enabled:
+            start = time.perf_counter()
             self._call(method, *args)
+            key = "sleep_s" if method == "sleep" else "wake_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
         self.state = new
+
+    def take_seconds(self) -> dict[str, float]:
+        """The step's sleep_s / wake_s (none when disabled), and start counting again."""
+        out, self.seconds = self.seconds, {}
+        return out
 
     def release(self) -> None:
         """Before the update: offload weights, free the KV cache."""

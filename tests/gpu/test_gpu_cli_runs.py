@@ -159,7 +159,7 @@ def test_train_two_steps(engine: str, sync: str, cli_runs: dict[tuple[str, str],
     records = train_records(run.run_dir)
     gaps = [r.get("logprob_diff_mean") for r in records]
     phases = {k: [round(float(r[k]), 3) for r in records if k in r]
-              for k in ("time_generate", "time_update", "time_sync", "time_step")}  # fmt: skip
+              for k in ("time_generate", "time_update", "time_sync", "time_step", "sleep_s", "wake_s")}  # fmt: skip
     figure(f"cli_{engine}_{sync}", engine=engine, sync=sync, exit=run.rc, wall_s=run.seconds,
            steps=[r["step"] for r in records], logprob_diff_mean=gaps,
            logprob_diff_max=[r.get("logprob_diff_max") for r in records],
@@ -174,6 +174,8 @@ def test_train_two_steps(engine: str, sync: str, cli_runs: dict[tuple[str, str],
     if not DRY_RUN:  # the trainer's measured GPU peak (loop.memory_notice), on CUDA only
         assert all(r.get("trainer_gpu_gib_max", 0) > 0 for r in records), records
         assert "trainer GPU memory: peak" in " ".join(run.tail(10**7).split()), run.tail()
+        # colocated: vLLM sleeps in the update and wakes in the sync, each timed (issue 16 goal 3: <= 2 % of a step)
+        assert all(r.get("sleep_s", 0) > 0 and r.get("wake_s", 0) > 0 for r in records), records
 
 
 @pytest.mark.parametrize("engine", ["hf", "megatron"])

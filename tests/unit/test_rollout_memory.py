@@ -47,3 +47,28 @@ def test_disabled_on_cpu_calls_nothing() -> None:
     mem.release()
     assert mem.load(lambda: "loaded") == "loaded"
     assert calls == []
+
+
+def test_sleep_and_wake_seconds_per_step() -> None:
+    """sleep_s (inside time_update) and wake_s (both wake-ups, inside time_sync): issue 16 asks them <= 2 % of a
+    step; the loop puts them in each train record."""
+    import time
+
+    calls: list[tuple] = []
+
+    def slow(method: str, *args: object) -> None:
+        calls.append((method, *args))
+        time.sleep(0.01 if method == "sleep" else 0.02)
+
+    mem = RolloutMemory(slow, enabled=True)
+    mem.release()
+    mem.load(lambda: None)
+    got = mem.take_seconds()
+    assert set(got) == {"sleep_s", "wake_s"}
+    assert 0.01 <= got["sleep_s"] < got["wake_s"]  # two wake-ups of 0.02 s each
+    assert got["wake_s"] >= 0.04
+    assert mem.take_seconds() == {}  # counted again from zero
+    off = RolloutMemory(slow, enabled=False)  # CPU or separate devices: nothing sleeps, nothing to report
+    off.release()
+    off.load(lambda: None)
+    assert off.take_seconds() == {}
