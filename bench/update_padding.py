@@ -17,7 +17,8 @@ with few layers and a large vocabulary (the CPU run). The two layouts give the s
         [--dtype float32|bfloat16] [--batch 16] [--micro 4] [--lora-rank 16] [--warmup 1] [--steps 3]
         [--max-tokens N]
 
-`--max-tokens N` adds a third layout: padding-free passes formed by a token budget of N
+`--engine megatron` times the megatron engine instead (one rank: NCCL on a GPU, gloo on the CPU; without
+pipeline and context parallelism, as its budget needs). `--max-tokens N` adds a third layout: padding-free passes formed by a token budget of N
 (trainer.max_tokens_per_micro_batch) instead of `--micro` passes of equal row counts.
 """
 
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="also time a token-budget layout")
+    ap.add_argument("--engine", default="hf", choices=["hf", "megatron"])
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
@@ -111,8 +113,15 @@ def main() -> None:
         }
         if args.lora_rank:
             raw["lora"] = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank, "targets": ["all-linear"]}
+        if args.engine == "megatron":
+            raw["trainer"]["engine"] = "megatron"
+            raw["cluster"] = {"device": "cuda" if args.device.startswith("cuda") else "cpu"}
         recipe = Recipe.model_validate(raw)
-        engine = HFTrainEngine(recipe, model_dir, device=args.device, total_steps=10**6)
+        engine = (
+            megatron_engine(recipe)
+            if args.engine == "megatron"
+            else HFTrainEngine(recipe, model_dir, device=args.device, total_steps=10**6)
+        )
     batch = lengths_batch(args, int(SHAPES[args.model]["vocab_size"]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
@@ -134,6 +143,8 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         for name, padding_free, layout_recipe in layouts:  # alternating: all see the same machine load
             engine.padding_free, engine.recipe = padding_free, layout_recipe
+            if args.engine == "megatron":  # it reads its budget at construction: set it per layout
+                engine.max_tokens = layout_recipe.trainer.max_tokens_per_micro_batch
             sync()
             start = time.perf_counter()
             metrics = engine.train_step(batch, loss_fn, num_micro_batches=args.micro)
@@ -176,6 +187,31 @@ def main() -> None:
             f"{row['layout']} / padded tokens/s: {row['speedup']:.2f}x "
             f"({rows[0]['slots'] / row['slots']:.2f}x fewer positions)"
         )
+
+
+def megatron_engine(recipe: Any) -> Any:
+    """The megatron engine on one rank: a one-process group first (NCCL on a GPU, gloo on the CPU)."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    cuda = recipe.cluster.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+    return MegatronTrainEngine(recipe, total_steps=10**6)
 
 
 def times_ratio(times: dict[str, list[float]], base: str, name: str) -> float:

@@ -9,8 +9,11 @@
 #                                       # bench/results/async_runs-gpu-2026-12-02.json
 #   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
 #                                       # 6 steps, without and with trainer.max_tokens_per_micro_batch 32768 (~2 x 3 min)
-#   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts (~4 min)
+#   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts
+#                                       # (more than 5.5 min: cut at 330 s on 2026-12-02 with nothing printed; a call of its own)
 #   bash scripts/gpu_bench.sh update    # issue 16 goal 1: bench/update_padding.py, Qwen2.5-0.5B shape, LoRA and full FT (~3 min)
+#   bash scripts/gpu_bench.sh updatemeg # issue 16 goal 1, megatron: the same batches through the megatron engine (~4 min; estimate)
+#   bash scripts/gpu_bench.sh passcost  # issue 16 goal 1: bench/pass_cost.py, kernels and GPU busy share of one pass (~1 min)
 #   bash scripts/gpu_bench.sh memory    # issue 16 goal 7: trainer_gpu.py peaks vs the plan, 4 shapes x both engines (~8 min)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 set -uo pipefail
@@ -55,6 +58,16 @@ for part in "$@"; do
           --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
         tail -6 "$OUT/$part/rank$r.txt"
       done ;;
+    updatemeg)
+      for r in 16 0; do
+        timeout "$(left)" "$PY" bench/update_padding.py --engine megatron --model qwen2.5-0.5b --device cuda --batch 512 \
+          --micro 32 --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
+        tail -6 "$OUT/$part/rank$r.txt"
+      done ;;
+    passcost)
+      timeout "$(left)" "$PY" bench/pass_cost.py --device cuda --rows 8 --response 76 --passes 8 --steps 3 --no-save \
+        > "$OUT/$part/log.txt" 2>&1
+      tail -6 "$OUT/$part/log.txt" ;;
     memory)
       for mb in 2 8; do for resp in 256 1024; do
         timeout "$(left)" "$PY" bench/trainer_gpu.py --attention sdpa --micro $mb --batch 8 --prompt 256 --response $resp \
@@ -62,7 +75,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, gengap, update, memory)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
