@@ -4,9 +4,8 @@
 # ./gpu_out) and stops at GPU_BENCH_BUDGET_S (default 560 s) from its start; results then go into bench/results/
 # by hand, with the date and this command.
 #
-#   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (sync 3 ran 2026-12-02; ~2.5 min,
-#                                       # ~4.5 with the first vLLM compile of a fresh machine); then --combine with
-#                                       # bench/results/async_runs-gpu-2026-12-02.json
+#   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (ran 2026-12-02 in 252 s on a
+#                                       # fresh machine: bench/results/async_runs-gpu-2026-12-02b.md)
 #   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
 #                                       # 6 steps, without and with trainer.max_tokens_per_micro_batch 32768 (~2 x 3 min)
 #   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts
@@ -19,7 +18,7 @@
 set -uo pipefail
 
 main() {
-[ $# -eq 0 ] && { sed -n 2,15p "$0"; exit 2; }
+[ $# -eq 0 ] && { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 OUT=${OUT:-./gpu_out}
