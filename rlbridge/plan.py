@@ -300,7 +300,7 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     in_flight = min(
         p.pipeline, b.micro_batches_per_mini_batch
     )  # 1F1B keeps up to pp micro-batches on stage 0
-    scored = tokens * (r.rollout.max_response_tokens + 1) / b.max_sequence_tokens if hf else tokens
+    scored = tokens * min((r.rollout.max_response_tokens + 1) / b.max_sequence_tokens, 1.0) if hf else tokens
     logits = 12 * scored * m.vocab / p.tensor
     return act * in_flight + logits
 
