@@ -291,10 +291,8 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     if hf and r.lora.enabled and unit < 2:
         per_token += 4 * _lora_input_width(r, m)
     layers = m.layers / p.pipeline
-    if r.trainer.recompute.granularity == "full":
-        act = (
-            layers * 2 * unit * tokens * h + per_token * tokens
-        )  # checkpointed inputs + one layer recomputed
+    if r.trainer.recompute.granularity == "full":  # checkpointed layer inputs + one layer recomputed
+        act = layers * 2 * unit * tokens * h + per_token * tokens
     else:
         act = layers * per_token * tokens
     in_flight = min(
