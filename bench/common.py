@@ -49,6 +49,29 @@ def rlbridge_train(recipe: str, run_dir: Path, sets: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def one_rank_group(cuda: bool, timeout_s: float | None = None) -> None:
+    """A one-process torch.distributed group on a free local port (NCCL on GPU 0, gloo on the CPU), as the
+    megatron engine needs even on one rank."""
+    import socket
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    if cuda:
+        torch.cuda.set_device(0)
+    extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **extra
+    )
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),

@@ -467,12 +467,10 @@ BATCH_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", 
 def run_megatron(a: argparse.Namespace, batch_file: str) -> dict[str, Any]:
     """The megatron engine (TP1, one rank, LoRA with B = 0, model.dtype=bfloat16) scoring the tokens the
     first vLLM child sampled: its log-probs vs vLLM's and vs the reference's."""
-    import socket
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
+    from bench.common import one_rank_group
     from rlbridge.batch import SeqBatch
     from rlbridge.engines.megatron import compat
     from rlbridge.recipe import load_recipe
@@ -480,19 +478,7 @@ def run_megatron(a: argparse.Namespace, batch_file: str) -> dict[str, Any]:
     compat.activate()
     saved = torch.load(batch_file)
     batch = SeqBatch(**saved["fields"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if a.device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl" if a.device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=300),
-    )
+    one_rank_group(a.device == "cuda", timeout_s=300)
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
     r = load_recipe(

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
 from bench.trainer_gpu import SHAPES  # noqa: E402
-from bench.update_padding import save_model  # noqa: E402
+from bench.update_padding import bench_engine, bench_recipe, save_model  # noqa: E402
 
 
 def profile(fn: Callable[[], None], passes: int, cuda: bool) -> dict[str, float]:
@@ -75,27 +75,19 @@ def main() -> None:
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine, response_logits, token_logprobs
+    from rlbridge.engines.hf import response_logits, token_logprobs
     from rlbridge.engines.micro import forward_batch, micro_batch_rows
-    from rlbridge.recipe.schema import Recipe
 
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         save_model(args.model, args.layers, model_dir)
-        raw: dict[str, Any] = {
-            "name": "pass-cost",
-            "model": {"path": str(model_dir), "dtype": dtype},
-            "trainer": {"optim": {"lr": 1e-5}, "micro_batch_size": args.rows},
-            "rollout": {"n": 2, "max_response_tokens": args.response},
-            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.rows * args.passes // 2},
-            "algorithm": {"name": "grpo"},
-        }
-        if args.lora_rank:
-            raw["lora"] = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank, "targets": ["all-linear"]}
-        recipe = Recipe.model_validate(raw)
-        engine = HFTrainEngine(recipe, model_dir, device=args.device, total_steps=10**6)
+        recipe = bench_recipe(
+            model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response,
+            batch_size=args.rows * args.passes // 2, micro_batch_size=args.rows,
+        )  # fmt: skip
+        engine = bench_engine(recipe, model_dir, args.device)
     vocab = int(SHAPES[args.model]["vocab_size"])
     gen = torch.Generator().manual_seed(0)
     n = args.rows * args.passes
@@ -103,9 +95,8 @@ def main() -> None:
     responses = [torch.randint(0, vocab, (args.response,), generator=gen).tolist() for _ in range(n)]
     batch = SeqBatch.from_token_lists(prompts, responses, pad_id=0)
     adv = torch.randn(n, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
-    rollout = (
-        torch.full((n, batch.response_width), -2.0) * batch.response_mask
-    )  # the loop always passes these
+    # the loop always passes the rollout's log-probs (the mismatch metrics are part of a pass)
+    rollout = torch.full((n, batch.response_width), -2.0) * batch.response_mask
     inputs = LossInputs(adv, batch.response_mask, None, None, rollout)
     loss_fn = make_loss_fn(
         recipe.algorithm, inputs, norm_constant=float(args.response), micro_scale=float(args.passes)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -203,17 +202,9 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
         torch.cuda.set_device(0)
     start = time.perf_counter()
     if spec["engine"] == "megatron":
-        import torch.distributed as dist
+        from bench.common import one_rank_group
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
+        one_rank_group(cuda)
         from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
         engine: Any = MegatronTrainEngine(recipe)

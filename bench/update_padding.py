@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import report  # noqa: E402
+from bench.common import one_rank_group, report  # noqa: E402
 from bench.trainer_gpu import SHAPES  # noqa: E402
 
 
@@ -93,9 +93,7 @@ def main() -> None:
     import torch
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
-    from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.engines.micro import micro_batch_rows
-    from rlbridge.recipe.schema import Recipe
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,25 +101,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         save_model(args.model, args.layers, model_dir)
-        raw: dict[str, Any] = {
-            "name": "update-padding",
-            "model": {"path": str(model_dir), "dtype": dtype},
-            "trainer": {"optim": {"lr": 1e-5}},
-            "rollout": {"n": 2, "max_response_tokens": args.response_max},
-            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": max(1, args.batch // 2)},
-            "algorithm": {"name": "grpo", "loss_agg": "token-mean"},
-        }
-        if args.lora_rank:
-            raw["lora"] = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank, "targets": ["all-linear"]}
-        if args.engine == "megatron":
-            raw["trainer"]["engine"] = "megatron"
-            raw["cluster"] = {"device": "cuda" if args.device.startswith("cuda") else "cpu"}
-        recipe = Recipe.model_validate(raw)
-        engine = (
-            megatron_engine(recipe)
-            if args.engine == "megatron"
-            else HFTrainEngine(recipe, model_dir, device=args.device, total_steps=10**6)
-        )
+        recipe = bench_recipe(
+            model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response_max,
+            batch_size=max(1, args.batch // 2), engine=args.engine, device=args.device,
+        )  # fmt: skip
+        engine = bench_engine(recipe, model_dir, args.device)
     batch = lengths_batch(args, int(SHAPES[args.model]["vocab_size"]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
@@ -189,29 +173,43 @@ def main() -> None:
         )
 
 
-def megatron_engine(recipe: Any) -> Any:
-    """The megatron engine on one rank: a one-process group first (NCCL on a GPU, gloo on the CPU)."""
-    import os
-    import socket
+def bench_recipe(
+    model_dir: Path, dtype: str, *, lora_rank: int, response_max: int, batch_size: int,
+    engine: str = "hf", device: str = "cpu", micro_batch_size: int | None = None,
+) -> Any:  # fmt: skip
+    """The recipe of a one-engine bench on a saved model: GRPO (token-mean), lr 1e-5, LoRA on every linear
+    layer with alpha 2 x rank (none at rank 0); also used by bench/pass_cost.py."""
+    from rlbridge.recipe.schema import Recipe
 
-    import torch
-    import torch.distributed as dist
+    trainer: dict[str, Any] = {"optim": {"lr": 1e-5}}
+    if micro_batch_size is not None:
+        trainer["micro_batch_size"] = micro_batch_size
+    raw: dict[str, Any] = {
+        "name": "bench",
+        "model": {"path": str(model_dir), "dtype": dtype},
+        "trainer": trainer,
+        "rollout": {"n": 2, "max_response_tokens": response_max},
+        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": batch_size},
+        "algorithm": {"name": "grpo", "loss_agg": "token-mean"},
+    }
+    if lora_rank:
+        raw["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": ["all-linear"]}
+    if engine == "megatron":
+        trainer["engine"] = "megatron"
+        raw["cluster"] = {"device": "cuda" if device.startswith("cuda") else "cpu"}
+    return Recipe.model_validate(raw)
 
-    from rlbridge.engines.megatron.engine import MegatronTrainEngine
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    cuda = recipe.cluster.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
-    return MegatronTrainEngine(recipe, total_steps=10**6)
+def bench_engine(recipe: Any, model_dir: Path, device: str) -> Any:
+    """The recipe's engine on one device: the hf engine, or the megatron engine on a one-rank group."""
+    if recipe.trainer.engine == "megatron":
+        from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+        one_rank_group(recipe.cluster.device == "cuda")
+        return MegatronTrainEngine(recipe, total_steps=10**6)
+    from rlbridge.engines.hf import HFTrainEngine
+
+    return HFTrainEngine(recipe, model_dir, device=device, total_steps=10**6)
 
 
 def times_ratio(times: dict[str, list[float]], base: str, name: str) -> float:
