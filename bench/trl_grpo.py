@@ -50,6 +50,10 @@ def recipe(steps: int, sets: list[str]) -> Any:
     return load_recipe(RECIPE, [f"run.steps={steps}", "data.val=null", *sets])
 
 
+def on_gpu(r: Any) -> bool:
+    return bool(r.cluster.device == "cuda")
+
+
 def step_prompts(r: Any, steps: int) -> list[list[tuple[Any, list[int]]]]:
     """(prompt, token ids) of each step's prompts, exactly as rlbridge's loop draws them."""
     from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
@@ -64,10 +68,13 @@ def step_prompts(r: Any, steps: int) -> list[list[tuple[Any, list[int]]]]:
 
 
 # ------------------------------------------------------------------------------------- TRL (child)
-def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
+def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int | None = None) -> None:
+    """TRL's GRPOTrainer on the recipe's settings; on a GPU recipe (cluster.device cuda) in the model's dtype with
+    its colocated vLLM (always), on a CPU one in float32 with transformers generate unless `use_vllm`."""
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    if not on_gpu(recipe(total, sets)):
+        torch.set_num_threads(os.cpu_count() or 1)
     import datasets
     import peft
     import transformers
@@ -83,6 +90,9 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
     from rlbridge.recipe.targets import hf_targets
 
     r = recipe(total, sets)
+    gpu = on_gpu(r)
+    use_vllm = use_vllm or gpu
+    micro = micro or r.trainer.micro_batch_size
     model_dir = ensure_model(r.model.path)
     plan = step_prompts(r, total)
     row_keys = list(plan[0][0][0].row)
@@ -115,11 +125,11 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
         disable_tqdm=True,
         seed=r.run.seed,
         max_steps=total,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        per_device_train_batch_size=r.trainer.micro_batch_size,
-        gradient_accumulation_steps=r.data.batch_size * ro.n // r.trainer.micro_batch_size,
+        use_cpu=not gpu,
+        bf16=r.model.dtype == "bfloat16",
+        fp16=r.model.dtype == "float16",
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=r.data.batch_size * ro.n // micro,
         num_generations=ro.n,
         max_completion_length=ro.max_response_tokens,
         shuffle_dataset=False,
@@ -148,8 +158,11 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool) -> None:
         log_completions=False,
         use_vllm=use_vllm,
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.2,
-        vllm_max_model_length=512,
+        vllm_gpu_memory_utilization=r.rollout.gpu_memory_utilization if gpu else 0.2,
+        vllm_max_model_length=ro.max_prompt_tokens + ro.max_response_tokens if gpu else 512,
+        # rlbridge's default: no importance weights of the rollout engine's log-probs, hence no extra forward
+        # for old log-probs (TRL's default True adds one per step)
+        vllm_importance_sampling_correction=False,
     )
     lora = LoraConfig(
         r=r.lora.rank,
@@ -335,11 +348,16 @@ def run_rlbridge(
     return out
 
 
-def run_trl_measured(total: int, warmup: int, sets: list[str], work: Path, use_vllm: bool) -> dict[str, Any]:
+def run_trl_measured(
+    total: int, warmup: int, sets: list[str], work: Path, use_vllm: bool, micro: int | None
+) -> dict[str, Any]:
     res = work / f"trl-{time.time_ns()}.json"
     cmd = [
         sys.executable,
         __file__,
+        "--recipe",
+        str(RECIPE),
+        *(["--trl-micro", str(micro)] if micro else []),
         "--child-trl",
         str(res),
         "--steps",
@@ -414,27 +432,64 @@ DIFFERENCES = [
 ]
 
 
+GPU_DIFFERENCES = [
+    "both in the recipe's dtype (bfloat16) on one GPU, each with a colocated vLLM at the recipe's "
+    "rollout.gpu_memory_utilization: rlbridge's in its rollout actor (sleeps during the update, adapter or merged "
+    "sync per rollout.weight_sync), TRL's in the training process (vllm_mode colocate, no sleep mode: its default; "
+    "it loads the merged weights into vLLM every step)",
+    "logits: rlbridge computes the output layer in float32 (vLLM's head_dtype float32 too); TRL in bfloat16 "
+    "(its cast_lm_head_to_fp32 refuses tied embeddings, which SmolLM2 has)",
+    "importance sampling: off in both (TRL's vllm_importance_sampling_correction=False, which would add a "
+    "forward for old log-probs; rlbridge's rollout_correction defaults change nothing)",
+    "micro-batches: TRL per_device_train_batch_size = --trl-micro (default trainer.micro_batch_size) with "
+    "gradient accumulation to the whole batch; rlbridge micro_batch_size or trainer.max_tokens_per_micro_batch "
+    "(rows grouped by length, each pass at its own widths); the gradient is the same mean over the batch",
+    *DIFFERENCES[3:10],
+    "TRL defaults changed to match: gradient_checkpointing False (TRL default True), lr_scheduler constant "
+    "(Trainer default linear), shuffle_dataset False (rlbridge's order fed in)",
+]
+
+
 def main() -> None:
+    global RECIPE
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--recipe", type=Path, default=RECIPE, help="quickstart.yaml (CPU) or quickstart-gpu.yaml"
+    )
+    ap.add_argument(
+        "--trl-micro", type=int, help="TRL's per_device_train_batch_size (default: trainer.micro_batch_size)"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per tool (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="runs per tool, alternating the order")
     ap.add_argument("--set", action="append", default=[], dest="sets", help="recipe override for both tools")
     ap.add_argument(
+        "--rlbridge-set",
+        action="append",
+        default=[],
+        dest="rlbridge_sets",
+        help="recipe override for rlbridge only (e.g. trainer.max_tokens_per_micro_batch=32768)",
+    )
+    ap.add_argument(
         "--trl-vllm-colocate", action="store_true", help="TRL with use_vllm=True, vllm_mode=colocate"
     )
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument(
+        "--work", type=Path, help="where the runs and their logs go (default: a new temporary folder)"
+    )
     ap.add_argument("--child-trl", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    RECIPE = a.recipe.resolve()
     total = a.steps + a.warmup
     if a.child_trl:
-        run_trl(total, a.sets, Path(a.child_trl), a.trl_vllm_colocate)
+        run_trl(total, a.sets, Path(a.child_trl), a.trl_vllm_colocate, a.trl_micro)
         return
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
         raise SystemExit("trl is not installed: run `bash bench/setup_trl.sh` first")
-    work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    work = a.work or Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    work.mkdir(parents=True, exist_ok=True)
     r = recipe(total, a.sets)
     plan = step_prompts(r, total)
     runs: list[dict[str, Any]] = []
@@ -444,9 +499,9 @@ def main() -> None:
             print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
             try:
                 res = (
-                    run_rlbridge(total, a.warmup, a.sets, work, plan, r.rollout.n)
+                    run_rlbridge(total, a.warmup, [*a.sets, *a.rlbridge_sets], work, plan, r.rollout.n)
                     if tool == "rlbridge"
-                    else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate)
+                    else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
                 )
             except SystemExit as e:
                 res = {"tool": tool, "failed": True, "error": str(e)}
@@ -522,12 +577,14 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             "warmup": a.warmup,
             "rounds": a.rounds,
             "sets": a.sets,
-            "trl_vllm_colocate": a.trl_vllm_colocate,
-            "recipe": "recipes/quickstart.yaml + run.steps, data.val=null",
+            "rlbridge_sets": a.rlbridge_sets,
+            "trl_vllm_colocate": a.trl_vllm_colocate or on_gpu(recipe(1, a.sets)),
+            "trl_micro": a.trl_micro,
+            "recipe": f"{a.recipe} + run.steps, data.val=null",
         },
         "complete": final,
         "ratios": ratios,
-        "differences": DIFFERENCES,
+        "differences": GPU_DIFFERENCES if on_gpu(recipe(1, a.sets)) else DIFFERENCES,
         "runs": runs,
     }
     if final:

@@ -359,6 +359,7 @@ class Session:
             top_k=ro.top_k,
             max_tokens=ro.max_response_tokens,
             greedy=greedy,
+            ignore_eos=ro.ignore_eos and not greedy,
         )
 
     def generate(self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None) -> Rollouts:

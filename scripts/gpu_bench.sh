@@ -14,6 +14,10 @@
 #   bash scripts/gpu_bench.sh updatemeg # issue 16 goal 1, megatron: the same batches through the megatron engine (~4 min; estimate)
 #   bash scripts/gpu_bench.sh passcost  # issue 16 goal 1: bench/pass_cost.py, kernels and GPU busy share of one pass (~1 min)
 #   bash scripts/gpu_bench.sh memory    # issue 16 goal 7: trainer_gpu.py peaks vs the plan, 4 shapes x both engines (~8 min)
+#   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
+#                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (~5 min)
+#   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each (~5 min)
+#   bash scripts/gpu_bench.sh growth    # issue 16 goal 6 (and 7): bench/growth.py, 32 -> 2048 rollouts, 64 -> 1024 tokens
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 set -uo pipefail
 
@@ -63,6 +67,21 @@ for part in "$@"; do
           --micro 32 --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
         tail -6 "$OUT/$part/rank$r.txt"
       done ;;
+    trl)
+      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 10 --warmup 2 \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save \
+        > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"" "$OUT/$part/log.txt" | tail -12 ;;
+    trl512)
+      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 3 --warmup 1 \
+        --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save \
+        > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"" "$OUT/$part/log.txt" | tail -12 ;;
+    growth)
+      timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 3 --device "one H200" \
+        --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
     passcost)
       timeout "$(left)" "$PY" bench/pass_cost.py --device cuda --rows 8 --response 76 --passes 8 --steps 3 --no-save \
         > "$OUT/$part/log.txt" 2>&1
@@ -74,7 +93,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trl512, growth)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

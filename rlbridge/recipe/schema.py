@@ -140,6 +140,11 @@ class RolloutCfg(Section):
     """Prompts longer than this are filtered out (counted and reported)."""
     max_response_tokens: PositiveInt = 512
     """Maximum generated tokens per completion."""
+    ignore_eos: bool = False
+    """Training samples go on past the end-of-sequence token to max_response_tokens (vLLM's ignore_eos; the hf
+    engine suppresses EOS until then): every response has exactly that length. For measuring step time and memory
+    at a given response length (bench/growth.py); it changes what the policy learns from. Evaluation (greedy) still
+    stops at EOS."""
     weight_sync: Literal["merged", "adapter"] = "merged"
     """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
     weight_transport: Literal["files", "cuda_ipc"] = "files"

@@ -27,6 +27,8 @@ class SamplingCfg:
     max_tokens: int
     greedy: bool = False
     """Greedy decoding (evaluation): temperature 0, n must be 1."""
+    ignore_eos: bool = False
+    """Sample past EOS to max_tokens (rollout.ignore_eos)."""
 
 
 class StaleWeightsError(RuntimeError):

@@ -127,6 +127,8 @@ class HFRollout:
             output_logits=True,
             return_dict_in_generate=True,
         )
+        if sampling.ignore_eos:
+            common["min_new_tokens"] = sampling.max_tokens
         if sampling.greedy:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(

@@ -346,7 +346,11 @@ class VllmRollout:
         from vllm import SamplingParams
 
         common: dict[str, Any] = dict(
-            n=sampling.n, max_tokens=sampling.max_tokens, logprobs=0, skip_special_tokens=True
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            logprobs=0,
+            skip_special_tokens=True,
+            ignore_eos=sampling.ignore_eos,
         )
         if sampling.greedy:
             return SamplingParams(temperature=0.0, **common)

@@ -134,6 +134,13 @@ class TestMergedEngine:
                 assert reason == "length" and len(response) == 48 and EOS_ID not in response
         assert set(out.finish_reasons) == {"stop", "length"}
 
+    def test_ignore_eos_samples_to_max_tokens(self, engine: Any) -> None:
+        """rollout.ignore_eos: the same sampling as above (where some samples stop) runs every one to 48 tokens."""
+        sampling = SamplingCfg(n=8, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=48, ignore_eos=True)
+        out = engine.generate(PROMPTS, sampling, expect_version=0)
+        assert [len(r) for r in out.response_ids] == [48] * 24
+        assert set(out.finish_reasons) == {"length"}
+
     def test_merged_sync(self, engine: Any, model_dir: Path) -> None:
         prompts = [*PROMPTS, LONG_PROMPT]  # the long one catches KV blocks cached with the old weights
         before = engine.generate(prompts, GREEDY, expect_version=0)

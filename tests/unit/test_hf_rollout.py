@@ -64,6 +64,15 @@ def test_groups_are_contiguous_and_finish_reasons_right(model_dir: Path) -> None
     assert set(out.finish_reasons) == {"stop", "length"}
 
 
+def test_ignore_eos_samples_to_max_tokens(model_dir: Path) -> None:
+    """rollout.ignore_eos: EOS is suppressed until max_tokens; the log-probs stay the model's own."""
+    sampling = SamplingCfg(n=8, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=48, ignore_eos=True)
+    out = make_rollout(model_dir).generate(PROMPTS, sampling, expect_version=0)
+    assert [len(r) for r in out.response_ids] == [48] * 24 and set(out.finish_reasons) == {"length"}
+    assert all(EOS_ID not in r for r in out.response_ids)
+    assert_logprobs_match(load_tiny_llama(model_dir), out)
+
+
 def test_greedy_equals_transformers_greedy(model_dir: Path) -> None:
     out = make_rollout(model_dir).generate(PROMPTS, GREEDY, expect_version=0)
     model = load_tiny_llama(model_dir)
