@@ -173,7 +173,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         mem.set_ylim(bottom=0)
         lines = ax.get_legend_handles_labels()
         more = mem.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left")
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=6, loc="lower right", framealpha=0.8)
     fig.suptitle(
         f"rlbridge step time and memory as the work grows ({s.get('device', '')}, {s['recipe']})", fontsize=9
     )

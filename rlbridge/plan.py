@@ -278,12 +278,14 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     the response positions (hf: logits_to_keep) or on every position (megatron).
 
     A pass holds micro_batch_size full-length sequences, or with trainer.max_tokens_per_micro_batch (either
-    engine) at most max(budget, one longest sequence) tokens: upper bounds. Measured against this on an H200:
-    bench/results/plan_memory-2026-12-02b.md."""
+    engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
+    upper bounds. Measured against this on an H200: bench/results/plan_memory-2026-12-02b.md and
+    growth-gpu-2026-12-02.md."""
     p = r.trainer.parallel
     s, h = b.max_sequence_tokens / p.context, m.hidden
     budget = r.trainer.max_tokens_per_micro_batch
     tokens = s * r.trainer.micro_batch_size if budget is None else max(budget / p.context, s)
+    tokens = min(tokens, s * b.sequences_per_dp_rank)  # a pass holds at most the rank's whole mini-batch
     hf = r.trainer.engine == "hf"
     unit = DTYPE_BYTES[r.model.dtype] / 2
     width = m.mlp_width_per_token()

@@ -42,6 +42,35 @@ def test_in_loop_peaks_of_the_hf_engine(sets: list[str], measured_gib: float) ->
     assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
 
 
+@pytest.mark.parametrize(
+    ("rollouts", "length", "measured_gib"),
+    [(512, 64, 48.44), (512, 256, 54.65), (2048, 256, 54.65), (512, 1024, 56.61)],
+)
+def test_growth_peaks_of_the_hf_engine(rollouts: int, length: int, measured_gib: float) -> None:
+    """bench/results/growth-gpu-2026-12-02.md: the GPU quickstart at a 32768-token budget, every response exactly
+    `length` tokens (rollout.ignore_eos)."""
+    r = load_recipe("recipes/quickstart-gpu.yaml", growth_sets(rollouts, length))
+    memory = make_plan(r, read_model_info(r.model.path)).memory
+    assert memory is not None
+    assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
+
+
+def test_a_small_batch_is_not_charged_the_whole_budget() -> None:
+    """32 rollouts of <= 384 tokens never fill a 32768-token pass: the pass holds the 32 sequences (measured
+    16.84 GiB; the plan's 19.7 is an upper bound, every prompt at max_prompt_tokens; it said 52.1 before)."""
+    r = load_recipe("recipes/quickstart-gpu.yaml", growth_sets(32, 256))
+    memory = make_plan(r, read_model_info(r.model.path)).memory
+    assert memory is not None
+    assert 16.84 <= memory.trainer_total <= 1.2 * 16.84
+
+
+def growth_sets(rollouts: int, length: int) -> list[str]:
+    return [
+        f"data.batch_size={rollouts // 8}", "rollout.n=8", f"rollout.max_response_tokens={length}",
+        "rollout.ignore_eos=true", "trainer.max_tokens_per_micro_batch=32768",
+    ]  # fmt: skip
+
+
 def sweep_recipe(engine: str, lora: bool) -> Recipe:
     """bench/trainer_gpu.py's jobs of 2026-11-30: bf16, 8 x (512 + 512) tokens, micro-batches of 4."""
     return Recipe.model_validate({
