@@ -151,6 +151,16 @@ def reseed(set_random_seed: Any, seed: int, data_parallel_index: int = 0) -> Non
         set_random_seed(seed)
 
 
+def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from a completion's `logprobs` (asked with logprobs=0: the sampled token only
+    at each position). vLLM's FlatLogprobs (flat_logprobs=True) holds them as one flat list; a list of
+    {token: Logprob} dicts (vLLM without flat_logprobs) is read position by position."""
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and list(getattr(logprobs, "token_ids", ())) == ids:
+        return [float(x) for x in flat]
+    return [float(step[tok].logprob) for step, tok in zip(logprobs, ids, strict=True)]
+
+
 def routed_experts(completion: Any, num_positions: int) -> Any:
     """vLLM's `CompletionOutput.routed_experts` ([prompt + generated positions, MoE layers, k]; an array) as an
     int16 tensor of `num_positions` rows (a missing last row repeats the one before: never scored)."""
@@ -293,6 +303,7 @@ class VllmRollout:
         start = time.perf_counter()
         self._llm: Any = LLM(**self._kwargs)
         self.startup_s = time.perf_counter() - start
+        self._tokenizer: Any = self._llm.get_tokenizer()
         self.head_dtype = head_dtype(self._llm, self._dtype)
         """The dtype vLLM's output layer computes in (float32 when rollout.float32_head took effect)."""
         log.info("vLLM output layer (lm_head) in %s", self.head_dtype)
@@ -333,13 +344,19 @@ class VllmRollout:
                 ids = list(completion.token_ids)
                 out.prompt_ids.append(list(prompt))
                 out.response_ids.append(ids)
-                out.response_logprobs.append(
-                    [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=True)]
-                )
+                out.response_logprobs.append(sampled_logprobs(completion.logprobs, ids))
                 out.finish_reasons.append(completion.finish_reason)
-                out.texts.append(completion.text)
                 if self.cfg.routing_replay:
                     out.routed_experts.append(routed_experts(completion, len(prompt) + len(ids)))
+        # one batched decode at the end instead of vLLM's incremental detokenization of every token (and of every
+        # returned log-prob's token) inside its engine loop: 1.8x the tokens/s when the loop is host-bound
+        # (bench/results/generation_host-cpu-2026-12-02.md). The same text: vLLM's incremental detokenizer holds
+        # back a tail that decodes to U+FFFD (an incomplete UTF-8 sequence, waiting for its next bytes) and
+        # never emits it when the response ends there.
+        texts = self._tokenizer.batch_decode(
+            out.response_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        out.texts = [text.rstrip("\ufffd") for text in texts]
         return out
 
     def _sampling_params(self, sampling: SamplingCfg) -> Any:
@@ -349,8 +366,9 @@ class VllmRollout:
             n=sampling.n,
             max_tokens=sampling.max_tokens,
             logprobs=0,
-            skip_special_tokens=True,
             ignore_eos=sampling.ignore_eos,
+            detokenize=False,  # texts are decoded in one batch after generate (see there)
+            flat_logprobs=True,  # a few flat lists per request instead of a dict and a Logprob object per token
         )
         if sampling.greedy:
             return SamplingParams(temperature=0.0, **common)

@@ -188,6 +188,28 @@ class TestMergedEngine:
         assert by_tensors.response_logprobs == by_files.response_logprobs  # exact: the same float32 weights
         assert engine.generate(prompts, GREEDY, expect_version=v + 3).response_ids == base.response_ids
 
+    def test_texts_are_what_vllm_detokenizes(self, engine: Any) -> None:
+        """The engine asks vLLM for token ids only (detokenize=False) and decodes the texts in one batch: the
+        same strings vLLM's own incremental detokenizer makes of the same tokens (one re-seeded sampling, asked
+        both ways; the log-probs, read from vLLM's flat lists, agree too)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        version = engine.weight_version
+        ours = engine.generate(PROMPTS, SAMPLE, expect_version=version, seed=7)
+        engine._llm.collective_rpc("rlbridge_reseed", args=(7,))
+        params = SamplingParams(
+            n=SAMPLE.n, temperature=SAMPLE.temperature, top_p=SAMPLE.top_p, top_k=SAMPLE.top_k,
+            max_tokens=SAMPLE.max_tokens, logprobs=0, skip_special_tokens=True,
+        )  # fmt: skip
+        theirs = engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        completions = [c for request in theirs for c in sorted(request.outputs, key=lambda c: c.index)]
+        assert ours.response_ids == [list(c.token_ids) for c in completions]
+        assert ours.texts == [c.text for c in completions]
+        assert ours.response_logprobs == [
+            [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)] for c in completions
+        ]
+
     def test_same_seed_same_tokens(self, engine: Any) -> None:
         """generate(seed=s) re-seeds the workers' sampler: the RNG state left by earlier calls does not
         matter (what a resumed run relies on); another seed samples other tokens."""
