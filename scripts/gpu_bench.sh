@@ -15,9 +15,14 @@
 #   bash scripts/gpu_bench.sh passcost  # issue 16 goal 1: bench/pass_cost.py, kernels and GPU busy share of one pass (~1 min)
 #   bash scripts/gpu_bench.sh memory    # issue 16 goal 7: trainer_gpu.py peaks vs the plan, 4 shapes x both engines (~8 min)
 #   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
-#                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (~5 min)
-#   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each (~5 min)
-#   bash scripts/gpu_bench.sh growth    # issue 16 goal 6 (and 7): bench/growth.py, 32 -> 2048 rollouts, 64 -> 1024 tokens
+#                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (325 s
+#                                       # on a fresh machine on 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02.md)
+#   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each, side by
+#                                       # side (estimate ~5 min: TRL alone took 155 s, rlbridge alone 136 s on 2026-12-02)
+#   bash scripts/gpu_bench.sh growth    # issue 16 goal 6 (and 7): bench/growth.py, 32 -> 2048 rollouts, 64 -> 1024 tokens;
+#                                       # each point is a run with its own vLLM start (~140 s): 3 points fit one call,
+#                                       # the last two (2048 x 256, 512 x 1024) took 430 s at --steps 2 in a second one
+#   bash scripts/gpu_bench.sh growth2   # those last two points
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 set -uo pipefail
 
@@ -82,6 +87,11 @@ for part in "$@"; do
       timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 3 --device "one H200" \
         --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
+    growth2)
+      timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 2 --device "one H200" \
+        --batches 2048 --lengths 1024 --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save \
+        > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
     passcost)
       timeout "$(left)" "$PY" bench/pass_cost.py --device cuda --rows 8 --response 76 --passes 8 --steps 3 --no-save \
         > "$OUT/$part/log.txt" 2>&1
@@ -93,7 +103,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trl512, growth)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trl512, growth, growth2)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
