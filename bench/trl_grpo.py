@@ -1,4 +1,4 @@
-"""End-to-end GRPO step on CPU: rlbridge (the quickstart) against TRL's GRPOTrainer on the same setup.
+"""End-to-end GRPO step: rlbridge (the quickstart) against TRL's GRPOTrainer on the same setup, CPU or GPU.
 
 Both sides: SmolLM2-135M-Instruct in float32, LoRA r16 / alpha 32 on q,k,v,o,gate,up,down, the quickstart's
 arithmetic prompts with its template and the model's chat template (the very same prompts in the same
@@ -18,6 +18,12 @@ average. Generated tokens = response tokens (EOS included); trained tokens = pro
     bash bench/setup_trl.sh                        # installs trl into the venv, changing nothing else
     python bench/trl_grpo.py [--steps 5] [--warmup 1] [--rounds 1]
     python bench/trl_grpo.py --trl-vllm-colocate   # also try TRL with use_vllm=True, vllm_mode=colocate
+
+On a GPU (`--recipe recipes/quickstart-gpu.yaml`, cluster.device cuda): both in the recipe's dtype (bf16), TRL
+always with its colocated vLLM at the recipe's rollout.gpu_memory_utilization and without its importance-sampling
+correction (as rlbridge's default), `--trl-micro` for TRL's per_device_train_batch_size and `--rlbridge-set` for
+overrides of rlbridge alone (e.g. its token budget); the differences that remain are in GPU_DIFFERENCES.
+`bash scripts/gpu_bench.sh trl` / `trl512` run it there (bench/results/trl_grpo-gpu-2026-12-02.md).
 """
 
 from __future__ import annotations
