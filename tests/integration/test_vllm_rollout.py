@@ -202,7 +202,9 @@ class TestMergedEngine:
             n=SAMPLE.n, temperature=SAMPLE.temperature, top_p=SAMPLE.top_p, top_k=SAMPLE.top_k,
             max_tokens=SAMPLE.max_tokens, logprobs=0, skip_special_tokens=True,
         )  # fmt: skip
-        theirs = engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        theirs = engine._llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+        )
         completions = [c for request in theirs for c in sorted(request.outputs, key=lambda c: c.index)]
         assert ours.response_ids == [list(c.token_ids) for c in completions]
         assert ours.texts == [c.text for c in completions]
