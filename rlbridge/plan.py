@@ -16,6 +16,12 @@ from rlbridge.recipe.schema import Recipe
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ALLOCATOR_RESERVE = 1.15
+"""On a GPU, what torch's caching allocator holds on the device over the trainer's allocated peak: the device peak
+(nvidia-smi) was 1.06-1.15x the trainer's allocated peak plus ~1 GiB in the growth runs on an H200
+(bench/results/growth-gpu-2026-12-02.md; fitted there, so those runs show consistency, not independence)."""
+CONTEXT_GIB = 0.5
+"""A CUDA context and its libraries, per process on the device (the trainer's, vLLM's)."""
 # LoRA (in, out) shapes per Megatron target, as functions of the model shape.
 _LORA_SHAPES = {
     "linear_qkv": lambda m: (m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim),
@@ -70,6 +76,8 @@ class Memory:
     rollout_kv_cache: float
     rollout_total: float
     peak: float
+    """Per device: on a GPU what the device holds at the fullest phase (the trainer's allocator reserve and the
+    CUDA contexts included: ALLOCATOR_RESERVE, CONTEXT_GIB); on a CPU the host memory of a worker."""
     capacity: float
     trainable_params: int
     total_params: int
@@ -222,10 +230,16 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up;
     # rollout.mode async keeps it resident while the trainer updates, so they do.
     rollout_total = rollout_w + kv
-    if r.cluster.device == "cpu" or (r.cluster.colocate and r.rollout.mode == "async"):
+    if r.cluster.device == "cpu":
         peak = trainer_total + rollout_total
-    else:
-        peak = max(trainer_total, rollout_total) if r.cluster.colocate else trainer_total
+    else:  # the device: the trainer's allocator reserve, and each process's CUDA context
+        held = trainer_total * ALLOCATOR_RESERVE
+        if not r.cluster.colocate:
+            peak = held + CONTEXT_GIB
+        elif r.rollout.mode == "async":
+            peak = held + rollout_total + 2 * CONTEXT_GIB
+        else:  # the update (vLLM asleep) or the generation (the trainer keeps its weights and optimizer state)
+            peak = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB
     return Memory(
         round(weights, 3),
         round(grads, 3),
