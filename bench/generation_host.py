@@ -37,23 +37,17 @@ sys.path.insert(0, str(ROOT))
 from bench.common import report  # noqa: E402
 
 
-def model_and_prompts(which: str, num: int) -> tuple[Path, list[list[int]]]:
+def model_and_prompts(which: str, num: int, max_tokens: int) -> tuple[Path, list[list[int]]]:
     if which == "tiny":
         from tests.fixtures.tiny_llama import BOS_ID, IM_START_ID, build_tiny_llama
 
         d = Path(tempfile.mkdtemp(prefix="gen-host-")) / "tiny"
         build_tiny_llama(d)
         return d, [[BOS_ID, IM_START_ID] + [65 + (i * 7 + j) % 50 for j in range(20)] for i in range(num)]
-    from rlbridge.data.datasets import encode_prompts, load_dataset
-    from rlbridge.model.cache import ensure_model
-    from rlbridge.model.tokenizer import load_tokenizer
-    from rlbridge.recipe import load_recipe
+    from bench.rollout_throughput import prompts  # the quickstart's prompts, as rollout_throughput times them
 
-    r = load_recipe(ROOT / "recipes" / "quickstart.yaml", [])
-    d = ensure_model(r.model.path)
-    ps = load_dataset(r.data.train, r.data, split="train", seed=r.run.seed)[:num]
-    ids, _, _ = encode_prompts(load_tokenizer(d), ps, r.data, r.rollout.max_prompt_tokens)
-    return d, ids
+    (_, model_dir), ids = prompts(num, max_tokens, "float32")
+    return Path(model_dir), ids
 
 
 def main() -> None:
@@ -73,7 +67,7 @@ def main() -> None:
     from rlbridge.rollout.base import SamplingCfg
     from rlbridge.rollout.vllm import VllmRollout
 
-    model_dir, prompts = model_and_prompts(a.model, a.prompts)
+    model_dir, prompts = model_and_prompts(a.model, a.prompts, a.max_tokens)
     cfg = RolloutCfg(engine="vllm", max_prompt_tokens=256, max_response_tokens=a.max_tokens, kv_cache_gib=2)
     engine = VllmRollout(
         model_dir, cfg, ModelCfg(path=str(model_dir), dtype="float32"), lora_rank=0, seed=0, cpu=True

@@ -109,7 +109,6 @@ def run_point(a: argparse.Namespace, rollouts: int, length: int) -> dict[str, An
     timed = train[1:] or train  # the first step is the warm-up (compilation, first allocations)
     med = lambda key: statistics.median(float(x.get(key, 0.0)) for x in timed)  # noqa: E731
     step_s = med("time_step")
-    trained = statistics.median(float(x.get("tokens", 0)) for x in timed)
     peaks = [x["trainer_gpu_gib_max"] for x in train if "trainer_gpu_gib_max" in x]
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return {
@@ -119,7 +118,7 @@ def run_point(a: argparse.Namespace, rollouts: int, length: int) -> dict[str, An
         "step_s": step_s,
         **{f"{p}_s": med(f"time_{p}") for p in PHASES},
         "sleep_wake_s": med("sleep_s") + med("wake_s"),  # inside update_s and sync_s (colocated GPU only)
-        "response_tokens_per_s": trained / step_s if step_s else 0.0,
+        "response_tokens_per_s": med("tokens") / step_s if step_s else 0.0,
         "trainer_peak_gib": max(peaks) if peaks else None,
         "device_peak_gib": None if device.peak_mib is None else device.peak_mib / 1024,
         **plan_gib(str(a.recipe), sets),

@@ -79,7 +79,9 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
     its colocated vLLM (always), on a CPU one in float32 with transformers generate unless `use_vllm`."""
     import torch
 
-    if not on_gpu(recipe(total, sets)):
+    r = recipe(total, sets)
+    gpu = on_gpu(r)
+    if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
     import datasets
     import peft
@@ -95,8 +97,6 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe.targets import hf_targets
 
-    r = recipe(total, sets)
-    gpu = on_gpu(r)
     use_vllm = use_vllm or gpu
     micro = micro or r.trainer.micro_batch_size
     model_dir = ensure_model(r.model.path)
@@ -577,6 +577,7 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
     ]
     from bench.common import report
 
+    gpu = on_gpu(recipe(1, a.sets))
     result = {
         "settings": {
             "steps": a.steps,
@@ -584,13 +585,13 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             "rounds": a.rounds,
             "sets": a.sets,
             "rlbridge_sets": a.rlbridge_sets,
-            "trl_vllm_colocate": a.trl_vllm_colocate or on_gpu(recipe(1, a.sets)),
+            "trl_vllm_colocate": a.trl_vllm_colocate or gpu,
             "trl_micro": a.trl_micro,
             "recipe": f"{a.recipe} + run.steps, data.val=null",
         },
         "complete": final,
         "ratios": ratios,
-        "differences": GPU_DIFFERENCES if on_gpu(recipe(1, a.sets)) else DIFFERENCES,
+        "differences": GPU_DIFFERENCES if gpu else DIFFERENCES,
         "runs": runs,
     }
     if final:
