@@ -1,7 +1,7 @@
 """In-loop generation against vLLM on its own, on the same prompts and sampling (issue 16 goal 2: >= 70 %).
 
     python bench/generation_gap.py [--recipe recipes/quickstart.yaml] [--steps 6] [--set KEY=VALUE ...]
-                                   [--no-save]
+                                   [--alone mp|inproc|both] [--no-save]
 
 1. `rlbridge train RECIPE --set run.steps=N ...` (sync mode: the phase `generate` is timed alone); per step the
    generated tokens (metrics `tokens`) over `time_generate`. Step 1 is left out (vLLM's first call warms up).
@@ -19,8 +19,9 @@ adapter` vLLM's LoRA kernels (the standalone engine has none: set `--set rollout
 like-for-like figure). The response lengths differ (the run's policy moves, the standalone one is the base
 model), which tokens/s absorbs. rlbridge runs vLLM's engine core inside its rollout worker's
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, for reproducible batches); vLLM alone keeps its default (the engine
-core in a process of its own) unless `--inproc`: the two figures separate the loop's own overhead from that
-choice. Prints JSON and a table; with --save (the default) a dated copy in bench/results/generation_gap-DATE.{json,md}.
+core in a process of its own) unless `--alone inproc` (`--alone both`: one after the other): the figures separate the
+loop's own overhead from that choice. `engine_s`: the seconds inside `LLM.generate` of the loop's rollout (its log
+lines), so loop_s - engine_s is the Ray call, the transfer and rlbridge's conversion. Prints JSON and a table; with --save (the default) a dated copy in bench/results/generation_gap-DATE.{json,md}.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,8 +42,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import report, rlbridge_train  # noqa: E402
 
+ENGINE_LINE = re.compile(
+    r"vLLM generate: (\d+) rows, (\d+) tokens in ([\d.]+) s \(engine ([\d.]+) s, [\d.]+ tokens/s in the engine\)$",
+    re.MULTILINE,
+)
+"""The line rlbridge/rollout/vllm.py logs per generate into logs/rollout.log."""
+
 
 def in_loop(recipe: str, run_dir: Path, sets: list[str]) -> list[dict[str, Any]]:
+    """Per step: generated tokens and the loop's `time_generate`; `engine_s` (inside `LLM.generate`, the re-seed
+    included) from the rollout's log, where it has the lines (the greedy evaluation calls' lines are left out)."""
     rlbridge_train(recipe, run_dir, sets)
     from rlbridge.report.run import read_run
 
@@ -50,9 +60,20 @@ def in_loop(recipe: str, run_dir: Path, sets: list[str]) -> list[dict[str, Any]]
         raise SystemExit(
             "no time_generate in the run's metrics: run it in sync mode (--set rollout.mode=sync)"
         )
-    return [
+    log_path = run_dir / "logs" / "rollout.log"
+    engine = [m.groups() for m in ENGINE_LINE.finditer(log_path.read_text())] if log_path.exists() else []
+    rows = [
         {"step": int(r["step"]), "tokens": int(r["tokens"]), "s": float(r["time_generate"])} for r in steps
     ]
+    if len(engine) == len(rows):
+        for row, (_, _, call_s, engine_s) in zip(rows, engine, strict=True):
+            row.update(call_s=float(call_s), engine_s=float(engine_s))
+    else:
+        print(
+            f"[gengap] {len(engine)} engine lines in {log_path} for {len(rows)} steps: no split",
+            file=sys.stderr,
+        )
+    return rows
 
 
 def standalone(recipe: str, sets: list[str], steps: int, *, inproc: bool = False) -> list[dict[str, Any]]:
@@ -106,6 +127,7 @@ def _standalone_child(recipe_path: str, sets: list[str], steps: int, out: Path) 
         top_p=ro.top_p,
         top_k=ro.top_k if ro.top_k > 0 else 0,
         logprobs=0,
+        ignore_eos=ro.ignore_eos,
         skip_special_tokens=True,
     )
     rows: list[dict[str, Any]] = []
@@ -119,6 +141,14 @@ def _standalone_child(recipe_path: str, sets: list[str], steps: int, out: Path) 
     out.write_text(json.dumps(rows))
 
 
+def _rate(rows: list[dict[str, Any]], tokens: str, seconds: str) -> float | None:
+    """Tokens/s summed over steps 2..N (step 1 warms up); None where a row lacks the figure."""
+    timed = rows[1:]
+    if any(seconds not in r for r in timed):
+        return None
+    return sum(r[tokens] for r in timed) / sum(r[seconds] for r in timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/quickstart.yaml")
@@ -126,10 +156,13 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
-        "--inproc",
-        action="store_true",
-        help="vLLM alone with its engine core in-process too (VLLM_ENABLE_V1_MULTIPROCESSING=0, as in rlbridge)",
+        "--alone",
+        choices=("mp", "inproc", "both"),
+        default="mp",
+        help="vLLM alone with its engine core in its own process (mp, vLLM's default), in-process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, as in rlbridge), or both one after the other",
     )
+    ap.add_argument("--inproc", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.steps < 2:
@@ -139,7 +172,7 @@ def main() -> None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _standalone_child(a.recipe, a.sets, a.steps, a.child)
         return
-    sets = [*a.sets, f"run.steps={a.steps}", "rollout.mode=sync", "run.eval_every=0"]
+    sets = [*a.sets, f"run.steps={a.steps}", "rollout.mode=sync", "run.eval_every=0", "data.val=null"]
     with tempfile.TemporaryDirectory(prefix="rlbridge-gengap-") as tmp:
         loop_rows = in_loop(a.recipe, Path(tmp) / "run", sets)
     print(
@@ -147,33 +180,37 @@ def main() -> None:
         file=sys.stderr,
         flush=True,
     )
-    alone_rows = standalone(a.recipe, sets, a.steps, inproc=a.inproc)
+    modes = ("mp", "inproc") if a.alone == "both" else (a.alone,)
+    alone = {m: standalone(a.recipe, sets, a.steps, inproc=m == "inproc") for m in modes}
     rows = []
-    for lp, sa in zip(loop_rows, alone_rows, strict=True):
-        rows.append(
-            {
-                "step": lp["step"],
-                "loop_tokens": lp["tokens"],
-                "loop_s": lp["s"],
-                "loop_tok_s": lp["tokens"] / lp["s"],
-                "standalone_tokens": sa["tokens"],
-                "standalone_s": sa["s"],
-                "standalone_tok_s": sa["tokens"] / sa["s"],
-            }
-        )
-    timed = rows[1:]
-    loop_rate = sum(r["loop_tokens"] for r in timed) / sum(r["loop_s"] for r in timed)
-    alone_rate = sum(r["standalone_tokens"] for r in timed) / sum(r["standalone_s"] for r in timed)
-    result = {
+    for i, lp in enumerate(loop_rows):
+        row = {"step": lp["step"], "loop_tokens": lp["tokens"], "loop_s": lp["s"]}
+        row.update({k: lp[k] for k in ("call_s", "engine_s") if k in lp})
+        row["loop_tok_s"] = lp["tokens"] / lp["s"]
+        for m, sa in alone.items():
+            row.update(
+                {
+                    f"{m}_tokens": sa[i]["tokens"],
+                    f"{m}_s": sa[i]["s"],
+                    f"{m}_tok_s": sa[i]["tokens"] / sa[i]["s"],
+                }
+            )
+        rows.append(row)
+    loop_rate = _rate(rows, "loop_tokens", "loop_s")
+    assert loop_rate is not None
+    result: dict[str, Any] = {
         "recipe": a.recipe,
         "steps": a.steps,
         "sets": a.sets,
         "loop_tok_s": loop_rate,
-        "standalone_tok_s": alone_rate,
-        "loop_over_standalone": loop_rate / alone_rate,
-        "standalone_engine_core": "in-process" if a.inproc else "vLLM's default (its own process)",
+        "loop_engine_tok_s": _rate(rows, "loop_tokens", "engine_s"),
         "goal": ">= 0.70 (issue 16 goal 2)",
     }
+    for m in modes:
+        rate = _rate(rows, f"{m}_tokens", f"{m}_s")
+        assert rate is not None
+        result[f"alone_{m}_tok_s"] = rate
+        result[f"loop_over_alone_{m}"] = loop_rate / rate
     report("generation_gap", result, rows, save=not a.no_save)
 
 

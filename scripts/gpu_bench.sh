@@ -58,7 +58,7 @@ for part in "$@"; do
       done ;;
     gengap)
       timeout "$(left)" "$PY" bench/generation_gap.py --recipe recipes/quickstart-gpu.yaml --steps 4 "${scale[@]}" \
-        --set rollout.weight_sync=merged --no-save > "$OUT/$part/log.txt" 2>&1
+        --set rollout.weight_sync=merged --set rollout.ignore_eos=true --alone both --no-save > "$OUT/$part/log.txt" 2>&1
       tail -8 "$OUT/$part/log.txt" ;;
     update)
       for r in 16 0; do

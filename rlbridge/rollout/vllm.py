@@ -331,11 +331,13 @@ class VllmRollout:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        start = time.perf_counter()
         if seed is not None:
             self._llm.collective_rpc("rlbridge_reseed", args=(int(seed),))
         outputs = self._llm.generate(
             prompts, self._sampling_params(sampling), lora_request=self._lora, use_tqdm=False
         )
+        engine_s = time.perf_counter() - start
         out = Rollouts([], [], [], [], self.weight_version, [])
         for prompt, request in zip(prompt_ids, outputs, strict=True):
             for completion in sorted(request.outputs, key=lambda c: c.index):
@@ -357,6 +359,17 @@ class VllmRollout:
             out.response_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
         out.texts = [text.rstrip("\ufffd") for text in texts]
+        tokens = sum(len(ids) for ids in out.response_ids)
+        # bench/generation_gap.py reads these lines from logs/rollout.log: the engine's share of the loop's generate
+        log.info(
+            "vLLM generate: %d rows, %d tokens in %.3f s (engine %.3f s, %.0f tokens/s in the engine)%s",
+            len(out.response_ids),
+            tokens,
+            time.perf_counter() - start,
+            engine_s,
+            tokens / max(engine_s, 1e-9),
+            ", greedy" if sampling.greedy else "",
+        )
         return out
 
     def _sampling_params(self, sampling: SamplingCfg) -> Any:
