@@ -289,7 +289,9 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
     copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
     ~12 bytes per scored position and vocabulary entry (float32 logits, their log-softmax and its gradient) on
-    the response positions (hf: logits_to_keep) or on every position (megatron).
+    the response positions (hf: logits_to_keep) or on every position (megatron: fitted to its peaks of 2026-11-30;
+    since 2026-12-02 its output layer runs on the response positions too (forward.response_head), so this is an
+    upper bound for megatron until a GPU run re-measures it).
 
     A pass holds micro_batch_size full-length sequences, or with trainer.max_tokens_per_micro_batch (either
     engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:

@@ -38,7 +38,7 @@ On large GPU models the merged route costs a write of the full state dict to /de
 rollout.weight_transport cuda_ipc (opt-in; colocated CUDA trainer, tensor_parallel 1) avoids it: the trainer
 hands over CUDA IPC handles of its merged tensors (rlbridge/rollout/ipc.py) and the worker reloads from them in
 place (`collective_rpc("rlbridge_load_ipc")`, which calls the worker's `reload_weights(weights_iterator=...)`,
-present in both vLLM 0.26 and 0.32). Not yet verified on a GPU (tests/gpu/test_gpu_ipc_sync.py).
+present in both vLLM 0.26 and 0.32). Verified on an H200 (tests/gpu/test_gpu_ipc_sync.py, gpu_check-2026-12-02d).
 """
 
 from __future__ import annotations

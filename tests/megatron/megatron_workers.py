@@ -114,6 +114,7 @@ def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
         return output.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output).detach()}
 
     padding_free, engine.padding_free = engine.padding_free, False  # one micro-batch at the batch's width
+    forward.response_head(engine.model, on=False)  # the output layer on every position
     try:
         with torch.no_grad(), compat.device_scope(), forward.train_mode(engine.model, False):
             mbs = engine._split(batch, 1)
@@ -122,6 +123,7 @@ def full_logits(engine: Any, batch: SeqBatch) -> torch.Tensor:
             return forward.broadcast_from_last_stage(out)
     finally:
         engine.padding_free = padding_free
+        forward.response_head(engine.model)
 
 
 def _global_layer(engine: Any, chunk_index: int, local_index: int) -> int:
@@ -879,8 +881,36 @@ def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
             res[f"{key}_widths"] = [int(mb.input_ids.shape[1]) for mb in mbs]
             res[f"{key}_logprobs"] = engine.logprobs(batch)
             res[f"{key}_grads"] = engine.gradients(batch, loss, num_micro_batches=num_micro_batches)
+        res.update(_head_positions(engine, batch, loss, num_micro_batches, label))
         engine.close()
     return res
+
+
+def _head_positions(engine: Any, batch: SeqBatch, loss: Any, num: int, label: str) -> dict[str, Any]:
+    """The index-order layout with the output layer on the response positions only (the engine's default) and
+    on every position (forward.response_head off): log-probs, gradients and the sequence lengths the output layer
+    ran on in each."""
+    from rlbridge.engines.megatron import forward
+
+    engine.padding_free, engine.max_tokens = False, None
+    layer = engine.model[0].module.output_layer
+    out: dict[str, Any] = {}
+    for key, on in (("response_head", True), ("every_position_head", False)):
+        assert forward.response_head(engine.model, on=on) == 1
+        lengths: list[int] = []
+
+        def record(_m: Any, _a: Any, o: Any, lengths: list[int] = lengths) -> None:
+            lengths.append(int(o[0].shape[0]))  # ColumnParallelLinear returns (output [s, m, v], bias)
+
+        hook = layer.register_forward_hook(record)
+        try:
+            out[f"{label}_{key}_logprobs"] = engine.logprobs(batch)
+            out[f"{label}_{key}_grads"] = engine.gradients(batch, loss, num_micro_batches=num)
+        finally:
+            hook.remove()
+        out[f"{label}_{key}_lengths"] = sorted(set(lengths))
+    forward.response_head(engine.model)
+    return out
 
 
 def _critic_layouts(recipe: Recipe, batch: SeqBatch, num_micro_batches: int) -> dict[str, Any]:

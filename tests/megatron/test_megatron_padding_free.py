@@ -118,3 +118,22 @@ def test_token_budget_critic_values_and_gradients_match_the_padded_micro_batches
     frob, worst = _grad_errors(suite["critic_budget_grads"], suite["critic_padded_grads"])
     print(f"critic budget: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
     assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
+@pytest.mark.parametrize("label", ["lora", "full"])
+def test_output_layer_on_response_positions_only_changes_nothing(suite: dict[str, Any], label: str) -> None:
+    """forward.response_head: the output layer runs on the R positions that predict response tokens, not on all
+    P + R; log-probs and gradients as with logits at every position (atol 1e-6; gradients 1e-6 relative)."""
+    batch = suite["batch"]
+    width, response = int(batch["input_ids"].shape[1]), int(batch["response_mask"].shape[1])
+    assert suite[f"{label}_response_head_lengths"] == [response]
+    assert suite[f"{label}_every_position_head_lengths"] == [width]
+    got, want = suite[f"{label}_response_head_logprobs"], suite[f"{label}_every_position_head_logprobs"]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    frob, worst = _grad_errors(
+        suite[f"{label}_response_head_grads"], suite[f"{label}_every_position_head_grads"]
+    )
+    print(
+        f"{label}: response-only head vs every position: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}"
+    )
+    assert frob < 1e-6 and worst < 1e-6, (frob, worst)

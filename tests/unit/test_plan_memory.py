@@ -2,8 +2,11 @@
 H200: within 15 % (issue 16 goal 7), so that a run that will not fit is refused before it starts.
 
 The peaks are torch.cuda.max_memory_allocated of the trainer process: bench/results/inloop-gpu-2026-12-02 (the
-hf engine in `rlbridge train`, today's code) and trainer_gpu-2026-11-30-sdpa.md (the megatron engine, whose
-training path has not changed since). bench/results/plan_memory-2026-12-02b.md has the table."""
+hf engine in `rlbridge train`, today's code) and trainer_gpu-2026-11-30-sdpa.md (the megatron engine as it was
+until 2026-12-02's eleventh session, when its output layer moved to the response positions only:
+engines/megatron/forward.response_head). The plan still charges megatron's loss on every position, so for megatron
+it is an upper bound by the prompt's share of the logits until `bash scripts/gpu_bench.sh memory` re-measures it
+(docs/lora.md). bench/results/plan_memory-2026-12-02b.md has the table."""
 
 from __future__ import annotations
 

@@ -79,6 +79,7 @@ class MegatronTrainEngine:
             self.optimizer = B.build_optimizer(self.built, self.model)
             if recipe.model.dtype != "float32":
                 forward.float32_output_layer(self.model)  # unrounded float32 logits, as the hf engine's
+            forward.response_head(self.model)  # logits on the response positions only, as the hf engine's
             self.param_sets = params.param_sets(self.model, self.optimizer, self.bundle.at_wrap, self.lora)
             params.check_param_sets(self.param_sets)
             export.install_pp_duplicate_check()

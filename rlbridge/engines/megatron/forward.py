@@ -2,7 +2,7 @@
 
 What this module simplifies: the engine's two passes (log-probs without gradients, and the training pass)
 are the same walk through megatron-core's `get_forward_backward_func` schedule, which works for every
-layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
+layout (no pipeline, 1F1B, interleaved virtual pipeline). Four details matter:
 
 * the attention mask is explicit (causal AND key-is-real-token), because megatron's default causal mask is
   built on CUDA and knows nothing of left padding;
@@ -11,6 +11,8 @@ layout (no pipeline, 1F1B, interleaved virtual pipeline). Three details matter:
   HF computation with positions counted from the first real token (checked in the tests). For the same
   reason a micro-batch trimmed to its rows' widths (`split_micro_batches(by_length=True)`: the left padding
   common to its rows dropped) scores as it did at the batch's width (tests/megatron/test_megatron_padding_free);
+* the output layer runs on the positions that predict response tokens only (`response_head`, as the hf engine's
+  `logits_to_keep`), not on the prompt's;
 * log-softmax runs over the tensor-parallel vocab shard with megatron's TP reductions, so the full
   [b, t, vocab] logits are never gathered. (megatron's fused `vocab_parallel_cross_entropy` is not used:
   it overwrites float32 logits in place, which rules out also computing the entropy from them.)
@@ -196,9 +198,74 @@ def vocab_parallel_logprobs(
 
 
 def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits that predict the response tokens ([n, R, v/tp]) and those tokens ([n, R]), real rows only."""
+    """Logits that predict the response tokens ([n, R, v/tp]) and those tokens ([n, R]), real rows only.
+    `output` is the model's [m, S, v/tp] logits, or [m, R, v/tp] where the output layer ran on those positions
+    only (`response_head`; S = P + R > R, so the widths tell them apart)."""
     p, r, n = mb.prompt_width, mb.response_width, len(mb.rows)
-    return output[:n, p - 1 : p + r - 1], mb.input_ids[:n, p : p + r]
+    targets = mb.input_ids[:n, p : p + r]
+    if output.shape[1] == r:
+        return output[:n], targets
+    return output[:n, p - 1 : p + r - 1], targets
+
+
+def response_head(model: list[torch.nn.Module], on: bool = True) -> int:
+    """Make the output layer (on the last pipeline stage) compute logits only at the positions that predict
+    response tokens, as the hf engine's `logits_to_keep`: megatron's GPTModel otherwise multiplies every position
+    by the [vocab, hidden] weight in float32 and keeps a transposed copy, which for a 152k vocabulary and a 32k-token
+    pass is 2 x 18.6 GiB (bench/results/update_padding-gpu-2026-12-02c.md), and the prompt's share of it is
+    never used. A forward pre-hook cuts the layer's input ([S, m, h]) to the window `set_head_window` gives for
+    the micro-batch; the gradient is unchanged (prompt-position logits never enter the loss). Left as it is under
+    sequence parallelism or context parallelism (the layer's input is then a shard of the sequence). `on=False`
+    turns it back off (the tests' reference). Returns the layers changed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    if ps.get_context_parallel_world_size() > 1:
+        return 0
+    changed = 0
+    for chunk in unwrap_model(model):
+        layer = getattr(chunk, "output_layer", None)
+        if layer is None or getattr(layer, "sequence_parallel", False):
+            continue
+        if not hasattr(layer, "rlbridge_window"):
+            layer.register_forward_pre_hook(_cut_to_window, with_kwargs=True)
+        layer.rlbridge_window = None
+        layer.rlbridge_response_only = on
+        changed += 1
+    return changed
+
+
+def _cut_to_window(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    window = getattr(module, "rlbridge_window", None)
+    if window is None:
+        return None
+    start, stop = window
+    if args:
+        return (args[0][start:stop], *args[1:]), kwargs
+    return args, {
+        **kwargs,
+        "input_": kwargs["input_"][start:stop],
+    }  # ColumnParallelLinear.forward(input_, ...)
+
+
+@contextlib.contextmanager
+def head_window(chunk: torch.nn.Module, mb: MicroBatch) -> Iterator[None]:
+    """For one forward of `chunk`: its output layer (if `response_head` changed it) computes the logits of
+    positions P-1 .. P+R-2 only, those that predict the micro-batch's response tokens."""
+    from megatron.core.utils import unwrap_model
+
+    layer = getattr(unwrap_model(chunk), "output_layer", None)
+    if not getattr(layer, "rlbridge_response_only", False):
+        yield
+        return
+    assert layer is not None
+    layer.rlbridge_window = (mb.prompt_width - 1, mb.prompt_width + mb.response_width - 1)
+    try:
+        yield
+    finally:
+        layer.rlbridge_window = None
 
 
 def batch_rows(parts: list[torch.Tensor], mbs: list[MicroBatch], size: int, width: int) -> torch.Tensor:
@@ -266,7 +333,10 @@ def run_schedule(
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module) -> Any:
         mb = next(data_iterator)
         set_routing_replay(chunk, mb)
-        output = chunk(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+        with head_window(chunk, mb):
+            output = chunk(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask
+            )
         return output, lambda out: stage_loss(out, mb)
 
     iterators: Any = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
