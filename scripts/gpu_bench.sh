@@ -8,17 +8,20 @@
 #                                       # fresh machine: bench/results/async_runs-gpu-2026-12-02b.md)
 #   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
 #                                       # 6 steps, without and with trainer.max_tokens_per_micro_batch 32768 (~2 x 3 min)
-#   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone, same prompts, 512 rollouts
-#                                       # (more than 5.5 min: cut at 330 s on 2026-12-02 with nothing printed; a call of its own)
+#   bash scripts/gpu_bench.sh gengap    # issue 16 goal 2: in-loop generation vs vLLM alone (its own engine process and
+#                                       # in-process), same prompts, 512 rollouts x 256 tokens (281 s on a warm H100,
+#                                       # 2026-12-02: bench/results/generation_gap-gpu-2026-12-02.md)
 #   bash scripts/gpu_bench.sh update    # issue 16 goal 1: bench/update_padding.py, Qwen2.5-0.5B shape, LoRA and full FT (~3 min)
-#   bash scripts/gpu_bench.sh updatemeg # issue 16 goal 1, megatron: the same batches through the megatron engine (~4 min; estimate)
+#   bash scripts/gpu_bench.sh updatemeg # issue 16 goal 1, megatron: the same batches through the megatron engine (budget
+#                                       # 32768 ran out of memory on an H100 before forward.response_head; 8192: 222 s,
+#                                       # bench/results/update_padding-gpu-2026-12-02c.md)
 #   bash scripts/gpu_bench.sh passcost  # issue 16 goal 1: bench/pass_cost.py, kernels and GPU busy share of one pass (~1 min)
 #   bash scripts/gpu_bench.sh memory    # issue 16 goal 7: trainer_gpu.py peaks vs the plan, 4 shapes x both engines (~8 min)
 #   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
 #                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (325 s
 #                                       # on a fresh machine on 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02.md)
 #   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each, side by
-#                                       # side (estimate ~5 min: TRL alone took 155 s, rlbridge alone 136 s on 2026-12-02)
+#                                       # side (253 s on a warm H100, 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02b.md)
 #   bash scripts/gpu_bench.sh growth    # issue 16 goal 6 (and 7): bench/growth.py, 32 -> 2048 rollouts, 64 -> 1024 tokens;
 #                                       # each point is a run with its own vLLM start (~140 s): 3 points fit one call,
 #                                       # the last two (2048 x 256, 512 x 1024) took 430 s at --steps 2 in a second one
