@@ -66,6 +66,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WORKER_EXTENSION = "rlbridge.rollout.vllm.WorkerExtension"
 FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 """Set from rollout.flashinfer_sampler: FlashInfer's sampling kernels are JIT-compiled on a machine's first start."""
+GENERATE_LOG = "vLLM generate: %d rows, %d tokens in %.3f s (engine %.3f s, %.0f tokens/s in the engine)%s"
+"""The INFO line each generate logs (into logs/rollout.log); bench/generation_gap.py reads it."""
 INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """Set to 0 (engine core in this process) unless the environment sets it: see "Reproducible sampling"."""
 
@@ -362,7 +364,7 @@ class VllmRollout:
         tokens = sum(len(ids) for ids in out.response_ids)
         # bench/generation_gap.py reads these lines from logs/rollout.log: the engine's share of the loop's generate
         log.info(
-            "vLLM generate: %d rows, %d tokens in %.3f s (engine %.3f s, %.0f tokens/s in the engine)%s",
+            GENERATE_LOG,
             len(out.response_ids),
             tokens,
             time.perf_counter() - start,

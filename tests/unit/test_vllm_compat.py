@@ -125,3 +125,18 @@ def test_sampled_logprobs_reads_vllms_flat_lists_and_per_token_dicts():
         flat.append({tok: Logprob(logprob=lp, rank=1, decoded_token=None)})
     per_token = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, [-0.5, -1.25, -3.0], strict=True)]
     assert sampled_logprobs(flat, ids) == sampled_logprobs(per_token, ids) == [-0.5, -1.25, -3.0]
+
+
+def test_the_generate_log_line_is_what_the_generation_gap_bench_reads():
+    """bench/generation_gap.py splits the loop's generate time from the engine's by this line of logs/rollout.log;
+    the greedy (evaluation) calls' lines are left out."""
+    from bench.generation_gap import ENGINE_LINE
+    from rlbridge.rollout.vllm import GENERATE_LOG
+
+    text = "\n".join(
+        [
+            "INFO rlbridge.rollout.vllm: " + GENERATE_LOG % (512, 131072, 3.612, 3.508, 37364.0, ""),
+            "INFO rlbridge.rollout.vllm: " + GENERATE_LOG % (100, 5000, 1.0, 0.9, 5555.0, ", greedy"),
+        ]
+    )
+    assert [m.groups() for m in ENGINE_LINE.finditer(text)] == [("512", "131072", "3.612", "3.508")]
