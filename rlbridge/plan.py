@@ -22,6 +22,9 @@ ALLOCATOR_RESERVE = 1.15
 (bench/results/growth-gpu-2026-12-02.md; fitted there, so those runs show consistency, not independence)."""
 CONTEXT_GIB = 0.5
 """A CUDA context and its libraries, per process on the device (the trainer's, vLLM's)."""
+RESIDENT_SHARE = 0.9
+"""rollout.sleep auto: vLLM stays resident through the update where the plan's peak with it resident is at most
+this share of the device (the plan's device peak was within 0.96-1.06 of nvidia-smi's in the growth runs)."""
 # LoRA (in, out) shapes per Megatron target, as functions of the model shape.
 _LORA_SHAPES = {
     "linear_qkv": lambda m: (m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim),
@@ -83,6 +86,9 @@ class Memory:
     total_params: int
     full_ft_trainer_total: float
     """What the trainer would need with full fine-tuning, for comparison under LoRA."""
+    rollout_sleeps: bool = False
+    """Colocated GPUs in sync mode: vLLM sleeps through the update (rollout.sleep: always, or auto where it does not
+    fit resident); False elsewhere. `peak` is for this choice."""
     critic: float = 0.0
     """PPO's critic, included in trainer_total: a second copy of the backbone (weights; under LoRA the frozen
     base again, engines/hf_critic.py), its gradients and AdamW state. No extra activations: its forward and
@@ -230,16 +236,28 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up;
     # rollout.mode async keeps it resident while the trainer updates, so they do.
     rollout_total = rollout_w + kv
+    sleeps = False
     if r.cluster.device == "cpu":
         peak = trainer_total + rollout_total
     else:  # the device: the trainer's allocator reserve, and each process's CUDA context
         held = trainer_total * ALLOCATOR_RESERVE
+        # vLLM resident through the update (async, or rollout.sleep letting it stay); a CUDA IPC export also
+        # holds the merged weights on the trainer's side while vLLM is awake
+        ipc = rollout_w if r.rollout.weight_transport == "cuda_ipc" else 0.0
+        resident = held + rollout_total + ipc + 2 * CONTEXT_GIB
         if not r.cluster.colocate:
             peak = held + CONTEXT_GIB
         elif r.rollout.mode == "async":
-            peak = held + rollout_total + 2 * CONTEXT_GIB
-        else:  # the update (vLLM asleep) or the generation (the trainer keeps its weights and optimizer state)
-            peak = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB
+            peak = resident
+        else:
+            vllm = r.rollout.engine == "vllm"
+            sleeps = vllm and (
+                r.rollout.sleep == "always"
+                or (r.rollout.sleep == "auto" and resident > RESIDENT_SHARE * capacity)
+            )
+            # asleep: the update, or the generation (the trainer keeps its weights and optimizer state)
+            asleep = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB
+            peak = resident if vllm and not sleeps else asleep
     return Memory(
         round(weights, 3),
         round(grads, 3),
@@ -254,6 +272,7 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         int(trainable),
         int(total),
         round(full_total, 3),
+        sleeps,
         round(critic, 3),
     )
 
@@ -365,6 +384,17 @@ def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> s
     return None
 
 
+def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
+    """Whether vLLM sleeps through each update: only colocated on GPUs in sync mode, then as rollout.sleep says
+    (auto: as the plan's memory decided; without the model's shape, as always)."""
+    c = r.cluster
+    if not (c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"):
+        return False
+    if plan.memory is None:
+        return r.rollout.sleep != "never"
+    return plan.memory.rollout_sleeps
+
+
 def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     p, c = r.trainer.parallel, r.cluster
     world = r.world_size
@@ -389,6 +419,16 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
         )
     mem = memory(r, m, dp, b) if m is not None else None
+    vllm_colocated = (
+        c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"
+    )
+    if vllm_colocated and r.rollout.sleep == "auto" and mem is not None:
+        notes.append(
+            "rollout.sleep auto: vLLM stays resident through the update (no sleep or wake)"
+            if not mem.rollout_sleeps
+            else f"rollout.sleep auto: vLLM sleeps through the update (resident, the peak would pass "
+            f"{RESIDENT_SHARE:.0%} of the {mem.capacity:.0f} GiB)"
+        )
     if mem is not None and c.device == "cuda" and mem.peak > mem.capacity:
         notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")
     if mem is not None and m is not None:

@@ -28,7 +28,7 @@ from rlbridge.data.reward_pool import RewardPool
 from rlbridge.engines.registry import engine_kind
 from rlbridge.metrics.log import MetricsLog, console
 from rlbridge.model.tokenizer import load_tokenizer
-from rlbridge.plan import Plan
+from rlbridge.plan import Plan, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
@@ -263,9 +263,8 @@ class Session:
         self.rollout = rollout
         self._announced.append(rollout)
         starting.append((rollout, rollout.submit("rlbridge_started")))
-        colocated_gpu = r.cluster.colocate and r.cluster.device == "cuda" and r.rollout.engine == "vllm"
-        colocated_gpu = colocated_gpu and r.rollout.mode == "sync"  # async: vLLM stays resident (plan.memory)
-        memory = RolloutMemory(rollout.call, enabled=colocated_gpu)
+        # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
+        memory = RolloutMemory(rollout.call, enabled=rollout_sleeps(r, plan))
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
             trainer, joins = start_trainer_group(

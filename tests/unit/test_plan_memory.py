@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rlbridge.model.info import ModelInfo, read_model_info
-from rlbridge.plan import make_plan
+from rlbridge.plan import ALLOCATOR_RESERVE, CONTEXT_GIB, make_plan, rollout_sleeps
 from rlbridge.recipe import load_recipe
 from rlbridge.recipe.schema import Recipe
 
@@ -155,3 +155,58 @@ def test_many_small_passes_on_a_gpu_get_a_token_budget_that_fits() -> None:
     assert notes("trainer.max_tokens_per_micro_batch=32768") == []  # already set
     assert notes("trainer.micro_batch_size=64") == []  # 8 passes: not host-bound enough to matter
     assert notes("cluster.device=cpu") == []  # compute-bound passes on a CPU
+
+
+# ------------------------------------------------------------------ rollout.sleep: vLLM asleep or resident
+def gpu_plan(sets: list[str], path: str = "recipes/quickstart-gpu.yaml") -> tuple[Recipe, Any]:
+    r = load_recipe(path, sets)
+    return r, make_plan(r, read_model_info(r.model.path))
+
+
+def test_vllm_sleeps_through_the_update_by_default() -> None:
+    r, plan = gpu_plan([])
+    assert r.rollout.sleep == "always" and rollout_sleeps(r, plan) and plan.memory.rollout_sleeps
+    assert not any("rollout.sleep" in n for n in plan.notes)
+
+
+def test_auto_keeps_a_job_that_fits_resident_and_plans_both_side_by_side() -> None:
+    """The GPU quickstart: a trainer of a few GiB beside vLLM's 0.3 of 139 GiB fits easily."""
+    r, plan = gpu_plan(["rollout.sleep=auto"])
+    _, asleep = gpu_plan([])
+    m = plan.memory
+    assert not rollout_sleeps(r, plan) and not m.rollout_sleeps
+    resident = m.trainer_total * ALLOCATOR_RESERVE + m.rollout_total + 2 * CONTEXT_GIB
+    assert m.peak == pytest.approx(resident, abs=0.01)
+    assert m.peak > asleep.memory.peak  # both at once cost more than either phase alone
+    assert any("stays resident" in n for n in plan.notes)
+
+
+def test_auto_sleeps_where_resident_would_pass_90_percent_of_the_device() -> None:
+    """512 rollouts at a 32768-token budget: trainer ~52 GiB (x 1.15 reserve) + vLLM's 0.3 of the card. On the
+    139 GiB H200 that fits resident (~102 of 125 GiB); on an 80 GiB H100 it does not (~86 > 72)."""
+    h200, plan = gpu_plan([*growth_sets(512, 256), "rollout.sleep=auto"])
+    assert not rollout_sleeps(h200, plan)
+    h100, plan = gpu_plan([*growth_sets(512, 256), "rollout.sleep=auto", "cluster.gpu_memory_gib=80"])
+    assert rollout_sleeps(h100, plan)
+    assert any("sleeps through the update" in n for n in plan.notes)
+    assert plan.memory.peak < 0.9 * 80  # the peak of the phases apart
+
+
+def test_never_keeps_vllm_resident_and_the_plan_warns_when_that_does_not_fit() -> None:
+    r, plan = gpu_plan([*growth_sets(512, 256), "rollout.sleep=never", "cluster.gpu_memory_gib=80"])
+    assert not rollout_sleeps(r, plan) and plan.memory.peak > 80
+    assert any("exceeds the 80 GiB per device" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize(
+    ("path", "sets"),
+    [
+        ("recipes/quickstart-gpu.yaml", ["rollout.mode=async"]),  # async: vLLM generates during the update
+        ("recipes/quickstart-gpu.yaml", ["rollout.engine=hf", "rollout.weight_sync=merged"]),
+        ("recipes/quickstart.yaml", []),  # CPU: sleep is a no-op in vLLM's CPU build
+    ],
+    ids=["async", "hf rollout", "cpu"],
+)
+def test_only_a_colocated_vllm_in_sync_mode_on_gpus_sleeps(path: str, sets: list[str]) -> None:
+    r, plan = gpu_plan([*sets, "rollout.sleep=always"], path)
+    assert not rollout_sleeps(r, plan)
