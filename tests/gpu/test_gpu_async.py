@@ -8,7 +8,9 @@ rollout_version [0, 0, 1, 2, 3, 4]; its trainer-vs-rollout gap (logprob_diff_mea
 holds one update's drift) is finite and below 0.2. Figures: the steady-state seconds per step of both (steps
 2..6) and their ratio; the phases. Not gated on speed (that is bench/async_runs.py's job, with seeds).
 
-GPU time (estimate): two CLI runs, ~75-120 s each (vLLM start-up dominates). CPU dry run: quickstart at tiny sizes.
+rollout.sleep auto in sync mode (vLLM resident through the update, no sleep or wake): a third run.
+
+GPU time (estimate): three CLI runs, ~75-120 s each (vLLM start-up dominates). CPU dry run: quickstart at tiny sizes.
 """
 
 from __future__ import annotations
@@ -67,3 +69,26 @@ def test_async_overlaps_and_trains_on_one_gpu(tmp_path: Path) -> None:
     assert [r["rollout_version"] for r in asyn] == [0, *range(STEPS - 1)]
     gaps = [r.get("logprob_diff_mean") for r in asyn]
     assert all(isinstance(g, float) and math.isfinite(g) and g < 0.2 for g in gaps), gaps
+
+
+def test_sync_mode_with_vllm_resident(tmp_path: Path) -> None:
+    """rollout.sleep auto on the quickstart: the plan keeps vLLM resident through the update (a trainer of a few
+    GiB beside vLLM's share), so no step records a sleep or a wake; the run trains with the sync run's gap gate.
+    Figure: the steady seconds per step and phases, to set beside test_async's sync run (same recipe and GPU)."""
+    _, wall_s, left, records = train(tmp_path, "sync-resident", "rollout.sleep=auto")
+    log = (tmp_path / "sync-resident.log").read_text(errors="replace")
+    figure(
+        "sync_vllm_resident",
+        s_per_step=steady(records),
+        wall_s=wall_s,
+        time_update=[round(float(r["time_update"]), 3) for r in records],
+        time_sync=[round(float(r["time_sync"]), 3) for r in records],
+        gaps=[r.get("logprob_diff_mean") for r in records],
+    )
+    assert not left, left
+    assert len(records) == STEPS
+    if P.device == "cuda":
+        assert "rollout.sleep auto: vLLM stays resident" in log, log[-3000:]
+    assert not any("sleep_s" in r or "wake_s" in r for r in records)
+    gaps = [r.get("logprob_diff_mean") for r in records]
+    assert all(isinstance(g, float) and math.isfinite(g) and g < P.cli_gap_bound for g in gaps), gaps
