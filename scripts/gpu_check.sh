@@ -10,7 +10,8 @@
 #                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
 #   bash scripts/gpu_check.sh 3      # the megatron quickstart (bf16): kill -9 after a checkpoint, resume, export-hf
 #                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (391 s, 2026-12-02)
-#   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (199 s, 2026-12-02)
+#   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (199 s, 2026-12-02),
+#                                    # then sync with rollout.sleep auto (vLLM resident; ~75-120 s more, not yet run)
 #   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
 #                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~6 min: 75 s + 69 s + ~180 s bf16, 2026-12-02)
 #   bash scripts/gpu_check.sh faults # issue 20: out of GPU memory (vLLM at start, at wake; the trainer) with a memory
