@@ -968,3 +968,40 @@ def _critic_grads(critic: Any, batch: SeqBatch, fn: Any, num_micro_batches: int)
         critic.optimizer.step_with_ready_grads = apply
     critic.load_trainable_state(state)
     return grads
+
+
+def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any]:
+    """forward.vocab_parallel_logprobs on this rank's shard of one [2, 5, padded] float32 logits tensor (the same
+    on every rank, seeded), with megatron's tensor parallelism over all ranks: log-probs and entropies of the
+    targets, and the gradient of logp.sum() + 0.3 * entropy.sum() with respect to the shard. Columns past
+    vocab_size are megatron's vocabulary padding."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlbridge.engines.megatron import compat, forward
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with compat.device_scope():
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randn(2, 5, padded, generator=g) * 4
+        targets = torch.randint(0, vocab_size, (2, 5), generator=g)
+        width = padded // world
+        shard = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+        logp, entropy = forward.vocab_parallel_logprobs(
+            shard, targets, vocab_size=vocab_size, with_entropy=True
+        )
+        assert entropy is not None
+        (logp.sum() + 0.3 * entropy.sum()).backward()
+        assert shard.grad is not None
+        return {
+            "logits": logits,
+            "targets": targets,
+            "logp": logp.detach(),
+            "entropy": entropy.detach(),
+            "grad": shard.grad.detach(),
+            "columns": (rank * width, (rank + 1) * width),
+        }
+    finally:
+        ps.destroy_model_parallel()
