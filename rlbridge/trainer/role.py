@@ -228,9 +228,11 @@ class TrainerRole:
             )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         out.update(device_memory_peaks())
-        if r.cluster.colocate and r.rollout.mode == "sync" and torch.cuda.is_initialized():
+        resident = r.rollout.engine == "vllm" and r.rollout.sleep == "never"  # no wake to make room for
+        if r.cluster.colocate and r.rollout.mode == "sync" and not resident and torch.cuda.is_initialized():
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
-            # and a wake that needs them fails out of memory; each update then allocates them again, ~ms)
+            # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
+            # rollout.sleep auto still releases them, whichever way the plan decided (harmless where vLLM stays)
             torch.cuda.empty_cache()
         return out
 
