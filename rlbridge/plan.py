@@ -384,11 +384,16 @@ def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> s
     return None
 
 
-def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
-    """Whether vLLM sleeps through each update: only colocated on GPUs in sync mode, then as rollout.sleep says
-    (auto: as the plan's memory decided; without the model's shape, as always)."""
+def _sleep_applies(r: Recipe) -> bool:
+    """rollout.sleep matters only for vLLM colocated with the trainer on GPUs in sync mode."""
     c = r.cluster
-    if not (c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"):
+    return c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"
+
+
+def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
+    """Whether vLLM sleeps through each update: only where rollout.sleep applies, then as it says (auto: as the
+    plan's memory decided; without the model's shape, as always)."""
+    if not _sleep_applies(r):
         return False
     if plan.memory is None:
         return r.rollout.sleep != "never"
@@ -419,10 +424,7 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
         )
     mem = memory(r, m, dp, b) if m is not None else None
-    vllm_colocated = (
-        c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"
-    )
-    if vllm_colocated and r.rollout.sleep == "auto" and mem is not None:
+    if _sleep_applies(r) and r.rollout.sleep == "auto" and mem is not None:
         notes.append(
             "rollout.sleep auto: vLLM stays resident through the update (no sleep or wake)"
             if not mem.rollout_sleeps

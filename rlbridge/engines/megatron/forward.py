@@ -218,7 +218,7 @@ def response_head(model: list[torch.nn.Module], on: bool = True) -> int:
     response tokens, as the hf engine's `logits_to_keep`: megatron's GPTModel otherwise multiplies every position
     by the [vocab, hidden] weight in float32 and keeps a transposed copy, which for a 152k vocabulary and a 32k-token
     pass is 2 x 18.6 GiB (bench/results/update_padding-gpu-2026-12-02c.md), and the prompt's share of it is
-    never used. A forward pre-hook cuts the layer's input ([S, m, h]) to the window `set_head_window` gives for
+    never used. A forward pre-hook cuts the layer's input ([S, m, h]) to the window `head_window` gives for
     the micro-batch; the gradient is unchanged (prompt-position logits never enter the loss). Left as it is under
     sequence parallelism or context parallelism (the layer's input is then a shard of the sequence). `on=False`
     turns it back off (the tests' reference). Returns the layers changed."""
@@ -249,10 +249,8 @@ def _cut_to_window(
     start, stop = window
     if args:
         return (args[0][start:stop], *args[1:]), kwargs
-    return args, {
-        **kwargs,
-        "input_": kwargs["input_"][start:stop],
-    }  # ColumnParallelLinear.forward(input_, ...)
+    # ColumnParallelLinear.forward(input_, ...) called with the input by keyword
+    return args, {**kwargs, "input_": kwargs["input_"][start:stop]}
 
 
 @contextlib.contextmanager
