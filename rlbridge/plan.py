@@ -400,6 +400,13 @@ def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
     return plan.memory.rollout_sleeps
 
 
+def resolved_sleep(r: Recipe, sleeps: bool) -> Recipe:
+    """The recipe with rollout.sleep auto replaced by what the plan decided (`rollout_sleeps`): 'always' where
+    vLLM sleeps through the update, else 'never' (what a worker without the plan acts on)."""
+    rollout = r.rollout.model_copy(update={"sleep": "always" if sleeps else "never"})
+    return r.model_copy(update={"rollout": rollout})
+
+
 def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     p, c = r.trainer.parallel, r.cluster
     world = r.world_size

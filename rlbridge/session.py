@@ -28,7 +28,7 @@ from rlbridge.data.reward_pool import RewardPool
 from rlbridge.engines.registry import engine_kind
 from rlbridge.metrics.log import MetricsLog, console
 from rlbridge.model.tokenizer import load_tokenizer
-from rlbridge.plan import Plan, rollout_sleeps
+from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
@@ -202,6 +202,10 @@ class Session:
 
     def _start_ray_workers(self) -> Workers:
         r, plan = self.recipe, self.plan
+        sleeps = rollout_sleeps(r, plan)
+        # the trainer releases torch's cached blocks after each update only for a vLLM that wakes into them:
+        # it gets rollout.sleep as the plan decided auto (it has no plan of its own)
+        trainer_recipe = r if r.rollout.sleep != "auto" else resolved_sleep(r, sleeps)
         rc.connect(r.cluster, plan, log_plain)
         self.driver_log.apply()  # Ray's loggers, as ray.init left them
         bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
@@ -238,7 +242,7 @@ class Session:
                 num_gpus=gpu * share,
                 log_file=rundir.log_file(self.run_dir, "trainer"),
                 echo=self.echo,
-                args=(r, str(self.model_dir)),
+                args=(trainer_recipe, str(self.model_dir)),
                 kwargs={"num_threads": threads},
                 node=self._node(place, 0),
             )
@@ -264,11 +268,11 @@ class Session:
         self._announced.append(rollout)
         starting.append((rollout, rollout.submit("rlbridge_started")))
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
-        memory = RolloutMemory(rollout.call, enabled=rollout_sleeps(r, plan))
+        memory = RolloutMemory(rollout.call, enabled=sleeps)
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
             trainer, joins = start_trainer_group(
-                r,
+                trainer_recipe,
                 self._pg,
                 self.model_dir,
                 num_cpus=share,

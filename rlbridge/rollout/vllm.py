@@ -406,7 +406,7 @@ class VllmRollout:
             raise ValueError(f"WeightExport.kind must be 'merged' or 'adapter', got {weights.kind!r}")
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - start
-        log.info("vLLM rollout: %s weights v%d loaded in %.2f s", weights.kind, version, self.last_sync_s)
+        log.info("vLLM rollout: %s weights v%d loaded in %.3f s", weights.kind, version, self.last_sync_s)
 
     def _load_merged(self, weights: WeightExport) -> None:
         import torch

@@ -232,7 +232,7 @@ class TrainerRole:
         if r.cluster.colocate and r.rollout.mode == "sync" and not resident and torch.cuda.is_initialized():
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
-            # rollout.sleep auto still releases them, whichever way the plan decided (harmless where vLLM stays)
+            # The session hands the trainer rollout.sleep as the plan decided auto (plan.resolved_sleep)
             torch.cuda.empty_cache()
         return out
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rlbridge.model.info import ModelInfo, read_model_info
-from rlbridge.plan import ALLOCATOR_RESERVE, CONTEXT_GIB, make_plan, rollout_sleeps
+from rlbridge.plan import ALLOCATOR_RESERVE, CONTEXT_GIB, make_plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe import load_recipe
 from rlbridge.recipe.schema import Recipe
 
@@ -192,6 +192,13 @@ def test_auto_sleeps_where_resident_would_pass_90_percent_of_the_device() -> Non
     assert rollout_sleeps(h100, plan)
     assert any("sleeps through the update" in n for n in plan.notes)
     assert plan.memory.peak < 0.9 * 80  # the peak of the phases apart
+    # the trainer (which has no plan) gets the decision as rollout.sleep always / never
+    assert resolved_sleep(h100, True).rollout.sleep == "always"
+    resident = resolved_sleep(h200, False)
+    assert resident.rollout.sleep == "never" and h200.rollout.sleep == "auto"  # a copy; the rest unchanged
+    assert resident.model_dump(exclude={"rollout": {"sleep"}}) == h200.model_dump(
+        exclude={"rollout": {"sleep"}}
+    )
 
 
 def test_never_keeps_vllm_resident_and_the_plan_warns_when_that_does_not_fit() -> None:

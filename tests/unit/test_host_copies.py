@@ -1,0 +1,55 @@
+"""engines.weights.host_copies: the export's host copies joined into few transfers, and the files they make."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlbridge.engines.base import WeightExport
+from rlbridge.engines.weights import ADAPTER_FILE, host_copies, save_hf
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.lora_A.weight": torch.randn(4, 6, generator=g),
+        "a.lora_B.weight": torch.randn(6, 4, generator=g),
+        "big": torch.randn(64, 64, generator=g),  # 16 KiB: alone with chunk_bytes below
+        "half": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(5, 4, generator=g).t(),  # not contiguous
+        "ids": torch.arange(7),
+    }
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 26, 200, 1])
+def test_host_copies_equal_and_never_alias_the_live_tensors(chunk_bytes: int) -> None:
+    live = _tensors()
+    out = host_copies(live, chunk_bytes=chunk_bytes)
+    assert list(out) == list(live)  # same names in the same order
+    for name, t in live.items():
+        c = out[name]
+        assert c.device.type == "cpu" and c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+        assert torch.equal(c, t), name
+    before = {n: t.clone() for n, t in live.items()}
+    for t in live.values():  # the live tensors move on (as the next train step moves them)
+        t.add_(1) if t.is_floating_point() else t.mul_(3)
+    for name, c in out.items():
+        assert torch.equal(c, before[name]), f"{name} changed with the live tensor"
+
+
+def test_joined_copies_share_one_buffer_and_save_as_separate_tensors(tmp_path: Path) -> None:
+    live = {
+        f"m{i}.lora_{ab}.weight": torch.full((2, 3), float(i) + (ab == "B")) for i in range(5) for ab in "AB"
+    }
+    out = host_copies(live)
+    ptrs = {t.untyped_storage().data_ptr() for t in out.values()}
+    assert len(ptrs) == 1  # one float32 buffer: one transfer from a device
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["m"]}
+    path = save_hf(tmp_path / "adapter", WeightExport("adapter", out, config)) / ADAPTER_FILE
+    loaded = load_file(str(path))
+    assert list(loaded) == sorted(live) and all(torch.equal(loaded[n], live[n]) for n in live)
