@@ -124,15 +124,21 @@ def main() -> None:
         budget = recipe.model_copy(update={"trainer": trainer})
         layouts.append((f"padding-free, token budget {args.max_tokens}", True, budget))
     times: dict[str, list[float]] = {name: [] for name, _, _ in layouts}
+    cuda = args.device.startswith("cuda")
+    peaks: dict[str, float] = {name: 0.0 for name, _, _ in layouts}  # GiB allocated at most, per layout
     for step in range(args.warmup + args.steps):
         for name, padding_free, layout_recipe in layouts:  # alternating: all see the same machine load
             engine.padding_free, engine.recipe = padding_free, layout_recipe
             if args.engine == "megatron":  # it reads its budget at construction: set it per layout
                 engine.max_tokens = layout_recipe.trainer.max_tokens_per_micro_batch
             sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             metrics = engine.train_step(batch, loss_fn, num_micro_batches=args.micro)
             sync()
+            if cuda:
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**30)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
             assert metrics["skipped"] == 0.0, metrics
@@ -154,6 +160,7 @@ def main() -> None:
                 "slots": computed,
                 "padding_share": 1.0 - real / computed,
                 "head_positions": head,
+                "peak_gib": peaks[name],  # torch.cuda.max_memory_allocated over its steps (0 on the CPU)
             }
         )
     result = {

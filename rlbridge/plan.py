@@ -307,10 +307,11 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     product: `18h + 8I + 4kv` for the hf engine, `18h + 10.6I + 4kv` for megatron (its fused SwiGLU keeps more
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
     copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
-    ~12 bytes per scored position and vocabulary entry (float32 logits, their log-softmax and its gradient) on
-    the response positions (hf: logits_to_keep) or on every position (megatron: fitted to its peaks of 2026-11-30;
-    since 2026-12-02 its output layer runs on the response positions too (forward.response_head), so this is an
-    upper bound for megatron until a GPU run re-measures it).
+    per scored position and vocabulary entry ~12 bytes in the hf engine (float32 logits, their log-softmax and its
+    gradient) and ~20 in megatron (float32 logits and their transposed copy besides; fitted to six H200 peaks of
+    2026-12-02, bench/results/plan_memory-2026-12-02c.md: 0.99-1.02 of each). Both score the response positions
+    only (hf: logits_to_keep; megatron: forward.response_head), megatron every position under sequence or context
+    parallelism, where its output layer sees a shard of the sequence (that case is not measured).
 
     A pass holds micro_batch_size full-length sequences, or with trainer.max_tokens_per_micro_batch (either
     engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
@@ -335,8 +336,9 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     in_flight = min(
         p.pipeline, b.micro_batches_per_mini_batch
     )  # 1F1B keeps up to pp micro-batches on stage 0
-    scored = tokens * min((r.rollout.max_response_tokens + 1) / b.max_sequence_tokens, 1.0) if hf else tokens
-    logits = 12 * scored * m.vocab / p.tensor
+    response_only = hf or (p.context == 1 and not (p.sequence_parallel and p.tensor > 1))
+    share = min((r.rollout.max_response_tokens + 1) / b.max_sequence_tokens, 1.0) if response_only else 1.0
+    logits = (12 if hf else 20) * tokens * share * m.vocab / p.tensor
     return act * in_flight + logits
 
 
