@@ -168,6 +168,8 @@ class HFTrainEngine:
         self.hf_model = base
         """The transformers model (with peft's layers injected under LoRA): HF parameter names."""
         self._peft: PeftModel | None = self._apply_lora(base) if self.lora else None
+        self._adapter_index: list[tuple[str, nn.Parameter]] | None = None
+        """The adapter export's (name, live parameter) pairs, built by its first call (_adapter_tensors)."""
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
         self._apply_recompute()
@@ -368,10 +370,28 @@ class HFTrainEngine:
                 raise RlbridgeError(
                     "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
                 )
-            tensors = get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
             # host copies in one transfer per dtype, not one synchronizing copy per tensor (420 for SmolLM2)
-            return WeightExport("adapter", host_copies(tensors), self._adapter_config())
+            return WeightExport("adapter", host_copies(self._adapter_tensors()), self._adapter_config())
         raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
+
+    def _adapter_tensors(self) -> dict[str, Tensor]:
+        """peft's adapter state dict (get_peft_model_state_dict: names without the adapter's, detached tensors of
+        the live parameters). peft walks the whole model's state_dict for it (~35 ms for SmolLM2 on a CPU, every
+        weight sync), so the first call also records which parameter each name reads, and later calls read
+        those (the Parameter objects stay; their data may be swapped, .detach() reads it). If a name is not a
+        parameter's own tensor, peft is asked every time."""
+        assert self._peft is not None
+        if self._adapter_index is None:
+            tensors = get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
+            owner = {(p.data_ptr(), p.shape): p for p in self.model.parameters()}
+            pairs = [(name, owner.get((t.data_ptr(), t.shape))) for name, t in tensors.items()]
+            self._adapter_index = (
+                [(n, p) for n, p in pairs if p is not None] if all(p is not None for _, p in pairs) else []
+            )
+            return tensors
+        if not self._adapter_index:
+            return get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
+        return {name: p.detach() for name, p in self._adapter_index}
 
     def _merged_state(self) -> dict[str, Tensor]:
         return self.merged_state()

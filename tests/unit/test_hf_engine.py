@@ -329,6 +329,30 @@ def test_adapter_export_is_what_peft_saves_and_loads(model_dirs: dict[str, Path]
     assert rel_err(full_logits(loaded, batch), full_logits(engine.model, batch)) < 1e-5
 
 
+def test_repeated_adapter_exports_follow_the_live_parameters(model_dirs: dict[str, Path]) -> None:
+    """The second and later adapter exports read the parameters the first one found (no state_dict walk): after
+    a train step, a perturbation and a checkpoint load they still equal peft's own state dict, name by name, in
+    its order, and stay copies."""
+    from peft import get_peft_model_state_dict
+
+    engine = lora(model_dirs["qwen2-bias"])
+    first = engine.export_weights("adapter").tensors
+    batch = ragged_batch()
+    engine.train_step(batch, token_sum_loss(batch), num_micro_batches=1)
+    perturb_lora_b(engine, seed=2)
+    saved = engine.trainable_state()
+    engine.load_trainable_state({k: v + 0.01 for k, v in saved.items()})
+    for _ in range(2):
+        ours = engine.export_weights("adapter").tensors
+        peft = get_peft_model_state_dict(engine.model, adapter_name="default")
+        assert list(ours) == list(peft) == list(first)
+        assert all(torch.equal(ours[k], peft[k]) for k in peft)
+        assert any(not torch.equal(ours[k], first[k]) for k in peft)  # it moved since the first export
+    with torch.no_grad():
+        next(p for n, p in engine.model.named_parameters() if "lora_B" in n).add_(1.0)
+    assert any(not torch.equal(ours[k], v) for k, v in get_peft_model_state_dict(engine.model).items())
+
+
 def test_full_finetune_export(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = model_dirs["qwen2-bias"]
     engine = HFTrainEngine(make_recipe(path), path)
