@@ -27,6 +27,9 @@
 #                                       # the last two (2048 x 256, 512 x 1024) took 430 s at --steps 2 in a second one
 #   bash scripts/gpu_bench.sh growth2   # those last two points
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
+#
+# The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
+# where the plan fits both); the figures of earlier runs were taken with vLLM sleeping every step.
 set -uo pipefail
 
 main() {

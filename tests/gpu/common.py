@@ -69,8 +69,11 @@ CLI_EAGER = EAGER in ("all", "cli")
 CUDA = Profile(
     device="cuda", logprob_bound=6e-2, num_prompts=8, n=4, max_tokens=64, gpu_memory_utilization=0.25,
     cli_gap_bound=0.1, cli_timeout_s=240,
-    cli_overrides=("rollout.gpu_memory_utilization=0.15", *(["rollout.enforce_eager=true"] if CLI_EAGER else [])),
+    cli_overrides=("rollout.gpu_memory_utilization=0.15", "rollout.sleep=always",
+                   *(["rollout.enforce_eager=true"] if CLI_EAGER else [])),
 )  # fmt: skip
+"""The CLI runs sleep vLLM every step (the GPU quickstart's `rollout.sleep: auto` would keep it resident): they
+check the sleep/wake sequence and its figures; test_sync_mode_with_vllm_resident sets auto after these."""
 CPU = Profile(
     device="cpu", logprob_bound=0.15, num_prompts=2, n=2, max_tokens=12, gpu_memory_utilization=0.25,
     cli_gap_bound=0.2, cli_timeout_s=900,

@@ -16,7 +16,7 @@ import pytest
 from rlbridge.model.info import ModelInfo, read_model_info
 from rlbridge.plan import ALLOCATOR_RESERVE, CONTEXT_GIB, make_plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe import load_recipe
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import Recipe, RolloutCfg
 
 SMOLLM2 = ModelInfo(
     architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
@@ -82,9 +82,10 @@ def test_device_peaks_of_the_growth_runs(rollouts: int, length: int, device_gib:
 
 
 def growth_sets(rollouts: int, length: int) -> list[str]:
+    """The growth runs of 2026-12-02: vLLM slept through every update then (the recipe says auto since)."""
     return [
         f"data.batch_size={rollouts // 8}", "rollout.n=8", f"rollout.max_response_tokens={length}",
-        "rollout.ignore_eos=true", "trainer.max_tokens_per_micro_batch=32768",
+        "rollout.ignore_eos=true", "trainer.max_tokens_per_micro_batch=32768", "rollout.sleep=always",
     ]  # fmt: skip
 
 
@@ -186,15 +187,18 @@ def gpu_plan(sets: list[str], path: str = "recipes/quickstart-gpu.yaml") -> tupl
 
 
 def test_vllm_sleeps_through_the_update_by_default() -> None:
-    r, plan = gpu_plan([])
-    assert r.rollout.sleep == "always" and rollout_sleeps(r, plan) and plan.memory.rollout_sleeps
+    """The schema's default is always; the GPU quickstart sets auto (below)."""
+    r, plan = gpu_plan(["rollout.sleep=always"])
+    assert RolloutCfg.model_fields["sleep"].default == "always"
+    assert rollout_sleeps(r, plan) and plan.memory.rollout_sleeps
     assert not any("rollout.sleep" in n for n in plan.notes)
 
 
 def test_auto_keeps_a_job_that_fits_resident_and_plans_both_side_by_side() -> None:
-    """The GPU quickstart: a trainer of a few GiB beside vLLM's 0.3 of 139 GiB fits easily."""
-    r, plan = gpu_plan(["rollout.sleep=auto"])
-    _, asleep = gpu_plan([])
+    """The GPU quickstart (rollout.sleep auto): a trainer of a few GiB beside vLLM's 0.3 of 139 GiB fits easily."""
+    r, plan = gpu_plan([])
+    assert r.rollout.sleep == "auto"
+    _, asleep = gpu_plan(["rollout.sleep=always"])
     m = plan.memory
     assert not rollout_sleeps(r, plan) and not m.rollout_sleeps
     resident = m.trainer_total * ALLOCATOR_RESERVE + m.rollout_total + 2 * CONTEXT_GIB
