@@ -6,9 +6,9 @@ What it takes care of, so the loop does not have to:
   recompute-input fix in force (under reentrant checkpointing adapters inside recomputed layers would
   otherwise get no gradient).
 - Log-probs only where they are needed: the output layer runs on the R + 1 last positions only
-  (`logits_to_keep`), log-softmax is never materialized (`gather - logsumexp`), and entropy comes from the
-  same sliced logits without keeping a second [b, R, vocab] tensor for the backward pass. With a 49k
-  vocabulary that output layer dominates both time and memory.
+  (`logits_to_keep`); log-probs and entropies come from one chunked pass over those logits with a
+  hand-written backward (rlbridge/engines/token_stats.py): no [b, R, vocab] log-softmax, probabilities or
+  zero-filled gather gradient. With a 49k vocabulary that output layer dominates both time and memory.
 - No compute on padding: micro-batches (and log-prob chunks) take rows of similar length and each forward
   runs at its own rows' widths, not the whole batch's (rlbridge/engines/micro.py); per-token results are
   padded back to the batch's R before the loss closure sees them, so the closure is unchanged.
@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
@@ -54,6 +53,7 @@ from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
+from rlbridge.engines.token_stats import logprobs_and_entropy
 from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
@@ -256,7 +256,7 @@ class HFTrainEngine:
             for rows in chunk_rows(batch, chunk, by_length=self.padding_free):
                 sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
                 with replay_routing(model, sub.routed_experts):
-                    logp = token_logprobs(response_logits(model, sub), sub.response_ids)
+                    logp, _ = logprobs_and_entropy(response_logits(model, sub), sub.response_ids)
                 out[rows.to(out.device)] = pad_columns(
                     _masked(logp, sub.response_mask), batch.response_width
                 ).to(out.device)
@@ -321,14 +321,10 @@ class HFTrainEngine:
         self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int
     ) -> tuple[Tensor, dict[str, float]]:
         """`sub`: the rows' forward batch (forward_batch); `width`: the full batch's R, which the closure indexes."""
-        logits = response_logits(self.model, sub)
-        logp = _masked(token_logprobs(logits, sub.response_ids), sub.response_mask)
-        if self.recipe.algorithm.entropy_coef > 0:
-            # recomputed in the backward pass: the probabilities are not kept alive next to the logits
-            entropy = checkpoint(token_entropy, logits, use_reentrant=False)
-        else:
-            with torch.no_grad():
-                entropy = token_entropy(logits)
+        logp, entropy = logprobs_and_entropy(response_logits(self.model, sub), sub.response_ids)
+        logp = _masked(logp, sub.response_mask)
+        if self.recipe.algorithm.entropy_coef == 0:  # a metric only: no gradient pass for it
+            entropy = entropy.detach()
         # the closure indexes [b, R] tensors: trimmed columns come back as 0
         return loss_fn(
             pad_columns(logp, width), pad_columns(_masked(entropy, sub.response_mask), width), rows

@@ -252,12 +252,14 @@ def test_entropy_and_its_gradient(model_dirs: dict[str, Path]) -> None:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         return -(entropy * batch.response_mask[rows]).sum(), {}
 
-    got = engine.gradients(batch, entropy_loss, num_micro_batches=1)  # entropy recomputed in the backward
+    got = engine.gradients(
+        batch, entropy_loss, num_micro_batches=1
+    )  # engines/token_stats' hand-written backward
     engine.model.train()
     for entropy_fn, atol in (
-        (token_entropy, 1e-6),
+        (token_entropy, 1e-5),
         (entropy_from_logits, 1e-5),
-    ):  # no recompute; other formula
+    ):  # autograd through two other float32 formulas (measured: 5e-6 of the largest gradient)
         entropy = entropy_fn(response_logits(engine.model, batch))
         (-(entropy * batch.response_mask).sum()).backward()
         for name, param in engine.model.named_parameters():
