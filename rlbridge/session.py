@@ -183,6 +183,9 @@ class Session:
             if w is not None:
                 w.kill()
         rc.shutdown(self._pg)
+        from rlbridge.rollout.weights_dir import sweep_ram_dirs
+
+        sweep_ram_dirs()  # the killed workers' last weight directories in /dev/shm (540 MB for SmolLM2 merged)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._stack.close()  # workers and Ray, metrics, reward workers, the driver's log: in reverse order of start

@@ -36,6 +36,13 @@ from rlbridge.plan import Plan
 from rlbridge.recipe.schema import ClusterCfg
 
 Log = Callable[[str], None]
+CPU_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""glibc malloc in CPU workers: every allocation from one heap that is never handed back. By default each tensor
+over 32 MiB (logits, their gradients, merged weights) is a fresh mmap whose pages fault in one by one as they
+are first written, and freed memory is returned; on a virtual machine each such fault is expensive (the
+quickstart's update spent 2-3 s of its 14 s per step in the kernel, 250-350k faults). With these: no fault
+after the first step, 14.4 -> 12.0 s per update (bench/results/cpu_malloc-2026-12-03.md). A variable already
+set in the driver's environment wins."""
 HEARTBEAT_S = 30.0
 """While workers start: a line per worker still starting, this often."""
 NODE_SETTLE_S = 20.0
@@ -52,8 +59,10 @@ def connect(cfg: ClusterCfg, plan: Plan, log: Log) -> None:
     env_vars = {
         k: v
         for k, v in os.environ.items()
-        if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_"))
+        if k.startswith(("VLLM_", "OMP_", "RLBRIDGE_", "HF_", "TRANSFORMERS_", "MALLOC_"))
     }
+    if cfg.device == "cpu":
+        env_vars.update({k: v for k, v in CPU_MALLOC.items() if k not in env_vars})
     env_vars.setdefault(
         "VLLM_LOGGING_LEVEL", "INFO"
     )  # into the rollout's log file: its load/compile/graph times

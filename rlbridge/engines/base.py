@@ -34,7 +34,11 @@ class WeightExport:
     path: str | None = None
     """Set when the export was already written as an HF (merged) or PEFT (adapter) directory on this node;
     `tensors` is then empty and the receiver takes ownership of the directory (same-node hand-off: no copy
-    through Ray's object store)."""
+    through Ray's object store), unless `sender_keeps`."""
+    sender_keeps: bool = False
+    """With `path`: the sender keeps the directory and overwrites its files in place with the next version
+    (rollout/weights_dir.overwrite_merged), so the receiver must not remove it and must be done reading it
+    when load_weights returns."""
     ipc: dict[str, Any] | None = None
     """Set for rollout.weight_transport cuda_ipc: CUDA IPC handles of merged tensors on the trainer's GPU, as plain
     data (rlbridge/rollout/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its

@@ -429,12 +429,14 @@ class VllmRollout:
                 dtype=getattr(torch, self._dtype),
             )
         )
+        mine = not weights.sender_keeps  # else the trainer overwrites this directory with the next version
         try:
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
         except BaseException:
-            remove_dir(new_dir)
+            if mine:
+                remove_dir(new_dir)
             raise
-        self._after_merged_reload(new_dir)
+        self._after_merged_reload(new_dir if mine else None)
 
     def _after_merged_reload(self, new_dir: Path | None) -> None:
         # KV blocks cached for shared prompt prefixes were computed with the old weights.

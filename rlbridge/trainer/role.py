@@ -8,8 +8,11 @@ builds the loss closure from the recipe, and checks that the first updates reall
 from __future__ import annotations
 
 import gc
+import logging
 import math
+import shutil
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,8 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.run import faults
+
+log = logging.getLogger(__name__)
 
 
 class HealthError(RlbridgeError):
@@ -68,6 +73,9 @@ class TrainerRole:
         self._signal_updates = 0
         self._export_bytes = 0
         self._shared: list[torch.Tensor] = []
+        self._merged_dir: Path | None = None
+        """Same-node merged exports: the RAM-backed directory this trainer overwrites each sync (removed with it;
+        a killed trainer's is swept by the next run's ram_tempdir)."""
         """The tensors of a CUDA IPC export, alive until `release_export` (the rollout reads them in place)."""
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
@@ -108,6 +116,7 @@ class TrainerRole:
         directory in the rollout's dtype and handed over by path, instead of shipped through Ray. cuda_ipc
         (merged, rollout.weight_transport cuda_ipc): the tensors stay on this GPU in the rollout's dtype and the
         export carries CUDA IPC handles of them; they are kept until `release_export`."""
+        start = time.perf_counter()
         weights = self.engine.export_weights(kind)  # collective with a multi-rank engine: every rank calls it
         self._export_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
         if not self.is_holder:
@@ -116,18 +125,26 @@ class TrainerRole:
             return self._share_merged(weights)
         if not as_files:
             return weights
-        from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter, write_merged
+        exported = time.perf_counter()
+        from rlbridge.rollout.weights_dir import overwrite_merged, ram_tempdir, write_adapter, write_merged
 
-        if kind == "merged":
-            out = write_merged(
-                weights,
-                ram_tempdir("rlbridge-merged-"),
-                base_dir=self.model_dir,
-                dtype=getattr(torch, self.recipe.model.dtype),
-            )
+        if kind == "merged":  # one directory for the run, its file overwritten in place (weights_dir.py)
+            dtype = getattr(torch, self.recipe.model.dtype)
+            if self._merged_dir is None:
+                self._merged_dir = ram_tempdir("rlbridge-merged-")
+                weakref.finalize(self, shutil.rmtree, self._merged_dir, ignore_errors=True)
+            out, how = self._merged_dir, "in place"
+            if not overwrite_merged(weights, out, dtype=dtype):
+                write_merged(weights, out, base_dir=self.model_dir, dtype=dtype)
+                how = "new file"
         else:
-            out = write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
-        return WeightExport(kind, {}, weights.adapter_config, path=str(out))
+            out, how = write_adapter(weights, ram_tempdir("rlbridge-adapter-")), "new directory"
+        end = time.perf_counter()
+        log.info(
+            "%s weights exported in %.3f s (engine %.3f s, write %.3f s, %s, %.1f MB)",
+            kind, end - start, exported - start, end - exported, how, self._export_bytes / 1e6,
+        )  # fmt: skip
+        return WeightExport(kind, {}, weights.adapter_config, path=str(out), sender_keeps=kind == "merged")
 
     def _share_merged(self, weights: WeightExport) -> WeightExport:
         from rlbridge.rollout import ipc
