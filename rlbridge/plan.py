@@ -307,8 +307,9 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     product: `18h + 8I + 4kv` for the hf engine, `18h + 10.6I + 4kv` for megatron (its fused SwiGLU keeps more
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
     copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
-    per scored position and vocabulary entry ~12 bytes in the hf engine (float32 logits, their log-softmax and its
-    gradient) and ~20 in megatron (float32 logits and their transposed copy besides; fitted to six H200 peaks of
+    per scored position and vocabulary entry ~8 bytes in the hf engine (float32 logits and their gradient:
+    engines/token_stats.py keeps no vocabulary-sized temporary; 0.93-1.08 of four H200 peaks of 2026-12-03,
+    bench/results/update_padding-gpu-2026-12-03.md; 12 before that function) and ~20 in megatron (float32 logits and their transposed copy besides; fitted to six H200 peaks of
     2026-12-02, bench/results/plan_memory-2026-12-02c.md: 0.99-1.02 of each). Both score the response positions
     only (hf: logits_to_keep; megatron: forward.response_head), megatron every position under sequence or context
     parallelism, where its output layer sees a shard of the sequence (that case is not measured).
@@ -338,7 +339,7 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     )  # 1F1B keeps up to pp micro-batches on stage 0
     response_only = hf or (p.context == 1 and not (p.sequence_parallel and p.tensor > 1))
     share = min((r.rollout.max_response_tokens + 1) / b.max_sequence_tokens, 1.0) if response_only else 1.0
-    logits = (12 if hf else 20) * tokens * share * m.vocab / p.tensor
+    logits = (8 if hf else 20) * tokens * share * m.vocab / p.tensor
     return act * in_flight + logits
 
 

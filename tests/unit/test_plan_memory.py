@@ -243,3 +243,23 @@ def test_never_keeps_vllm_resident_and_the_plan_warns_when_that_does_not_fit() -
 def test_only_a_colocated_vllm_in_sync_mode_on_gpus_sleeps(path: str, sets: list[str]) -> None:
     r, plan = gpu_plan([*sets, "rollout.sleep=always"], path)
     assert not rollout_sleeps(r, plan)
+
+
+@pytest.mark.parametrize(
+    ("engine", "lora", "measured_gib"),
+    [("hf", True, 85.4), ("hf", False, 75.0), ("megatron", True, 99.7), ("megatron", False, 107.0)],
+)
+def test_update_peaks_at_a_32768_token_budget(engine: str, lora: bool, measured_gib: float) -> None:
+    """bench/results/update_padding-gpu-2026-12-03.md (H200): bench/update_padding.py's 512 rows of a random
+    Qwen2.5-0.5B shape (prompts 60-200, responses 20-256 tokens) in passes of at most 32768 tokens, the hf engine
+    with engines/token_stats.py. The plan is an upper bound on every prompt at 200 tokens: 0.93-1.08 of these."""
+    r = Recipe.model_validate({
+        "name": "t", "model": {"path": "x", "dtype": "bfloat16"},
+        "lora": {"rank": 16, "alpha": 32, "targets": ["all-linear"]} if lora else {"rank": 0},
+        "trainer": {"engine": engine, "max_tokens_per_micro_batch": 32768},
+        "rollout": {"n": 2, "max_prompt_tokens": 200, "max_response_tokens": 256},
+        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 256}, "cluster": {"device": "cuda"},
+    })  # fmt: skip
+    memory = make_plan(r, QWEN05).memory
+    assert memory is not None
+    assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
