@@ -40,7 +40,7 @@ def _chunk_rows(logits: Tensor) -> int:
 
 class _TokenStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # torch declares *args
         if logits.dtype != torch.float32:
             raise TypeError(f"token statistics need float32 logits, got {logits.dtype}")
         n = logits.shape[0]
@@ -60,7 +60,7 @@ class _TokenStats(torch.autograd.Function):
         return picked - lse, lse - expected
 
     @staticmethod
-    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]  # torch declares *grad_outputs
         logits, ids, lse, expected = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return None, None
@@ -70,8 +70,9 @@ class _TokenStats(torch.autograd.Function):
             stop = start + step
             z, out = logits[start:stop], grad[start:stop]
             torch.sub(z, lse[start:stop].unsqueeze(1), out=out).exp_()  # p
-            if g_ent is None:  # -g * p
-                out.mul_(-g_logp[start:stop].unsqueeze(1))  # type: ignore[index]
+            if g_ent is None:  # -g * p (g_logp is set: one of the two is)
+                assert g_logp is not None
+                out.mul_(-g_logp[start:stop].unsqueeze(1))
             else:  # p * (g_ent * (E[z] - z) - g_logp)
                 scale = torch.sub(expected[start:stop].unsqueeze(1), z).mul_(g_ent[start:stop].unsqueeze(1))
                 if g_logp is not None:
