@@ -90,8 +90,12 @@ def write_merged(weights: WeightExport, out_dir: Path, *, base_dir: str | Path, 
     """A 'merged' export (full HF state dict) as an HF directory, floating tensors cast to `dtype`."""
     if weights.kind != "merged":
         raise ValueError(f"write_merged needs a 'merged' WeightExport, got kind={weights.kind!r}")
-    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.tensors.items()}
-    return save_hf(out_dir, WeightExport("merged", cast), base_dir=base_dir)
+    return save_hf(out_dir, WeightExport("merged", _in_dtype(weights.tensors, dtype)), base_dir=base_dir)
+
+
+def _in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to `dtype` (the rollout engine's), the others as they are."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
 
 
 _SAFETENSORS_DTYPES = {
@@ -115,14 +119,12 @@ def overwrite_merged(weights: WeightExport, out_dir: Path, *, dtype: torch.dtype
     except (OSError, ValueError):
         return False
     header.pop("__metadata__", None)
-    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.tensors.items()}
+    cast = _in_dtype(weights.tensors, dtype)
     if set(header) != set(cast):
         return False
     for name, t in cast.items():
-        entry = header[name]
-        if entry.get("dtype") != _SAFETENSORS_DTYPES.get(t.dtype) or list(entry.get("shape", [])) != list(
-            t.shape
-        ):
+        layout = (_SAFETENSORS_DTYPES.get(t.dtype), list(t.shape))
+        if (header[name].get("dtype"), list(header[name].get("shape", []))) != layout:
             return False
     with path.open("r+b") as out, mmap.mmap(out.fileno(), 0) as mm:
         data = torch.frombuffer(mm, dtype=torch.uint8)

@@ -73,10 +73,10 @@ class TrainerRole:
         self._signal_updates = 0
         self._export_bytes = 0
         self._shared: list[torch.Tensor] = []
+        """The tensors of a CUDA IPC export, alive until `release_export` (the rollout reads them in place)."""
         self._merged_dir: Path | None = None
         """Same-node merged exports: the RAM-backed directory this trainer overwrites each sync (removed with it;
-        a killed trainer's is swept by the next run's ram_tempdir)."""
-        """The tensors of a CUDA IPC export, alive until `release_export` (the rollout reads them in place)."""
+        a killed trainer's by the session's sweep when the run ends, or by the next run's ram_tempdir)."""
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
         self._gate_done = not recipe.run.health.first_step

@@ -22,9 +22,8 @@ def _export(scale: float, **extra: torch.Tensor) -> WeightExport:
         "model.embed_tokens.weight": torch.randn(11, 4, generator=gen) * scale,
         "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=gen) * scale,
         "model.norm.weight": torch.ones(4) * scale,
-        "model.layers.0.mlp.bias_mask": torch.tensor(
-            [True, False, True]
-        ),  # a non-float tensor keeps its dtype
+        # a non-float tensor keeps its dtype
+        "model.layers.0.mlp.bias_mask": torch.tensor([True, False, True]),
         **extra,
     }
     return WeightExport("merged", tensors)
