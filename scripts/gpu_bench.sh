@@ -26,6 +26,8 @@
 #                                       # each point is a run with its own vLLM start (~140 s): 3 points fit one call,
 #                                       # the last two (2048 x 256, 512 x 1024) took 430 s at --steps 2 in a second one
 #   bash scripts/gpu_bench.sh growth2   # those last two points
+#   bash scripts/gpu_bench.sh shared    # issue 16 goals 1/4: bench/shared_prompts.py, each distinct prompt once per pass
+#                                       # against the plain passes: quickstart shape (8 x 4) and 64 x 8 at budget 32768
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -71,6 +73,16 @@ for part in "$@"; do
         timeout "$(left)" "$PY" bench/update_padding.py --model qwen2.5-0.5b --device cuda --batch 512 --micro 32 \
           --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
         tail -6 "$OUT/$part/rank$r.txt"
+      done ;;
+    shared)
+      timeout "$(left)" "$PY" bench/shared_prompts.py --device cuda --prompts 8 --n 4 --micro 4 --max-tokens 32768 --steps 5 --no-save \
+        > "$OUT/$part/quickstart.txt" 2>&1
+      tail -5 "$OUT/$part/quickstart.txt"
+      for model in smollm2-135m qwen2.5-0.5b; do
+        timeout "$(left)" "$PY" bench/shared_prompts.py --device cuda --model $model --prompts 64 --n 8 --micro 32 \
+          --max-tokens 32768 --prompt-min 60 --prompt-max 200 --response-min 20 --response-max 256 --logprob-chunk 64 \
+          --steps 3 --no-save > "$OUT/$part/$model-512.txt" 2>&1
+        tail -5 "$OUT/$part/$model-512.txt"
       done ;;
     updatemeg)
       for r in 16 0; do

@@ -53,11 +53,13 @@ from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
+from rlbridge.engines.shared_prompts import cheaper, grouped_rows, plain_cache, shared_response_logits
 from rlbridge.engines.token_stats import logprobs_and_entropy
 from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
     AutoModelForCausalLM,
+    DynamicCache,
     LoraConfig,
     LoraLayer,
     LoraLinear,
@@ -173,6 +175,11 @@ class HFTrainEngine:
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
         self._apply_recompute()
+        self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
+            DynamicCache(config=base.config)
+        )
+        """Shared prompts (trainer.shared_prompts) need the model's KV cache in the training forward: no recompute
+        (transformers drops the cache of checkpointed layers), plain dynamic layers (no sliding window)."""
         self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
         """Float32 masters of low-precision trainable parameters (rlbridge/engines/master.py)."""
         self._trainable = self.master.named
@@ -251,12 +258,14 @@ class HFTrainEngine:
         rows per forward pass; returned on the batch's device."""
         chunk = self.recipe.trainer.logprob_chunk_size
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
+        plain = chunk_rows(batch, chunk, by_length=self.padding_free)
+        groups, shared = self._layout(batch, plain, -(-batch.size // chunk), None)
         with self._scoring_model(reference) as model:
             model.eval()
-            for rows in chunk_rows(batch, chunk, by_length=self.padding_free):
+            for rows in groups:
                 sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
                 with replay_routing(model, sub.routed_experts):
-                    logp, _ = logprobs_and_entropy(response_logits(model, sub), sub.response_ids)
+                    logp, _ = self._token_stats(model, sub, shared)
                 out[rows.to(out.device)] = pad_columns(
                     _masked(logp, sub.response_mask), batch.response_width
                 ).to(out.device)
@@ -297,9 +306,10 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        groups = micro_batch_rows(
+        plain = micro_batch_rows(
             batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
         )
+        groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -308,7 +318,7 @@ class HFTrainEngine:
             sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
             # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
             with replay_routing(self.model, sub.routed_experts):
-                loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width)
+                loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
                 if not bool(torch.isfinite(loss.detach())):
                     return {k: v / max(done, 1) for k, v in sums.items()}, True
                 (loss / num_micro_batches).backward()
@@ -318,10 +328,10 @@ class HFTrainEngine:
         return {k: v / done for k, v in sums.items()}, False
 
     def _micro_step(
-        self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int
+        self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int, shared: bool
     ) -> tuple[Tensor, dict[str, float]]:
         """`sub`: the rows' forward batch (forward_batch); `width`: the full batch's R, which the closure indexes."""
-        logp, entropy = logprobs_and_entropy(response_logits(self.model, sub), sub.response_ids)
+        logp, entropy = self._token_stats(self.model, sub, shared)
         logp = _masked(logp, sub.response_mask)
         if self.recipe.algorithm.entropy_coef == 0:  # a metric only: no gradient pass for it
             entropy = entropy.detach()
@@ -329,6 +339,33 @@ class HFTrainEngine:
         return loss_fn(
             pad_columns(logp, width), pad_columns(_masked(entropy, sub.response_mask), width), rows
         )
+
+    def _layout(
+        self, batch: SeqBatch, plain: list[Tensor], num_groups: int, max_tokens: int | None
+    ) -> tuple[list[Tensor], bool]:
+        """The passes over `batch`: `plain` (rows grouped by length) or, where trainer.shared_prompts allows it,
+        passes that keep each prompt's rows together and run each distinct prompt once (shared_prompts.py):
+        always, or under auto when that computes at most shared_prompts.SAVING of the plain positions."""
+        mode = self.recipe.trainer.shared_prompts
+        if mode == "off" or not self._can_share or not self.padding_free or batch.routed_experts is not None:
+            return plain, False
+        shared = grouped_rows(batch, num_groups, max_tokens=max_tokens)
+        if mode == "always" or cheaper(batch, plain, shared):
+            return shared, True
+        return plain, False
+
+    def _token_stats(self, model: nn.Module, sub: SeqBatch, shared: bool) -> tuple[Tensor, Tensor]:
+        """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its
+        distinct prompts run once (shared)."""
+        if not shared:
+            return logprobs_and_entropy(response_logits(model, sub), sub.response_ids)
+        head, rest = shared_response_logits(model, sub)
+        ids = sub.response_ids
+        logp0, entropy0 = logprobs_and_entropy(head, ids[:, :1])
+        if rest.shape[1] == 0:
+            return logp0, entropy0
+        logp, entropy = logprobs_and_entropy(rest, ids[:, 1:])
+        return torch.cat([logp0, logp], dim=1), torch.cat([entropy0, entropy], dim=1)
 
     def _apply_update(self, bad_loss: bool) -> dict[str, Any]:
         """Check, clip, step; or skip and name what was not finite."""

@@ -19,6 +19,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.utils import logging as hf_logging
@@ -28,6 +29,8 @@ __all__ = [
     "AutoModel",
     "AutoModelForCausalLM",
     "AutoTokenizer",
+    "DynamicCache",
+    "DynamicLayer",
     "GenerationConfig",
     "LlamaForCausalLM",
     "LoraConfig",
