@@ -53,7 +53,13 @@ from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
-from rlbridge.engines.shared_prompts import cheaper, grouped_rows, plain_cache, shared_response_logits
+from rlbridge.engines.shared_prompts import (
+    AUTO_DEVICES,
+    cheaper,
+    grouped_rows,
+    plain_cache,
+    shared_response_logits,
+)
 from rlbridge.engines.token_stats import logprobs_and_entropy
 from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
@@ -345,9 +351,12 @@ class HFTrainEngine:
     ) -> tuple[list[Tensor], bool]:
         """The passes over `batch`: `plain` (rows grouped by length) or, where trainer.shared_prompts allows it,
         passes that keep each prompt's rows together and run each distinct prompt once (shared_prompts.py):
-        always, or under auto when that computes at most shared_prompts.SAVING of the plain positions."""
+        always, or under auto on a CPU when that computes at most shared_prompts.SAVING of the plain positions
+        (on a GPU auto keeps the plain passes: shared_prompts.AUTO_DEVICES)."""
         mode = self.recipe.trainer.shared_prompts
         if mode == "off" or not self._can_share or not self.padding_free or batch.routed_experts is not None:
+            return plain, False
+        if mode == "auto" and self.device.type not in AUTO_DEVICES:
             return plain, False
         shared = grouped_rows(batch, num_groups, max_tokens=max_tokens)
         if mode == "always" or cheaper(batch, plain, shared):

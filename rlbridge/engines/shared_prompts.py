@@ -12,9 +12,15 @@ gradients are equal up to float summation order (tests/unit/test_shared_prompts.
 
 The positions computed per pass drop from rows x (P + R) to prompts x P + rows x R. What is not shared: the
 attention of each response token over its prompt's keys (as before), and a second set of kernel launches.
-`trainer.shared_prompts: auto` uses this layout when it computes fewer positions than the plain one
+`trainer.shared_prompts: auto` uses this layout on a CPU when it computes fewer positions than the plain one
 (`cheaper`); it needs a plain DynamicCache (no sliding-window layers), no activation recompute (transformers
 drops the cache of a checkpointed layer) and no routing replay.
+
+Measured (bench/results/shared_prompts-*-2026-12-03.md): on a 2-core CPU at the quickstart's shape (8 prompts x
+4, float32) the update is 1.28-1.34x faster with 1.61x fewer positions. On an H200 (bf16) it is slower: 0.47x at the
+quickstart's shape (one host-bound pass becomes two), 0.68x (SmolLM2) and 0.90x (Qwen2.5-0.5B shape) at 64 x 8
+rollouts with 1.34x fewer positions, and its peak memory is higher (the gathered and concatenated keys and values
+of every layer are kept for the backward). So auto leaves GPUs on the plain passes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from rlbridge.batch import SeqBatch
 from rlbridge.engines.micro import length_order
 from rlbridge.model.hf import DynamicCache, DynamicLayer
 
+AUTO_DEVICES = ("cpu",)
+"""Device types on which trainer.shared_prompts auto may share (module docstring: slower on an H200)."""
 SAVING = 0.8
 """auto shares prompts when the shared layout computes at most this fraction of the plain layout's positions:
 the second set of kernel launches and the cache gather cost something, and on a GPU a small pass is bound by

@@ -96,6 +96,8 @@ def test_auto_shares_grouped_rows_only(model_dir: Path) -> None:
     assert engine._layout(batch, plain, NUM_MICRO, None)[1]
     distinct = SeqBatch.from_token_lists([[i + 1] * 5 for i in range(6)], [[1] * 4] * 6, pad_id=0)
     assert not engine._layout(distinct, list(torch.arange(6).tensor_split(2)), 2, None)[1]
+    engine.device = torch.device("cuda")  # _layout only reads the type: auto keeps a GPU on the plain passes
+    assert not engine._layout(batch, plain, NUM_MICRO, None)[1]
     off = HFTrainEngine(recipe(model_dir, "off", {"name": "grpo"}), model_dir)
     assert not off._layout(batch, plain, NUM_MICRO, None)[1]
     recompute = recipe(model_dir, "always", {"name": "grpo"}, recompute={"granularity": "full"})
