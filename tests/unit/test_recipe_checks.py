@@ -170,6 +170,33 @@ CASES = [
         {"trainer__parallel": {"tensor": 2, "context": 2}},
     ),
     (
+        "shared prompts always on megatron",
+        {"trainer__shared_prompts": "always"},
+        "trainer.shared_prompts",
+        "the megatron engine has no shared-prompt passes",
+        {"trainer__shared_prompts": "auto"},
+    ),
+    (
+        "shared prompts always with recompute",
+        {
+            "trainer__shared_prompts": "always",
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "trainer__recompute": {"granularity": "full"},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+        "trainer.shared_prompts",
+        "recompute (full) drops",
+        {
+            "trainer__shared_prompts": "always",
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+    ),
+    (
         "mini batch does not split over dp",
         {"data__batch_size": 1, "rollout__n": 2},
         "data.mini_batch_size",

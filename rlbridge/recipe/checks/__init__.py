@@ -20,6 +20,7 @@ from rlbridge.recipe.checks.layout import (
     check_batches,
     check_layout,
     check_rollout_layout,
+    check_shared_prompts,
     check_token_budget,
 )
 from rlbridge.recipe.checks.model import check_model_shape
@@ -42,6 +43,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_rollout_layout,
     check_batches,
     check_token_budget,
+    check_shared_prompts,
     check_lora,
     check_weight_transport,
     check_algorithm,

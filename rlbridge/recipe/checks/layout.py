@@ -212,3 +212,29 @@ def check_token_budget(r: Recipe, out: Issues) -> None:
                 "trainer.parallel.context to 1",
             )
         )
+
+
+def check_shared_prompts(r: Recipe, out: Issues) -> None:
+    """trainer.shared_prompts always asks for the hf engine's shared passes, which need the model's KV cache in the
+    training forward (no recompute); auto and off never fail."""
+    if r.trainer.shared_prompts != "always":
+        return
+    if r.trainer.engine != "hf":
+        out.append(
+            RecipeIssue(
+                "trainer.shared_prompts",
+                f"always: the {r.trainer.engine} engine has no shared-prompt passes (the hf engine has)",
+                value="always",
+                fix="set trainer.shared_prompts to auto or off, or trainer.engine to hf",
+            )
+        )
+    elif r.trainer.recompute.granularity != "none":
+        out.append(
+            RecipeIssue(
+                "trainer.shared_prompts",
+                f"always: shared prompts need the KV cache of every layer, which recompute "
+                f"({r.trainer.recompute.granularity}) drops",
+                value="always",
+                fix="set trainer.shared_prompts to auto or off, or trainer.recompute.granularity to none",
+            )
+        )
