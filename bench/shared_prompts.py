@@ -1,5 +1,5 @@
 """The hf engine's update and log-prob pass with each distinct prompt run once per pass (trainer.shared_prompts
-always) against the plain passes (off), on a GRPO-shaped batch: `--prompts` prompts x `--n` responses, in the
+always) against the plain passes (never), on a GRPO-shaped batch: `--prompts` prompts x `--n` responses, in the
 same process, alternating step by step so that both see the same machine load.
 
 Prompt lengths uniform in [--prompt-min, --prompt-max], response lengths uniform in [--response-min,
@@ -99,7 +99,7 @@ def main() -> None:
         micro_scale=float(args.micro),
     )
     layouts = {}
-    for mode in ("off", "always"):
+    for mode in ("never", "always"):
         trainer = base.trainer.model_copy(
             update={
                 "shared_prompts": mode,
@@ -137,20 +137,20 @@ def main() -> None:
     _, prompt_of = shared_prompts.prompt_index(batch)
     prompt_len, response_len = shared_prompts.widths(batch)
     positions = {
-        "off": shared_prompts.plain_positions(plain_groups, prompt_len, response_len),
+        "never": shared_prompts.plain_positions(plain_groups, prompt_len, response_len),
         "always": sum(
             shared_prompts.shared_positions(g.tolist(), prompt_of, prompt_len, response_len)
             for g in shared_groups
         ),
     }
-    passes = {"off": len(plain_groups), "always": len(shared_groups)}
+    passes = {"never": len(plain_groups), "always": len(shared_groups)}
     rows = []
     for mode in layouts:
         update_s = statistics.median(times[mode]["update"])
         logprobs_s = statistics.median(times[mode]["logprobs"])
         rows.append(
             {
-                "layout": "plain passes (off)" if mode == "off" else "shared prompts (always)",
+                "layout": "plain passes (never)" if mode == "never" else "shared prompts (always)",
                 "update_s": update_s,
                 "update_tokens_per_s": real / update_s,
                 "logprobs_s": logprobs_s,
@@ -166,7 +166,7 @@ def main() -> None:
         "times_s": times,
         "update_speedup": speedup,
         "logprobs_speedup": rows[0]["logprobs_s"] / rows[1]["logprobs_s"],
-        "position_ratio": positions["off"] / positions["always"],
+        "position_ratio": positions["never"] / positions["always"],
     }
     device = "cuda" if cuda else "cpu"
     report(f"shared_prompts-{device}", result, rows, save=not args.no_save)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import types
 import warnings
 from collections.abc import Iterator
@@ -58,6 +59,7 @@ from rlbridge.engines.shared_prompts import (
     cheaper,
     grouped_rows,
     plain_cache,
+    prompt_index,
     shared_response_logits,
 )
 from rlbridge.engines.token_stats import logprobs_and_entropy
@@ -79,6 +81,8 @@ from rlbridge.model.hf import (
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "default"
 """peft's adapter name inside the live model (it never appears in exported names)."""
@@ -181,6 +185,7 @@ class HFTrainEngine:
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
         self._apply_recompute()
+        self._shared_logged: bool | None = None
         self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
             DynamicCache(config=base.config)
         )
@@ -354,14 +359,27 @@ class HFTrainEngine:
         always, or under auto on a CPU when that computes at most shared_prompts.SAVING of the plain positions
         (on a GPU auto keeps the plain passes: shared_prompts.AUTO_DEVICES)."""
         mode = self.recipe.trainer.shared_prompts
-        if mode == "off" or not self._can_share or not self.padding_free or batch.routed_experts is not None:
+        if (
+            mode == "never"
+            or not self._can_share
+            or not self.padding_free
+            or batch.routed_experts is not None
+        ):
             return plain, False
         if mode == "auto" and self.device.type not in AUTO_DEVICES:
             return plain, False
         shared = grouped_rows(batch, num_groups, max_tokens=max_tokens)
-        if mode == "always" or cheaper(batch, plain, shared):
-            return shared, True
-        return plain, False
+        use = mode == "always" or cheaper(batch, plain, shared)
+        if use != self._shared_logged:  # once per run, and again when the choice changes
+            self._shared_logged = use
+            log.info(
+                "trainer.shared_prompts %s: %s (%d rows, %d distinct prompts)",
+                mode,
+                "each distinct prompt once per pass" if use else "plain passes (not enough shared positions)",
+                batch.size,
+                int(prompt_index(batch)[1].max()) + 1,
+            )
+        return (shared, True) if use else (plain, False)
 
     def _token_stats(self, model: nn.Module, sub: SeqBatch, shared: bool) -> tuple[Tensor, Tensor]:
         """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its

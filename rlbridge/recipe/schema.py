@@ -120,12 +120,12 @@ class TrainerCfg(Section):
     """Precision of the gradient all-reduce (megatron engine)."""
     logprob_chunk_size: PositiveInt = 4
     """Sequences per chunk when computing log-probs without gradients (bounds memory)."""
-    shared_prompts: Literal["auto", "always", "off"] = "auto"
+    shared_prompts: Literal["auto", "always", "never"] = "auto"
     """hf engine: run each distinct prompt once per pass, not once per sample, its keys and values shared by
     the responses of its rows (exact: docs/engines/hf.md). auto: on a CPU, where that computes at most 80 % of
     the positions of the plain passes (GRPO's n > 1 responses per prompt; 1.28-1.34x faster update at the
     quickstart's shape), plain passes on a GPU (measured slower there); always: whenever the rows share
-    prompts; off: never. Needs trainer.recompute.granularity none (else the plain passes run); the megatron
+    prompts; never: plain passes only (not `off`: YAML reads it as false). Needs trainer.recompute.granularity none (else the plain passes run); the megatron
     engine always runs the plain passes."""
 
 

@@ -144,15 +144,15 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
     def rel(a: dict[str, Any], b: dict[str, Any]) -> float:
         return max(float((a[k] - g).norm() / g.norm()) for k, g in b.items() if float(g.norm()) > 0)
 
-    runs = {(d, m): run(d, m) for d in ("float32", "bfloat16") for m in ("off", "always")}
-    ref = runs["float32", "off"][0]
+    runs = {(d, m): run(d, m) for d in ("float32", "bfloat16") for m in ("never", "always")}
+    ref = runs["float32", "never"][0]
     f32 = (runs["float32", "always"][0] - ref).abs()[real]
-    gap_plain = float((runs["bfloat16", "off"][0] - ref).abs()[real].mean())
+    gap_plain = float((runs["bfloat16", "never"][0] - ref).abs()[real].mean())
     gap_shared = float((runs["bfloat16", "always"][0] - ref).abs()[real].mean())
-    grads_f32 = rel(runs["float32", "always"][1], runs["float32", "off"][1])
-    grads_bf16 = rel(runs["bfloat16", "always"][1], runs["bfloat16", "off"][1])
-    grad_gap_plain = rel(runs["bfloat16", "off"][1], runs["float32", "off"][1])
-    grad_gap_shared = rel(runs["bfloat16", "always"][1], runs["float32", "off"][1])
+    grads_f32 = rel(runs["float32", "always"][1], runs["float32", "never"][1])
+    grads_bf16 = rel(runs["bfloat16", "always"][1], runs["bfloat16", "never"][1])
+    grad_gap_plain = rel(runs["bfloat16", "never"][1], runs["float32", "never"][1])
+    grad_gap_shared = rel(runs["bfloat16", "always"][1], runs["float32", "never"][1])
     seconds = {
         f"{d}_{m}_{what}": runs[d, m][i]
         for (d, m) in runs

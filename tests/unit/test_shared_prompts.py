@@ -1,5 +1,5 @@
 """Shared prompts (rlbridge/engines/shared_prompts.py): passes that run each distinct prompt once and its
-responses against the prompt's cached keys and values, against the plain passes (trainer.shared_prompts off),
+responses against the prompt's cached keys and values, against the plain passes (trainer.shared_prompts never),
 on a tiny Llama (CPU).
 
 The batch: 4 prompts of 1-14 tokens, 3 responses each of 1-17 tokens, rows interleaved (a prompt's rows are
@@ -98,8 +98,8 @@ def test_auto_shares_grouped_rows_only(model_dir: Path) -> None:
     assert not engine._layout(distinct, list(torch.arange(6).tensor_split(2)), 2, None)[1]
     engine.device = torch.device("cuda")  # _layout only reads the type: auto keeps a GPU on the plain passes
     assert not engine._layout(batch, plain, NUM_MICRO, None)[1]
-    off = HFTrainEngine(recipe(model_dir, "off", {"name": "grpo"}), model_dir)
-    assert not off._layout(batch, plain, NUM_MICRO, None)[1]
+    never = HFTrainEngine(recipe(model_dir, "never", {"name": "grpo"}), model_dir)
+    assert not never._layout(batch, plain, NUM_MICRO, None)[1]
     recompute = recipe(model_dir, "always", {"name": "grpo"}, recompute={"granularity": "full"})
     assert not HFTrainEngine(recompute, model_dir)._layout(batch, plain, NUM_MICRO, None)[1]
 
@@ -120,7 +120,7 @@ def test_shared_prompts_give_the_plain_log_probs_loss_and_gradients(
         recipe(model_dir, "always", algorithm, max_tokens_per_micro_batch=max_tokens), model_dir
     )
     plain = HFTrainEngine(
-        recipe(model_dir, "off", algorithm, max_tokens_per_micro_batch=max_tokens), model_dir
+        recipe(model_dir, "never", algorithm, max_tokens_per_micro_batch=max_tokens), model_dir
     )
     perturb_lora_b(shared.trainable_state(), shared.load_trainable_state)
     plain.load_trainable_state(shared.trainable_state())
@@ -151,6 +151,6 @@ def test_shared_prompts_give_the_plain_log_probs_loss_and_gradients(
 
 def test_a_response_of_one_token_needs_no_response_pass(model_dir: Path) -> None:
     engine = HFTrainEngine(recipe(model_dir, "always", {"name": "grpo"}), model_dir)
-    plain = HFTrainEngine(recipe(model_dir, "off", {"name": "grpo"}), model_dir)
+    plain = HFTrainEngine(recipe(model_dir, "never", {"name": "grpo"}), model_dir)
     batch = SeqBatch.from_token_lists([[3, 4, 5]] * 3 + [[9]] * 2, [[7], [8], [9], [1], [2]], pad_id=256)
     torch.testing.assert_close(engine.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)

@@ -225,7 +225,7 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
                 "trainer.shared_prompts",
                 f"always: the {r.trainer.engine} engine has no shared-prompt passes (the hf engine has)",
                 value="always",
-                fix="set trainer.shared_prompts to auto or off, or trainer.engine to hf",
+                fix="set trainer.shared_prompts to auto or never, or trainer.engine to hf",
             )
         )
     elif r.trainer.recompute.granularity != "none":
@@ -235,6 +235,6 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
                 f"always: shared prompts need the KV cache of every layer, which recompute "
                 f"({r.trainer.recompute.granularity}) drops",
                 value="always",
-                fix="set trainer.shared_prompts to auto or off, or trainer.recompute.granularity to none",
+                fix="set trainer.shared_prompts to auto or never, or trainer.recompute.granularity to none",
             )
         )
