@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
 from bench.trainer_gpu import SHAPES  # noqa: E402
-from bench.update_padding import bench_engine, bench_recipe, save_model  # noqa: E402
+from bench.update_padding import random_engine  # noqa: E402
 
 
 def grpo_batch(args: argparse.Namespace, vocab: int) -> Any:
@@ -81,14 +80,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        save_model(args.model, args.layers, model_dir)
-        base = bench_recipe(
-            model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response_max,
-            batch_size=args.prompts, device=args.device,
-        )  # fmt: skip
-        engine = bench_engine(base, model_dir, args.device)
+    base, engine = random_engine(args, dtype, args.prompts)
     batch = grpo_batch(args, int(SHAPES[args.model]["vocab_size"]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask

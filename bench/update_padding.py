@@ -98,14 +98,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        save_model(args.model, args.layers, model_dir)
-        recipe = bench_recipe(
-            model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response_max,
-            batch_size=max(1, args.batch // 2), engine=args.engine, device=args.device,
-        )  # fmt: skip
-        engine = bench_engine(recipe, model_dir, args.device)
+    recipe, engine = random_engine(args, dtype, max(1, args.batch // 2), engine=args.engine)
     batch = lengths_batch(args, int(SHAPES[args.model]["vocab_size"]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
@@ -205,6 +198,21 @@ def bench_recipe(
         trainer["engine"] = "megatron"
         raw["cluster"] = {"device": "cuda" if device.startswith("cuda") else "cpu"}
     return Recipe.model_validate(raw)
+
+
+def random_engine(
+    args: argparse.Namespace, dtype: str, batch_size: int, *, engine: str = "hf"
+) -> tuple[Any, Any]:
+    """(recipe, engine) of a one-engine bench on random weights of `args.model`'s shape (`args.layers`,
+    `args.lora_rank`, `args.response_max`, `args.device`); the model's files are gone once the engine is built."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        save_model(args.model, args.layers, model_dir)
+        recipe = bench_recipe(
+            model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response_max,
+            batch_size=batch_size, engine=engine, device=args.device,
+        )  # fmt: skip
+        return recipe, bench_engine(recipe, model_dir, args.device)
 
 
 def bench_engine(recipe: Any, model_dir: Path, device: str) -> Any:

@@ -106,6 +106,16 @@ def assert_grads_close(
     assert all(float(g.abs().max()) > 0 for g in got.values())
 
 
+def policy_inputs(batch: SeqBatch, old: torch.Tensor, ref: torch.Tensor) -> LossInputs:
+    """Loss inputs with random per-row advantages and old log-probs 0.05-noisy around `old` (seeded)."""
+    gen = torch.Generator().manual_seed(2)
+    adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
+    noisy = old + 0.05 * torch.randn(old.shape, generator=gen) * batch.response_mask
+    return LossInputs(
+        adv_bt=adv, mask_bt=batch.response_mask, old_logp_bt=noisy, ref_logp_bt=ref, rollout_logp_bt=old
+    )
+
+
 def test_a_trimmed_sub_batch_is_the_sub_batch_built_alone() -> None:
     prompts, responses = spread_lists()
     batch = spread_batch()
@@ -156,16 +166,8 @@ def test_policy_loss_and_gradients_match_the_padded_micro_batches(
     old, ref = engine.logprobs(batch), engine.logprobs(batch, reference=True)
     torch.testing.assert_close(old, old_padded, atol=1e-5, rtol=0)
     torch.testing.assert_close(ref, ref_padded, atol=1e-5, rtol=0)
-    gen = torch.Generator().manual_seed(2)
-    adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
-    inputs = LossInputs(
-        adv_bt=adv,
-        mask_bt=batch.response_mask,
-        old_logp_bt=old_padded + 0.05 * torch.randn(old.shape, generator=gen) * batch.response_mask,
-        ref_logp_bt=ref_padded,
-        rollout_logp_bt=old_padded,
-    )
-    fn = make_loss_fn(r.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
+    fn = make_loss_fn(r.algorithm, policy_inputs(batch, old_padded, ref_padded), norm_constant=32.0,
+                      micro_scale=float(NUM_MICRO))  # fmt: skip
     for tol in (1e-5, 1e-6):  # float32, then the model cast to float64
         if tol < 1e-5:
             engine.model.double()

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from rlbridge.algo.objective import LossInputs, make_loss_fn
+from rlbridge.algo.objective import make_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines import shared_prompts
 from rlbridge.engines.hf import HFTrainEngine
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.tiny_llama import build_tiny_llama
-from tests.unit.test_padding_free import assert_grads_close, perturb_lora_b, summed
+from tests.unit.test_padding_free import assert_grads_close, perturb_lora_b, policy_inputs, summed
 
 torch.set_num_threads(2)
 NUM_MICRO = 3
@@ -128,15 +128,7 @@ def test_shared_prompts_give_the_plain_log_probs_loss_and_gradients(
     old, ref = plain.logprobs(batch), plain.logprobs(batch, reference=True)
     torch.testing.assert_close(shared.logprobs(batch), old, atol=1e-5, rtol=0)
     torch.testing.assert_close(shared.logprobs(batch, reference=True), ref, atol=1e-5, rtol=0)
-    gen = torch.Generator().manual_seed(2)
-    adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
-    inputs = LossInputs(
-        adv_bt=adv,
-        mask_bt=batch.response_mask,
-        old_logp_bt=old + 0.05 * torch.randn(old.shape, generator=gen) * batch.response_mask,
-        ref_logp_bt=ref,
-        rollout_logp_bt=old,
-    )
+    inputs = policy_inputs(batch, old, ref)
     fn = make_loss_fn(shared.recipe.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
     for tol in (1e-5, 1e-6):  # float32, then the models cast to float64
         if tol < 1e-5:
