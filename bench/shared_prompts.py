@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
 from bench.trainer_gpu import SHAPES  # noqa: E402
-from bench.update_padding import random_engine  # noqa: E402
+from bench.update_padding import add_model_args, random_engine  # noqa: E402
 
 
 def grpo_batch(args: argparse.Namespace, vocab: int) -> Any:
@@ -50,10 +50,7 @@ def grpo_batch(args: argparse.Namespace, vocab: int) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    add_model_args(ap)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--micro", type=int, default=4, help="number of micro-batches")

@@ -39,6 +39,14 @@ from bench.common import one_rank_group, report  # noqa: E402
 from bench.trainer_gpu import SHAPES  # noqa: E402
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--model, --layers, --device, --dtype: the random-weight model of a one-engine bench (random_engine)."""
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+
+
 def save_model(name: str, layers: int | None, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -70,10 +78,7 @@ def lengths_batch(args: argparse.Namespace, vocab: int) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    add_model_args(ap)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4, help="number of micro-batches")
     ap.add_argument("--lora-rank", type=int, default=16)
