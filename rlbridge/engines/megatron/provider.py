@@ -116,6 +116,8 @@ NOT_IN_TABLE: dict[str, str] = {
     "trainer.ppo_epochs": "loop-level: how often each step's rollouts are passed over",
     "trainer.max_tokens_per_micro_batch": "forms the engine's training passes (forward.split_micro_batches); "
     "refused with pipeline or context parallelism",
+    "trainer.shared_prompts": "the hf engine's shared-prompt passes; the megatron engine runs plain passes "
+    "(always is refused with this engine by validate-recipe)",
     "lora.type": "selects the PEFT class (PEFT_CLASSES) instead of setting a field; tested separately",
     "trainer.optim.min_lr": "read at every step by lr_at, the schedule shared with the hf engine",
     "trainer.optim.schedule": "read at every step by lr_at, the schedule shared with the hf engine",
