@@ -24,15 +24,19 @@ from torch import Tensor
 from rlbridge.batch import SeqBatch
 
 
+def real_lengths(batch: SeqBatch) -> tuple[Tensor, Tensor]:
+    """[b] real prompt and response lengths of every row (attention_mask 1), on the CPU."""
+    real = batch.attention_mask.cpu() > 0
+    return real[:, : batch.prompt_width].sum(dim=1), real[:, batch.prompt_width :].sum(dim=1)
+
+
 def length_order(batch: SeqBatch) -> Tensor:
     """[b] row indices sorted by response length, then prompt length (stable: ties keep index order), on the
     CPU. Response first: a pass costs its rows times (longest prompt + longest response), and the output
     layer (which dominates with a large vocabulary) runs on the response columns only. On GSM8K-like spreads
     (prompts 60-200, responses 20-256, independent) this leaves 79-82% of the computed positions real at
     8-32 micro-batches, against 74-81% for a sort by total length and 57-58% for the index-order layout."""
-    real = batch.attention_mask.cpu() > 0
-    prompt_b = real[:, : batch.prompt_width].sum(dim=1)
-    response_b = real[:, batch.prompt_width :].sum(dim=1)
+    prompt_b, response_b = real_lengths(batch)
     by_prompt = torch.sort(prompt_b, stable=True).indices
     return by_prompt[torch.sort(response_b[by_prompt], stable=True).indices]
 
@@ -54,9 +58,7 @@ def micro_batch_rows(
 def budget_rows(batch: SeqBatch, max_tokens: int) -> list[Tensor]:
     """Rows in length order, cut greedily into groups whose trimmed size, rows x (longest prompt + longest
     response in the group), stays within `max_tokens`; a row longer than the budget forms a group alone."""
-    real = batch.attention_mask.cpu() > 0
-    prompt_b = real[:, : batch.prompt_width].sum(dim=1).tolist()
-    response_b = real[:, batch.prompt_width :].sum(dim=1).tolist()
+    prompt_b, response_b = (lengths.tolist() for lengths in real_lengths(batch))
     groups: list[list[int]] = []
     widest_p = widest_r = 0
     for row in length_order(batch).tolist():

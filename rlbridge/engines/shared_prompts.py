@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.micro import length_order
+from rlbridge.engines.micro import length_order, real_lengths
 from rlbridge.model.hf import DynamicCache, DynamicLayer
 
 AUTO_DEVICES = ("cpu",)
@@ -56,12 +56,9 @@ def prompt_index(batch: SeqBatch) -> tuple[Tensor, Tensor]:
 
 
 def widths(batch: SeqBatch) -> tuple[list[int], list[int]]:
-    """Real prompt and response lengths of every row."""
-    real = batch.attention_mask.cpu() > 0
-    return (
-        real[:, : batch.prompt_width].sum(dim=1).tolist(),
-        real[:, batch.prompt_width :].sum(dim=1).tolist(),
-    )
+    """Real prompt and response lengths of every row, as lists (micro.real_lengths)."""
+    prompt_len, response_len = real_lengths(batch)
+    return prompt_len.tolist(), response_len.tolist()
 
 
 def grouped_rows(batch: SeqBatch, num_groups: int, *, max_tokens: int | None = None) -> list[Tensor]:
