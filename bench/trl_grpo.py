@@ -460,6 +460,10 @@ GPU_DIFFERENCES = [
 ]
 
 
+ASYNC = ["rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_correction.weights=token"]
+"""--also-async: rlbridge's overlapped loop, samples one weight version old with token TIS (docs/async.md)."""
+
+
 def main() -> None:
     global RECIPE
     ap = argparse.ArgumentParser()
@@ -483,6 +487,11 @@ def main() -> None:
     ap.add_argument(
         "--trl-vllm-colocate", action="store_true", help="TRL with use_vllm=True, vllm_mode=colocate"
     )
+    ap.add_argument(
+        "--also-async",
+        action="store_true",
+        help="also run rlbridge with rollout.mode async (max_staleness 1, token TIS; docs/async.md) in each round",
+    )
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
         "--work", type=Path, help="where the runs and their logs go (default: a new temporary folder)"
@@ -505,14 +514,17 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for k in range(a.rounds):
         order = ("rlbridge", "trl") if k % 2 == 0 else ("trl", "rlbridge")
+        if a.also_async:
+            order = (*order, "rlbridge-async") if k % 2 == 0 else ("rlbridge-async", *order)
         for tool in order:
             print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
             try:
-                res = (
-                    run_rlbridge(total, a.warmup, [*a.sets, *a.rlbridge_sets], work, plan, r.rollout.n)
-                    if tool == "rlbridge"
-                    else run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
-                )
+                if tool == "trl":
+                    res = run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
+                else:
+                    sets = [*a.sets, *a.rlbridge_sets, *(ASYNC if tool == "rlbridge-async" else [])]
+                    res = run_rlbridge(total, a.warmup, sets, work, plan, r.rollout.n)
+                    res["tool"] = tool
             except SystemExit as e:
                 res = {"tool": tool, "failed": True, "error": str(e)}
             res["round"] = k + 1
@@ -527,7 +539,10 @@ def main() -> None:
 
 
 def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, final: bool) -> None:
-    ok = {t: [x for x in runs if x["tool"] == t and not x.get("failed")] for t in ("rlbridge", "trl")}
+    ok = {
+        t: [x for x in runs if x["tool"] == t and not x.get("failed")]
+        for t in ("rlbridge", "trl", "rlbridge-async")
+    }
 
     def mean(tool: str, key: str) -> float | None:
         vals = [x[key] for x in ok[tool] if x.get(key) is not None]
@@ -557,6 +572,12 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
         ratios["rlbridge_step_faster_median"] = statistics.median(steps["rlbridge"]) < statistics.median(
             steps["trl"]
+        )
+    if ok["rlbridge-async"] and ok["trl"]:  # --also-async: the same medians for the overlapped loop
+        timed = {t: [s for x in ok[t] for s in x["per_step_s"]] for t in ("rlbridge-async", "trl")}
+        ratios["async_step_s_median"] = statistics.median(timed["rlbridge-async"])
+        ratios["trl_over_async_step_s_median"] = (
+            statistics.median(timed["trl"]) / ratios["async_step_s_median"]
         )
     rows = [
         {

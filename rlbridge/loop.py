@@ -149,11 +149,12 @@ def train_step(
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step, s.mismatch_notices)
-    if source.overlapped:  # the load below would wait for them: time it as what it is
+    background = source.overlapped and s.loads_in_background()
+    if source.overlapped and not background:  # the load below would wait for them: time it as what it is
         with timer("rollout_wait"):
             source.wait_sent()
-    with timer("sync"):
-        m["sync_bytes"] = s.sync_weights()
+    with timer("sync"):  # async, vLLM resident: the load queues behind the generation in flight, unwaited
+        m["sync_bytes"] = s.sync_weights(background=background)
     record = {
         "kind": "train",
         "step": step,

@@ -97,6 +97,9 @@ class Session:
         tests pass in-process ones, trainer/client.LocalTrainer)."""
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
         self.version = 0
+        self._loading: tuple[Any, Any] | None = None
+        """A weight load sent without waiting (`sync_weights(background=True)`): its call and the export it loads,
+        waited for before the next sync, generation or checkpoint (`wait_loaded`)."""
         self._pg: Any = None
         self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
         self.trainer: Trainer | None = None
@@ -371,6 +374,7 @@ class Session:
     def generate(self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None) -> Rollouts:
         """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
         assert self.rollout is not None
+        self.wait_loaded()
         return self.rollout.call(
             "generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
         )
@@ -383,23 +387,59 @@ class Session:
 
     def wait_generate(self, ref: Any) -> Rollouts:
         assert self.rollout is not None
-        return self.rollout.wait(ref)  # type: ignore[no-any-return]  # the rollout's generate returns Rollouts
+        try:
+            return self.rollout.wait(ref)  # type: ignore[no-any-return]  # the rollout's generate returns Rollouts
+        except Exception:
+            # a generation sent after a background load that failed finds the old weights (StaleWeightsError):
+            # the load's own error is the one to report
+            self.wait_loaded()
+            raise
 
-    def sync_weights(self, *, version: int | None = None) -> int:
+    def loads_in_background(self) -> bool:
+        """Whether `sync_weights(background=True)` sends the load without waiting: vLLM resident (no sleep or
+        wake around the load) and the export not CUDA IPC handles (those are released once loaded)."""
+        r = self.recipe.rollout
+        ipc = r.weight_sync == "merged" and r.weight_transport == "cuda_ipc"
+        return not self.memory.enabled and not ipc
+
+    def wait_loaded(self) -> None:
+        """Wait for a weight load sent in the background; its failure is raised here (the trainer's own error
+        when the trainer died exporting)."""
+        if self._loading is None:
+            return
+        (ref, export), self._loading = self._loading, None
+        assert self.rollout is not None and self.trainer is not None
+        try:
+            self.rollout.wait(ref)
+        except rc.InputLost:
+            self.trainer.raise_if_lost(export)
+            raise
+
+    def sync_weights(self, *, version: int | None = None, background: bool = False) -> int:
         """Trainer -> rollout, as recipe.rollout.weight_sync says; returns the bytes moved. The weights get
         the next version number, or `version` (a resume re-sends the checkpoint's weights under their own).
+
+        background (rollout.mode async): where `loads_in_background`, the load is sent behind the generations
+        in flight and the driver goes on to the next update at once. The rollout runs its calls in the order sent,
+        so every generation sent after this returns samples from these weights, as with a load waited for; the
+        load is waited for (and its failure raised) before the next sync, generation or checkpoint.
 
         The export travels as a Ray object reference from the trainer straight to the rollout worker:
         the driver never holds (or copies) the weights. With rollout.weight_transport cuda_ipc (merged) it holds
         CUDA IPC handles of tensors the trainer keeps on the GPU: they are released as soon as the rollout has
         loaded them (before vLLM's KV cache wakes), and whatever happens."""
         assert self.trainer is not None and self.rollout is not None
+        self.wait_loaded()  # the last one first: a merged export overwrites the file it loads from
         trainer, kind = self.trainer, self.recipe.rollout.weight_sync
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
         ipc = kind == "merged" and self.recipe.rollout.weight_transport == "cuda_ipc"
         ref = trainer.export_weights(kind, as_files=same_node and not ipc, cuda_ipc=ipc)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version
+        if background and self.loads_in_background():
+            # memory.load only steps its state machine here: nothing sleeps or wakes (loads_in_background)
+            self._loading = (self.memory.load(lambda: rollout.submit("load_weights", ref, v)), ref)
+            return trainer.last_export_bytes()
         held = ipc
 
         def load() -> Any:

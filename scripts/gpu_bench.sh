@@ -20,6 +20,8 @@
 #   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
 #                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (325 s
 #                                       # on a fresh machine on 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02.md)
+#   bash scripts/gpu_bench.sh trlasync  # trl, plus rlbridge with rollout.mode async (bench/trl_grpo.py --also-async); and
+#   bash scripts/gpu_bench.sh trl512async  # the same at 512 rollouts
 #   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each, side by
 #                                       # side (253 s on a warm H100, 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02b.md)
 #   bash scripts/gpu_bench.sh growth    # issue 16 goal 6 (and 7): bench/growth.py, 32 -> 2048 rollouts, 64 -> 1024 tokens;
@@ -90,17 +92,19 @@ for part in "$@"; do
           --micro 32 --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
         tail -6 "$OUT/$part/rank$r.txt"
       done ;;
-    trl)
+    trl|trlasync)
+      extra=(); [ "$part" = trlasync ] && extra=(--also-async)
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 10 --warmup 2 \
-        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"" "$OUT/$part/log.txt" | tail -12 ;;
-    trl512)
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_async" "$OUT/$part/log.txt" | tail -14 ;;
+    trl512|trl512async)
+      extra=(); [ "$part" = trl512async ] && extra=(--also-async)
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 3 --warmup 1 \
         --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 \
-        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"" "$OUT/$part/log.txt" | tail -12 ;;
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_async" "$OUT/$part/log.txt" | tail -14 ;;
     growth)
       timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 3 --device "one H200" \
         --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
@@ -121,7 +125,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trl512, growth, growth2)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -24,7 +24,7 @@ from rlbridge.pipeline import RolloutSource
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.resume import rollout_seed
-from tests.fixtures.local_session import local_session
+from tests.fixtures.local_session import LocalRollout, QueuedRollout, local_session
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.integration import test_resume as tr
 
@@ -44,12 +44,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def run_in_process(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) -> list[dict[str, Any]]:
+def run_in_process(
+    recipe: Recipe,
+    model_dir: Path,
+    run_dir: Path,
+    steps: int,
+    rollout_cls: type[LocalRollout] = LocalRollout,
+    after_step: Any = None,
+) -> list[dict[str, Any]]:
     """The loop's order (loop.train): fill the pipeline, then per step train on the step's rollouts and send
-    the generations the finished step unlocks."""
+    the generations the finished step unlocks. after_step(session, step), if given, runs after each step."""
     run_dir.mkdir(parents=True)
     out = []
-    with local_session(recipe, run_dir, model_dir) as s:
+    with local_session(recipe, run_dir, model_dir, rollout_cls=rollout_cls) as s:
         source = RolloutSource(s)
         source.fill(0)
         for step in range(1, steps + 1):
@@ -57,6 +64,8 @@ def run_in_process(recipe: Recipe, model_dir: Path, run_dir: Path, steps: int) -
             assert record is not None
             out.append(record)
             source.done(step)
+            if after_step is not None:
+                after_step(s, step)
             source.fill(step)
     return out
 
@@ -83,6 +92,37 @@ def test_async_trains_step_j_on_version_j_minus_2(model_dir: Path, tmp_path: Pat
         ro = s.generate([s.train_data.ids[i] for i in rows], seed=rollout_seed(sync.run.seed, 2))
     assert ro.weight_version == 0
     assert rollout_digest(ro) == got[1]["rollout_sha"]
+
+
+def test_async_weight_loads_are_sent_unwaited_and_change_no_sample(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM resident (no sleep/wake): the step's weight load is queued behind the generation in flight and the
+    driver goes on (the update of the next step overlaps load + generation on a GPU); the rollout's order alone
+    decides which weights sample what, so every step's completions and versions equal those of loads waited for.
+    A load that fails is reported as itself, not as the stale weights the next generation then finds."""
+    a = Recipe.model_validate(recipe_dict(model_dir, mode="async", max_staleness=1))
+    seen: list[list[str]] = []
+    want = run_in_process(a, model_dir, tmp_path / "waited", 3)
+
+    def pending(s: Any, step: int) -> None:
+        seen.append(s.rollout.pending())
+
+    got = run_in_process(a, model_dir, tmp_path / "queued", 3, rollout_cls=QueuedRollout, after_step=pending)
+    # after step j: generation j+1 (sent after step j-1), then the load of v(j) behind it, both unwaited
+    assert seen == [["generate", "load_weights"]] * 3
+    for key in ("rollout_sha", "weight_version", "rollout_version", "staleness", "loss"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+    class FailingLoad(QueuedRollout):
+        def __init__(self, obj: Any) -> None:
+            super().__init__(obj)
+
+            def load_weights(weights: Any, version: int) -> None:
+                raise RuntimeError(f"disk full while loading v{version}")
+
+            obj.load_weights = load_weights
+
+    with pytest.raises(RuntimeError, match="disk full while loading v1"):
+        run_in_process(a, model_dir, tmp_path / "failing", 3, rollout_cls=FailingLoad)
 
 
 @pytest.mark.slow
