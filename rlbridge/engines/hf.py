@@ -51,7 +51,7 @@ from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
-from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
+from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
 from rlbridge.engines.shared_prompts import (
@@ -267,10 +267,10 @@ class HFTrainEngine:
     def logprobs(self, batch: SeqBatch, *, reference: bool = False) -> Tensor:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per forward pass; returned on the batch's device."""
-        chunk = self.recipe.trainer.logprob_chunk_size
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
-        plain = chunk_rows(batch, chunk, by_length=self.padding_free)
-        groups, shared = self._layout(batch, plain, -(-batch.size // chunk), None)
+        plain = scoring_rows(batch, self.recipe.trainer, by_length=self.padding_free)
+        budget = None if self.recipe.trainer.logprob_chunk_size else self._max_tokens
+        groups, shared = self._layout(batch, plain, len(plain), budget)
         with self._scoring_model(reference) as model:
             model.eval()
             for rows in groups:

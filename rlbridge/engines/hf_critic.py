@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import ValueLossFn, load_named, take_gradients
 from rlbridge.engines.master import MasterWeights
-from rlbridge.engines.micro import chunk_rows, forward_batch, micro_batch_rows
+from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state
 from rlbridge.model.hf import AutoModel, LoraConfig, PreTrainedModel, get_peft_model, hf_logging
 from rlbridge.recipe.schema import Recipe
@@ -120,7 +120,7 @@ class HFCritic:
         per forward pass, on the batch's device."""
         self.module.eval()
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
-        for rows in chunk_rows(batch, self.recipe.trainer.logprob_chunk_size, by_length=self.padding_free):
+        for rows in scoring_rows(batch, self.recipe.trainer, by_length=self.padding_free):
             out[rows.to(out.device)] = self._padded_values(batch, rows).to(out.device)
         return out
 

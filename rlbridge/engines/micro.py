@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from rlbridge.batch import SeqBatch
+from rlbridge.recipe.schema import TrainerCfg
 
 
 def real_lengths(batch: SeqBatch) -> tuple[Tensor, Tensor]:
@@ -76,6 +77,23 @@ def chunk_rows(batch: SeqBatch, chunk_size: int, *, by_length: bool = True) -> l
     """Row indices of forward passes of at most `chunk_size` rows (no-gradient scoring: log-probs, values)."""
     rows = length_order(batch) if by_length else torch.arange(batch.size)
     return list(rows.split(chunk_size))
+
+
+def scoring_rows(batch: SeqBatch, trainer: TrainerCfg, *, by_length: bool = True) -> list[Tensor]:
+    """Row indices of the no-gradient passes (log-probs, values): trainer.logprob_chunk_size rows each, or
+    (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget."""
+    if trainer.logprob_chunk_size is not None:
+        return chunk_rows(batch, trainer.logprob_chunk_size, by_length=by_length)
+    num = min(-(-batch.size // trainer.micro_batch_size), batch.size)
+    return micro_batch_rows(batch, num, by_length=by_length, max_tokens=trainer.max_tokens_per_micro_batch)
+
+
+def scoring_passes(num_rows: int, chunk_size: int | None, micro_batch_size: int) -> tuple[int, bool]:
+    """For an engine that forms passes itself (megatron): how many row groups the no-gradient passes of
+    `num_rows` rows start from (trainer.logprob_chunk_size rows each, or micro_batch_size when it is null), and
+    whether the token budget applies to them (null: as for the training passes)."""
+    rows = chunk_size or micro_batch_size
+    return max(min(-(-num_rows // rows), num_rows), 1), chunk_size is None
 
 
 def forward_batch(batch: SeqBatch, rows: Tensor, device: torch.device, *, trim: bool = True) -> SeqBatch:

@@ -111,15 +111,17 @@ class TrainerCfg(Section):
     (longest prompt + longest response among them) stays within the budget (a longer row gets a pass of its
     own), so short rows share larger passes. The update's gradient is unchanged (the loss closure returns each
     pass's share of the mini-batch loss); per-pass metrics are averaged over the passes actually run. Log-prob
-    and value passes keep logprob_chunk_size. null: micro_batch_size sequences per pass."""
+    and value passes follow it too unless logprob_chunk_size is set. null: micro_batch_size sequences per pass."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the gradient all-reduce (megatron engine)."""
-    logprob_chunk_size: PositiveInt = 4
-    """Sequences per chunk when computing log-probs without gradients (bounds memory)."""
+    logprob_chunk_size: PositiveInt | None = None
+    """Sequences per pass of the no-gradient passes (old and reference log-probs, PPO's values). null: the
+    training passes' groups (micro_batch_size rows, or max_tokens_per_micro_batch), which hold more memory with
+    their gradients than these passes do without; set a number to bound these passes on their own."""
     shared_prompts: Literal["auto", "always", "never"] = "auto"
     """hf engine: run each distinct prompt once per pass, not once per sample, its keys and values shared by
     the responses of its rows (exact: docs/engines/hf.md). auto: on a CPU, where that computes at most 80 % of

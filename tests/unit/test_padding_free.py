@@ -27,7 +27,7 @@ from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.hf import HFTrainEngine
 from rlbridge.engines.hf_critic import HFCritic
-from rlbridge.engines.micro import budget_rows, micro_batch_rows
+from rlbridge.engines.micro import budget_rows, chunk_rows, micro_batch_rows, scoring_passes, scoring_rows
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe
@@ -47,14 +47,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def recipe(model_dir: Path, algorithm: dict[str, Any], max_tokens: int | None = None) -> Recipe:
+def recipe(
+    model_dir: Path,
+    algorithm: dict[str, Any],
+    max_tokens: int | None = None,
+    chunk: int | None = 3,
+    micro: int = 1,
+) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "t",
             "model": {"path": str(model_dir), "dtype": "float32"},
             "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
             "trainer": {
-                "logprob_chunk_size": 3,
+                "logprob_chunk_size": chunk,
+                "micro_batch_size": micro,
                 "optim": {"lr": 1e-2},
                 "max_tokens_per_micro_batch": max_tokens,
             },
@@ -204,6 +211,37 @@ def test_token_budget_groups_fit_the_budget() -> None:
         sizes = [batch.select(g).trimmed().input_ids.numel() for g in groups]
         assert all(size <= budget or len(g) == 1 for size, g in zip(sizes, groups, strict=True)), sizes
     assert len(budget_rows(batch, 1)) == batch.size and len(budget_rows(batch, 1000)) == 1
+
+
+@pytest.mark.parametrize("max_tokens", [None, 48], ids=["micro_batch_size", "token-budget"])
+def test_scoring_passes_follow_the_training_passes_unless_chunked(
+    model_dir: Path, max_tokens: int | None
+) -> None:
+    """trainer.logprob_chunk_size null (the default): the no-gradient passes (log-probs, values) are grouped as a
+    training pass of the same rows (micro_batch_size rows, or the token budget); a number keeps its own chunks.
+    The log-probs and values do not depend on the grouping (atol 1e-5 against chunks of 3 at the full width)."""
+    batch = spread_batch()
+    ppo = {"name": "ppo", "critic": {"lr": 1e-2}}
+    r = recipe(model_dir, ppo, max_tokens=max_tokens, chunk=None, micro=2)
+    want = budget_rows(batch, 48) if max_tokens else micro_batch_rows(batch, -(-batch.size // 2))
+    assert [g.tolist() for g in scoring_rows(batch, r.trainer)] == [g.tolist() for g in want]
+    assert scoring_passes(batch.size, None, 2) == (-(-batch.size // 2), True)
+    chunked = recipe(model_dir, ppo, max_tokens=max_tokens, chunk=3, micro=2)
+    assert [g.tolist() for g in scoring_rows(batch, chunked.trainer)] == [
+        g.tolist() for g in chunk_rows(batch, 3)
+    ]
+    assert scoring_passes(batch.size, 3, 2) == (-(-batch.size // 3), False)
+
+    engine, critic = HFTrainEngine(r, model_dir), HFCritic(r, model_dir)
+    perturb_lora_b(engine.trainable_state(), engine.load_trainable_state)
+    perturb_lora_b(critic.trainable_state(), critic.load_trainable_state)
+    got = engine.logprobs(batch), engine.logprobs(batch, reference=True), critic.values(batch)
+    engine.recipe = critic.recipe = recipe(model_dir, ppo, chunk=3)
+    with padded(engine), padded(critic):
+        want_lp = engine.logprobs(batch), engine.logprobs(batch, reference=True), critic.values(batch)
+    for g, w in zip(got, want_lp, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        assert float(w.abs().max()) > 0
 
 
 @pytest.mark.parametrize("max_tokens", [None, 48], ids=["micro_batch_size", "token-budget"])

@@ -39,6 +39,7 @@ from rlbridge.engines.base import ValueLossFn, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, forward, params, state
 from rlbridge.engines.megatron import provider as P
+from rlbridge.engines.micro import scoring_passes
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 
@@ -124,13 +125,15 @@ class MegatronCritic:
         self.device = next(self.model[0].parameters()).device
 
     # --------------------------------------------------------------------------------- helpers
-    def _split(self, batch: SeqBatch, num: int, *, training: bool = False) -> list[forward.MicroBatch]:
+    def _split(
+        self, batch: SeqBatch, num: int, *, training: bool = False, budget: bool = False
+    ) -> list[forward.MicroBatch]:
         """As the policy's (no pipeline, context or sequence parallelism here: the recipe checks reject them)."""
         return forward.split_micro_batches(
             batch.to(self.device),
             num,
             by_length=self.padding_free,
-            max_tokens=self.max_tokens if training else None,
+            max_tokens=self.max_tokens if training or budget else None,
         )
 
     @staticmethod
@@ -145,13 +148,15 @@ class MegatronCritic:
     def values(self, batch: SeqBatch) -> Tensor:
         """[b, R] float32 values of the response tokens (0 on padding), `trainer.logprob_chunk_size` rows
         per micro-batch, identical on every rank of the model-parallel group."""
-        num = -(-batch.size // self.built.run.logprob_chunk_size)
+        num, budget = scoring_passes(
+            batch.size, self.built.run.logprob_chunk_size, self.built.run.micro_batch_size
+        )
 
         def stage(output: Tensor, mb: forward.MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             return output.new_zeros(()), {"values": self._values(output, mb)}
 
         with compat.device_scope(), forward.train_mode(self.model, False):
-            mbs = self._split(batch, num)
+            mbs = self._split(batch, num, budget=budget)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
             parts = [r["values"] for r in results]
             out = forward.broadcast_from_last_stage(

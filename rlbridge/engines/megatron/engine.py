@@ -38,6 +38,7 @@ from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P
 from rlbridge.engines.megatron.moe import MoeBook
+from rlbridge.engines.micro import scoring_passes
 from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import total_optimizer_steps
@@ -95,7 +96,9 @@ class MegatronTrainEngine:
         self._set_lr()
 
     # --------------------------------------------------------------------------------- helpers
-    def _split(self, batch: SeqBatch, num: int, *, training: bool = False) -> list[forward.MicroBatch]:
+    def _split(
+        self, batch: SeqBatch, num: int, *, training: bool = False, budget: bool = False
+    ) -> list[forward.MicroBatch]:
         provider = self.built.provider
         pp = provider.pipeline_model_parallel_size
         interleaved = pp > 1 and provider.virtual_pipeline_model_parallel_size is not None
@@ -119,7 +122,7 @@ class MegatronTrainEngine:
             equal_rows=pp > 1,
             count_multiple=pp if interleaved else 1,
             by_length=self._by_length(),
-            max_tokens=self.max_tokens if training else None,
+            max_tokens=self.max_tokens if training or budget else None,
         )
 
     def _by_length(self) -> bool:
@@ -164,8 +167,9 @@ class MegatronTrainEngine:
     def logprobs(self, batch: SeqBatch, *, reference: bool = False) -> torch.Tensor:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per micro-batch, identical on every rank of the model-parallel group."""
-        chunk = self.built.run.logprob_chunk_size
-        num = -(-batch.size // chunk)
+        num, budget = scoring_passes(
+            batch.size, self.built.run.logprob_chunk_size, self.built.run.micro_batch_size
+        )
         vocab = self.bundle.vocab_size
 
         def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -175,7 +179,7 @@ class MegatronTrainEngine:
 
         scope = self._reference() if reference else contextlib.nullcontext()
         with compat.device_scope(), forward.train_mode(self.model, False), scope:
-            mbs = self._split(batch, num)
+            mbs = self._split(batch, num, budget=budget)
             results = forward.run_schedule(self.model, mbs, stage, forward_only=True)
             parts = [r["logprobs"] for r in results]
             out = forward.batch_rows(parts, mbs, batch.size, batch.response_width) if results else None

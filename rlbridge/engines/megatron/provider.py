@@ -145,7 +145,8 @@ class RunSettings:
     """Recipe values the engine reads itself (not megatron configuration)."""
 
     micro_batch_size: int = 1
-    logprob_chunk_size: int = 4
+    logprob_chunk_size: int | None = None
+    """None: the training passes' groups (engines/micro.py scoring_passes)."""
 
 
 @dataclass
