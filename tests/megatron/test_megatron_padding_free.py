@@ -12,7 +12,7 @@ LoRA: values atol 1e-5, gradients of its value loss as the policy's).
 
 A token budget (trainer.max_tokens_per_micro_batch 48: 5 training passes where micro_batch_size gives 3, so
 megatron's schedule divides each pass's loss by 5, not 3) is held to the same tolerances against the same
-index-order layout; log-probs and values keep their logprob_chunk_size passes under a budget, as the hf engine's.
+index-order layout; log-probs and values keep their logprob_chunk_size passes under a budget when it is set, as the hf engine's.
 """
 
 from __future__ import annotations
