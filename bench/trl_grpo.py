@@ -562,8 +562,8 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             ratios[f"{key}_rlbridge_over_trl"] = x / y if x and y else None
         # a load spike on a shared machine can multiply one step's time: the median and the fastest of all the
         # timed steps of each tool are reported beside the mean
-        steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ok}
-        for t in ok:
+        steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ("rlbridge", "trl")}
+        for t in steps:
             ratios[f"{t}_step_s_median"], ratios[f"{t}_step_s_min"] = statistics.median(steps[t]), steps[t][0]
         ratios["step_s_median_rlbridge_over_trl"] = statistics.median(steps["rlbridge"]) / statistics.median(
             steps["trl"]

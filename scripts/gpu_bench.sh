@@ -30,6 +30,7 @@
 #   bash scripts/gpu_bench.sh growth2   # those last two points
 #   bash scripts/gpu_bench.sh shared    # issue 16 goals 1/4: bench/shared_prompts.py, each distinct prompt once per pass
 #                                       # against the plain passes: quickstart shape (8 x 4) and 64 x 8 at budget 32768
+#   bash scripts/gpu_bench.sh klpasses  # 512 rollouts, KL 0.05: reference log-probs grouped as the training passes vs by 4 rows
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -65,6 +66,15 @@ for part in "$@"; do
           > "$OUT/$part/$budget.log" 2>&1
         rm -rf "$OUT/$part/$budget/checkpoints"
         grep -E "^step|done" "$OUT/$part/$budget.log" | tail -7
+      done ;;
+    klpasses)  # the reference log-prob pass at 512 rollouts, KL on: grouped as the training passes (the default,
+               # trainer.logprob_chunk_size null: the 32768-token budget) against chunks of 4 rows (the former default)
+      for chunk in null 4; do
+        timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "$OUT/$part/$chunk" "${scale[@]}" \
+          --set run.steps=4 --set trainer.max_tokens_per_micro_batch=32768 --set algorithm.kl.coef=0.05 \
+          --set trainer.logprob_chunk_size=$chunk > "$OUT/$part/$chunk.log" 2>&1
+        rm -rf "$OUT/$part/$chunk/checkpoints"
+        grep -E "^step|^[0-9.]+s  \(" "$OUT/$part/$chunk.log" | tail -8
       done ;;
     gengap)
       timeout "$(left)" "$PY" bench/generation_gap.py --recipe recipes/quickstart-gpu.yaml --steps 4 "${scale[@]}" \
@@ -125,7 +135,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
