@@ -47,7 +47,8 @@ IDLE_CORES = 0.05
 HINTS = {
     "reward": "a hung reward function (reward.timeout_s bounds one sample; its output: logs/reward.log)",
     "generate": "a hung rollout worker (logs/rollout.log)",
-    "rollout_wait": "a hung rollout worker (logs/rollout.log); rollout.mode async waits here for generations sent earlier",
+    "rollout_wait": "a hung rollout worker (logs/rollout.log); rollout.mode async waits here for the weight loads and "
+    "generations sent earlier",
     "eval": "a hung rollout worker or reward function (logs/rollout.log, logs/reward.log)",
     "checkpoint": "slow or stuck storage under the run directory, or a hung trainer (logs/trainer*.log)",
 }
