@@ -31,6 +31,9 @@
 #   bash scripts/gpu_bench.sh shared    # issue 16 goals 1/4: bench/shared_prompts.py, each distinct prompt once per pass
 #                                       # against the plain passes: quickstart shape (8 x 4) and 64 x 8 at budget 32768
 #   bash scripts/gpu_bench.sh klpasses  # 512 rollouts, KL 0.05: reference log-probs grouped as the training passes vs by 4 rows
+#   bash scripts/gpu_bench.sh compile   # issue 16 goals 1/4: bench/compile_layers.py, the hf engine's LoRA step at the quickstart
+#                                       # shape (32 rows, one pass) eager vs decoder layers compiled (dynamic shapes; then
+#                                       # specialized; then CUDA graphs)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -124,6 +127,14 @@ for part in "$@"; do
         --batches 2048 --lengths 1024 --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
+    compile)
+      for variant in "--dynamic --modes eager,default" "--modes eager,default" "--dynamic --modes eager,reduce-overhead"; do
+        name=$(echo "$variant" | tr -c 'a-z0-9\n' '_')
+        # shellcheck disable=SC2086  # the variant's words are separate arguments
+        timeout "$(left)" "$PY" bench/compile_layers.py --device cuda --batch 32 --steps 8 --shapes 3 $variant --no-save \
+          > "$OUT/$part/$name.txt" 2>&1
+        tail -5 "$OUT/$part/$name.txt"
+      done ;;
     passcost)
       timeout "$(left)" "$PY" bench/pass_cost.py --device cuda --rows 8 --response 76 --passes 8 --steps 3 --no-save \
         > "$OUT/$part/log.txt" 2>&1
