@@ -59,7 +59,7 @@ from rlbridge.engines.shared_prompts import (
     cheaper,
     grouped_rows,
     plain_cache,
-    prompt_index,
+    shape_of,
     shared_response_logits,
 )
 from rlbridge.engines.token_stats import logprobs_and_entropy
@@ -368,8 +368,9 @@ class HFTrainEngine:
             return plain, False
         if mode == "auto" and self.device.type not in AUTO_DEVICES:
             return plain, False
-        shared = grouped_rows(batch, num_groups, max_tokens=max_tokens)
-        use = mode == "always" or cheaper(batch, plain, shared)
+        shape = shape_of(batch)
+        shared = grouped_rows(batch, num_groups, max_tokens=max_tokens, shape=shape)
+        use = mode == "always" or cheaper(batch, plain, shared, shape=shape)
         if use != self._shared_logged:  # once per run, and again when the choice changes
             self._shared_logged = use
             log.info(
@@ -377,7 +378,7 @@ class HFTrainEngine:
                 mode,
                 "each distinct prompt once per pass" if use else "plain passes (not enough shared positions)",
                 batch.size,
-                int(prompt_index(batch)[1].max()) + 1,
+                shape.num_prompts,
             )
         return (shared, True) if use else (plain, False)
 

@@ -25,6 +25,8 @@ of every layer are kept for the backward). So auto leaves GPUs on the plain pass
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -61,12 +63,31 @@ def widths(batch: SeqBatch) -> tuple[list[int], list[int]]:
     return prompt_len.tolist(), response_len.tolist()
 
 
-def grouped_rows(batch: SeqBatch, num_groups: int, *, max_tokens: int | None = None) -> list[Tensor]:
+class RowShape(NamedTuple):
+    """Each row's distinct prompt (prompt_index's numbering) and its real prompt and response lengths: what
+    the layout decision reads, computed once per batch (shape_of) and handed to grouped_rows and cheaper."""
+
+    prompt_of: Tensor
+    prompt_len: list[int]
+    response_len: list[int]
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.prompt_of.max()) + 1
+
+
+def shape_of(batch: SeqBatch) -> RowShape:
+    return RowShape(prompt_index(batch)[1], *widths(batch))
+
+
+def grouped_rows(
+    batch: SeqBatch, num_groups: int, *, max_tokens: int | None = None, shape: RowShape | None = None
+) -> list[Tensor]:
     """Row indices of each pass with rows of one prompt kept together: prompts ordered by their longest
     response (then prompt length), their rows in that order cut into `num_groups` near-equal groups, or by a
-    token budget on the shared layout's positions (prompts x widest prompt + rows x widest response)."""
-    _, prompt_of = prompt_index(batch)
-    prompt_len, response_len = widths(batch)
+    token budget on the shared layout's positions (prompts x widest prompt + rows x widest response).
+    `shape`: shape_of(batch), if the caller has it."""
+    prompt_of, prompt_len, response_len = shape or shape_of(batch)
     longest: dict[int, int] = {}
     for row, p in enumerate(prompt_of.tolist()):
         longest[p] = max(longest.get(p, 0), response_len[row])
@@ -102,10 +123,11 @@ def plain_positions(groups: list[Tensor], prompt_len: list[int], response_len: l
     )
 
 
-def cheaper(batch: SeqBatch, plain: list[Tensor], shared: list[Tensor]) -> bool:
+def cheaper(
+    batch: SeqBatch, plain: list[Tensor], shared: list[Tensor], *, shape: RowShape | None = None
+) -> bool:
     """Whether the shared layout's passes compute at most SAVING of the plain layout's positions."""
-    _, prompt_of = prompt_index(batch)
-    prompt_len, response_len = widths(batch)
+    prompt_of, prompt_len, response_len = shape or shape_of(batch)
     cost = sum(shared_positions(g.tolist(), prompt_of, prompt_len, response_len) for g in shared)
     return cost <= SAVING * plain_positions(plain, prompt_len, response_len)
 
