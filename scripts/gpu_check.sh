@@ -11,14 +11,15 @@
 #   bash scripts/gpu_check.sh 3      # the megatron quickstart (bf16): kill -9 after a checkpoint, resume, export-hf
 #                                    # merged + adapter-only in a CPU process, vLLM log-probs of the export (391 s, 2026-12-02)
 #   bash scripts/gpu_check.sh 4      # rollout.mode async vs sync, hf trainer + adapter sync, 6 steps each (199 s, 2026-12-02),
-#                                    # then sync with rollout.sleep auto (vLLM resident; ~75-120 s more, not yet run)
+#                                    # then sync with rollout.sleep auto (vLLM resident; 77 s, 2026-12-03: gpu_check-2026-12-03c)
 #   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
 #                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~6 min: 75 s + 69 s + ~180 s bf16, 2026-12-02)
 #   bash scripts/gpu_check.sh faults # issue 20: out of GPU memory (vLLM at start, at wake; the trainer) with a memory
-#                                    # hog, a trainer killed mid-step; resume (~7-8 min; estimate, not yet run)
+#                                    # hog, a trainer killed mid-step; resume (~7-8 min; the wake test passed 2026-12-02,
+#                                    # gpu_check-2026-12-02b; the others still owed: GPU_CHECK_K='not wake' ... faults)
 #   bash scripts/gpu_check.sh ipc    # issue 16 goal 3: merged sync by CUDA IPC (rollout.weight_transport cuda_ipc) vs
 #                                    # files, trainer and vLLM in two processes on one GPU, 3 sleep/wake/IPC cycles
-#                                    # (~2-3 min; estimate, not yet run)
+#                                    # (151 s, passed 2026-12-02: gpu_check-2026-12-02d)
 #   bash scripts/gpu_check.sh 3 4    # several parts, in that order, under one budget
 #   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)

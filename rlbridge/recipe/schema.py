@@ -172,7 +172,8 @@ class RolloutCfg(Section):
     next to the trainer, which saves the sleep and wake (0.1-0.2 s a step on an H200 for SmolLM2; more for a large
     model's weights) and the trainer's cache release after each update. auto: resident when `rlbridge plan`'s
     peak with vLLM resident is at most 90 % of cluster.gpu_memory_gib, else as always. `rlbridge plan` says which
-    it chose. Not yet run on a GPU in sync mode (async mode always keeps vLLM resident, and that is verified)."""
+    it chose. Verified on an H200 in sync mode (tests/gpu/test_gpu_async.py::test_sync_mode_with_vllm_resident) and
+    in async mode (which always keeps vLLM resident)."""
     kv_cache_gib: Annotated[float, Field(gt=0)] = 1.0
     """CPU build of vLLM only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     float32_head: bool = True
