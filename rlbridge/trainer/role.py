@@ -7,12 +7,9 @@ builds the loss closure from the recipe, and checks that the first updates reall
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
-import shutil
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.run import faults
+from rlbridge.trainer.export import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +69,8 @@ class TrainerRole:
         """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
         self._signal_updates = 0
-        self._export_bytes = 0
-        self._shared: list[torch.Tensor] = []
-        """The tensors of a CUDA IPC export, alive until `release_export` (the rollout reads them in place)."""
-        self._merged_dir: Path | None = None
-        """Same-node merged exports: the RAM-backed directory this trainer overwrites each sync (removed with it;
-        a killed trainer's by the session's sweep when the run ends, or by the next run's ram_tempdir)."""
+        self.sender = WeightSender(self.model_dir, getattr(torch, recipe.model.dtype))
+        """Hands the weight exports to the rollout (export.py) and keeps what they need between syncs."""
         self._start: dict[str, torch.Tensor] | None = None
         self._frozen: dict[str, float] | None = None
         self._gate_done = not recipe.run.health.first_step
@@ -112,68 +106,21 @@ class TrainerRole:
         return self.critic.values(batch.select(rows))
 
     def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
-        """The weights for the rollout. as_files (rollout on this node): written straight into a RAM-backed
-        directory in the rollout's dtype and handed over by path, instead of shipped through Ray. cuda_ipc
-        (merged, rollout.weight_transport cuda_ipc): the tensors stay on this GPU in the rollout's dtype and the
-        export carries CUDA IPC handles of them; they are kept until `release_export`."""
+        """The weights for the rollout: the engine's export, handed over as the sender decides (export.py:
+        through Ray, as files on this node, or by CUDA IPC handles kept until `release_export`)."""
         start = time.perf_counter()
         weights = self.engine.export_weights(kind)  # collective with a multi-rank engine: every rank calls it
-        self._export_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.sender.last_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
         if not self.is_holder:
             return WeightExport(kind, {}, weights.adapter_config)
-        if cuda_ipc:
-            return self._share_merged(weights)
-        if not as_files:
-            return weights
-        exported = time.perf_counter()
-        from rlbridge.rollout.weights_dir import overwrite_merged, ram_tempdir, write_adapter, write_merged
-
-        if kind == "merged":  # one directory for the run, its file overwritten in place (weights_dir.py)
-            dtype = getattr(torch, self.recipe.model.dtype)
-            if self._merged_dir is None:
-                self._merged_dir = ram_tempdir("rlbridge-merged-")
-                weakref.finalize(self, shutil.rmtree, self._merged_dir, ignore_errors=True)
-            out, how = self._merged_dir, "in place"
-            if not overwrite_merged(weights, out, dtype=dtype):
-                write_merged(weights, out, base_dir=self.model_dir, dtype=dtype)
-                how = "new file"
-        else:
-            out, how = write_adapter(weights, ram_tempdir("rlbridge-adapter-")), "new directory"
-        end = time.perf_counter()
-        log.info(
-            "%s weights exported in %.3f s (engine %.3f s, write %.3f s, %s, %.1f MB)",
-            kind, end - start, exported - start, end - exported, how, self._export_bytes / 1e6,
-        )  # fmt: skip
-        return WeightExport(kind, {}, weights.adapter_config, path=str(out), sender_keeps=kind == "merged")
-
-    def _share_merged(self, weights: WeightExport) -> WeightExport:
-        from rlbridge.rollout import ipc
-
-        if weights.kind != "merged":
-            raise RlbridgeError(
-                f"rollout.weight_transport cuda_ipc moves merged weights, not {weights.kind!r}"
-            )
-        if not torch.cuda.is_available():
-            raise RlbridgeError("rollout.weight_transport cuda_ipc needs the trainer on a CUDA device")
-        self.release_export()  # one the rollout never loaded (a failed sync) goes first
-        device = torch.device("cuda", torch.cuda.current_device())
-        payload, self._shared = ipc.share(
-            weights.tensors, dtype=getattr(torch, self.recipe.model.dtype), device=device
-        )
-        return WeightExport("merged", {}, ipc=payload)
+        return self.sender.send(weights, started=start, as_files=as_files, cuda_ipc=cuda_ipc)
 
     def release_export(self) -> None:
-        """Drop the tensors of the last CUDA IPC export (the rollout has loaded them, or the sync failed) and
-        give their memory back to the device (a no-op without one)."""
-        if not self._shared:
-            return
-        self._shared = []
-        gc.collect()
-        torch.cuda.ipc_collect()  # blocks the receiver has let go of; then the cache, for vLLM's KV cache
-        torch.cuda.empty_cache()
+        """Drop the tensors of the last CUDA IPC export (a no-op without one): WeightSender.release."""
+        self.sender.release()
 
     def last_export_bytes(self) -> int:
-        return self._export_bytes
+        return self.sender.last_bytes
 
     # ---------------------------------------------------------------- the update
     def update(
