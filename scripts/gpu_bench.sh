@@ -20,7 +20,8 @@
 #   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
 #                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (325 s
 #                                       # on a fresh machine on 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02.md)
-#   bash scripts/gpu_bench.sh trlasync  # trl, plus rlbridge with rollout.mode async (bench/trl_grpo.py --also-async); and
+#   bash scripts/gpu_bench.sh trlasync  # trl, plus rlbridge with rollout.mode async (bench/trl_grpo.py --also-async; 323 s incl.
+#                                       # start-ups on 2026-12-03; TRL_STEPS=30 for 30 timed steps instead of 10); and
 #   bash scripts/gpu_bench.sh trl512async  # the same at 512 rollouts
 #   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each, side by
 #                                       # side (253 s on a warm H100, 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02b.md)
@@ -107,7 +108,7 @@ for part in "$@"; do
       done ;;
     trl|trlasync)
       extra=(); [ "$part" = trlasync ] && extra=(--also-async)
-      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 10 --warmup 2 \
+      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_async" "$OUT/$part/log.txt" | tail -14 ;;
