@@ -20,8 +20,8 @@
 #   bash scripts/gpu_bench.sh trl       # issue 16 goal 4: TRL 1.16 GRPOTrainer vs rlbridge, quickstart size (8 x 4, <= 48
 #                                       # tokens), 2 + 10 steps each; needs a site packed with EXTRA="trl==1.16.0" (325 s
 #                                       # on a fresh machine on 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02.md)
-#   bash scripts/gpu_bench.sh trlasync  # trl, plus rlbridge with rollout.mode async (bench/trl_grpo.py --also-async; 323 s incl.
-#                                       # start-ups on 2026-12-03; TRL_STEPS=30 for 30 timed steps instead of 10); and
+#   bash scripts/gpu_bench.sh trlasync  # trl, plus rlbridge with rollout.mode async (bench/trl_grpo.py --also-async; ~350 s incl.
+#                                       # start-ups (156 + 86 + 109 s) on 2026-12-03; TRL_STEPS=30 for 30 timed steps instead of 10); and
 #   bash scripts/gpu_bench.sh trl512async  # the same at 512 rollouts
 #   bash scripts/gpu_bench.sh trl512    # issue 16 goal 4 at 512 rollouts (64 x 8, <= 256 tokens), 1 + 3 steps each, side by
 #                                       # side (253 s on a warm H100, 2026-12-02: bench/results/trl_grpo-gpu-2026-12-02b.md)
