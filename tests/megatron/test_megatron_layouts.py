@@ -6,7 +6,8 @@ log-softmax) vs float64 HF max abs error < 1e-4; first-step adapter
 gradients (converted to full HF shapes by the bridge's adapter exporter) vs TP1 rel. error < 1e-5 per
 tensor (measured: 2.1e-6 at TP2; with a pipeline the micro-batches are index-order row groups, TP1's are
 grouped by length: the test loss is each micro-batch's share of the batch loss, so only summation order differs); after two Adam steps the merged export differs from the TP1
-one by < 1e-4 (measured 4.6e-6) and loads into transformers / peft with the trainer's logits (< 1e-4).
+one by < 1e-4 (measured 5.8e-7 at TP2 x PP2, 6.6e-7 at PP2 x VPP2, with Adam's eps at 1e-4:
+megatron_workers.STEP_OPTIM says why) and loads into transformers / peft with the trainer's logits (< 1e-4).
 """
 
 from __future__ import annotations
