@@ -87,6 +87,7 @@ def train(
                 saver.interrupt(step)
             source.fill(step)  # async: the generation of step + 1 + max_staleness, with this step's weights
         after = evaluate(s, step=recipe.run.steps)
+        s.wait_loaded()  # async: the last weights' load, sent unwaited (reported if it failed; no-op otherwise)
         saver.save(recipe.run.steps)
     return Summary(run_dir, recipe.run.steps, saver.eval_before, after, time.perf_counter() - start)
 

@@ -99,7 +99,7 @@ class Session:
         self.version = 0
         self._loading: tuple[Any, Any] | None = None
         """A weight load sent without waiting (`sync_weights(background=True)`): its call and the export it loads,
-        waited for before the next sync, generation or checkpoint (`wait_loaded`)."""
+        waited for before the next sync or generation (`wait_loaded`)."""
         self._pg: Any = None
         self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
         self.trainer: Trainer | None = None
@@ -422,7 +422,8 @@ class Session:
         background (rollout.mode async): where `loads_in_background`, the load is sent behind the generations
         in flight and the driver goes on to the next update at once. The rollout runs its calls in the order sent,
         so every generation sent after this returns samples from these weights, as with a load waited for; the
-        load is waited for (and its failure raised) before the next sync, generation or checkpoint.
+        load is waited for (and its failure raised) before the next sync or generation. A checkpoint does not wait
+        for it: it saves the trainer's weights and their version, and a resume sends them to the rollout again.
 
         The export travels as a Ray object reference from the trainer straight to the rollout worker:
         the driver never holds (or copies) the weights. With rollout.weight_transport cuda_ipc (merged) it holds

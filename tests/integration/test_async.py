@@ -125,6 +125,38 @@ def test_async_weight_loads_are_sent_unwaited_and_change_no_sample(model_dir: Pa
         run_in_process(a, model_dir, tmp_path / "failing", 3, rollout_cls=FailingLoad)
 
 
+def test_the_last_steps_load_is_waited_for_by_the_loop(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """loop.train waits for the last weight load sent unwaited: one that fails after the last step is reported,
+    not left behind when the run ends (no evaluation afterwards would find it)."""
+    from rlbridge import loop
+
+    a = Recipe.model_validate(recipe_dict(model_dir, mode="async", max_staleness=1))
+    a = a.model_copy(update={"data": a.data.model_copy(update={"val": None})})
+
+    class FailingLast(QueuedRollout):
+        def __init__(self, obj: Any) -> None:
+            super().__init__(obj)
+            load = obj.load_weights
+
+            def load_weights(weights: Any, version: int) -> None:
+                if version == a.run.steps:
+                    raise RuntimeError(f"disk full while loading v{version}")
+                load(weights, version)
+
+            obj.load_weights = load_weights
+
+    def session(recipe: Recipe, plan: Any, run_dir: Path, model_dir: Path) -> Any:
+        return local_session(recipe, run_dir, model_dir, rollout_cls=FailingLast)
+
+    monkeypatch.setattr(loop, "Session", session)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(RuntimeError, match=f"disk full while loading v{a.run.steps}"):
+        loop.train(a, None, run_dir, model_dir)  # type: ignore[arg-type]  # no plan: in-process workers
+
+
 @pytest.mark.slow
 def test_kill_9_with_rollouts_in_flight_then_resume_is_exact(model_dir: Path, tmp_path: Path) -> None:
     recipe_file = tmp_path / "recipe.yaml"
