@@ -398,9 +398,12 @@ class Session:
     def loads_in_background(self) -> bool:
         """Whether `sync_weights(background=True)` sends the load without waiting: vLLM resident (no sleep or
         wake around the load) and the export not CUDA IPC handles (those are released once loaded)."""
+        return not self.memory.enabled and not self._cuda_ipc()
+
+    def _cuda_ipc(self) -> bool:
+        """Whether syncs move merged weights by CUDA IPC handles (rollout.weight_transport cuda_ipc)."""
         r = self.recipe.rollout
-        ipc = r.weight_sync == "merged" and r.weight_transport == "cuda_ipc"
-        return not self.memory.enabled and not ipc
+        return r.weight_sync == "merged" and r.weight_transport == "cuda_ipc"
 
     def wait_loaded(self) -> None:
         """Wait for a weight load sent in the background; its failure is raised here (the trainer's own error
@@ -433,7 +436,7 @@ class Session:
         self.wait_loaded()  # the last one first: a merged export overwrites the file it loads from
         trainer, kind = self.trainer, self.recipe.rollout.weight_sync
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
-        ipc = kind == "merged" and self.recipe.rollout.weight_transport == "cuda_ipc"
+        ipc = self._cuda_ipc()
         ref = trainer.export_weights(kind, as_files=same_node and not ipc, cuda_ipc=ipc)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version

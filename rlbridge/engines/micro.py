@@ -84,7 +84,7 @@ def scoring_rows(batch: SeqBatch, trainer: TrainerCfg, *, by_length: bool = True
     (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget."""
     if trainer.logprob_chunk_size is not None:
         return chunk_rows(batch, trainer.logprob_chunk_size, by_length=by_length)
-    num = min(-(-batch.size // trainer.micro_batch_size), batch.size)
+    num, _ = scoring_passes(batch.size, None, trainer.micro_batch_size)
     return micro_batch_rows(batch, num, by_length=by_length, max_tokens=trainer.max_tokens_per_micro_batch)
 
 
