@@ -548,6 +548,10 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         vals = [x[key] for x in ok[tool] if x.get(key) is not None]
         return statistics.fmean(vals) if vals else None
 
+    # a load spike on a shared machine can multiply one step's time: the median and the fastest of all the
+    # timed steps of each tool are reported beside the mean
+    steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ok if ok[t]}
+    median = {t: statistics.median(v) for t, v in steps.items()}
     ratios: dict[str, Any] = {}
     if ok["rlbridge"] and ok["trl"]:
         for key in (
@@ -560,25 +564,15 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         ):
             x, y = mean("rlbridge", key), mean("trl", key)
             ratios[f"{key}_rlbridge_over_trl"] = x / y if x and y else None
-        # a load spike on a shared machine can multiply one step's time: the median and the fastest of all the
-        # timed steps of each tool are reported beside the mean
-        steps = {t: sorted(s for x in ok[t] for s in x["per_step_s"]) for t in ("rlbridge", "trl")}
-        for t in steps:
-            ratios[f"{t}_step_s_median"], ratios[f"{t}_step_s_min"] = statistics.median(steps[t]), steps[t][0]
-        ratios["step_s_median_rlbridge_over_trl"] = statistics.median(steps["rlbridge"]) / statistics.median(
-            steps["trl"]
-        )
+        for t in ("rlbridge", "trl"):
+            ratios[f"{t}_step_s_median"], ratios[f"{t}_step_s_min"] = median[t], steps[t][0]
+        ratios["step_s_median_rlbridge_over_trl"] = median["rlbridge"] / median["trl"]
         ratios["step_s_min_rlbridge_over_trl"] = steps["rlbridge"][0] / steps["trl"][0]
         ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
-        ratios["rlbridge_step_faster_median"] = statistics.median(steps["rlbridge"]) < statistics.median(
-            steps["trl"]
-        )
+        ratios["rlbridge_step_faster_median"] = median["rlbridge"] < median["trl"]
     if ok["rlbridge-async"] and ok["trl"]:  # --also-async: the same medians for the overlapped loop
-        timed = {t: [s for x in ok[t] for s in x["per_step_s"]] for t in ("rlbridge-async", "trl")}
-        ratios["async_step_s_median"] = statistics.median(timed["rlbridge-async"])
-        ratios["trl_over_async_step_s_median"] = (
-            statistics.median(timed["trl"]) / ratios["async_step_s_median"]
-        )
+        ratios["async_step_s_median"] = median["rlbridge-async"]
+        ratios["trl_over_async_step_s_median"] = median["trl"] / median["rlbridge-async"]
     rows = [
         {
             k: x.get(k)
