@@ -34,7 +34,7 @@
 #   bash scripts/gpu_bench.sh klpasses  # 512 rollouts, KL 0.05: reference log-probs grouped as the training passes vs by 4 rows
 #   bash scripts/gpu_bench.sh compile   # issue 16 goals 1/4: bench/compile_layers.py, the hf engine's LoRA step at the quickstart
 #                                       # shape (32 rows, one pass) eager vs decoder layers compiled (dynamic shapes; then
-#                                       # specialized; then CUDA graphs)
+#                                       # dynamic + CUDA graphs; then specialized per shape)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -129,7 +129,7 @@ for part in "$@"; do
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
     compile)
-      for variant in "--dynamic --modes eager,default" "--modes eager,default" "--dynamic --modes eager,reduce-overhead"; do
+      for variant in "--dynamic --modes eager,default" "--dynamic --modes eager,reduce-overhead" "--modes eager,default"; do
         name=$(echo "$variant" | tr -c 'a-z0-9\n' '_')
         # shellcheck disable=SC2086  # the variant's words are separate arguments
         timeout "$(left)" "$PY" bench/compile_layers.py --device cuda --batch 32 --steps 8 --shapes 3 $variant --no-save \
