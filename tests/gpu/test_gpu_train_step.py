@@ -84,8 +84,9 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
     shared passes against the plain ones. float32: |log p diff| <= 1e-4, gradients within 3e-4 relative
     (summation order only; measured 2.5e-5 and 1.9e-4 on an H200, 3e-5 and 7.7e-5 in the CPU dry run). bfloat16: the shared passes are no further
     from the float32 log-probs and gradient than the plain bf16 passes are (mean |log p diff|: within 1.25x +
-    0.005; worst relative gradient error: within 1.6x + 0.02: two H200 runs gave plain 0.136, shared 0.172 and
-    plain 0.194, shared 0.284 -- the worst tensor's bf16 error on these tokens is itself a noisy draw). The two bf16 layouts' gradients differ by 8 %
+    0.005; worst relative gradient error: within 1.6x + 0.02: alone in a pytest process H200s gave plain 0.136,
+    shared 0.172 twice; after the vLLM engine tests in the same process plain 0.194, shared 0.284, float32 the same
+    to the digit: the worst tensor's bf16 error on these tokens depends on the kernels the process picks). The two bf16 layouts' gradients differ by 8 %
     (CPU dry run) to 15 % (H200, 2026-12-03) from each other: bf16 sums in another order on random tokens whose
     log-probs are ~-15. Figures: the differences, and both layouts' seconds (second round)."""
     import time
