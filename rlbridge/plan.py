@@ -387,6 +387,27 @@ def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> s
     return None
 
 
+SHARED_PEAK = 1.2
+"""The trainer's peak with trainer.shared_prompts always against the plain passes, on a GPU: 1.12x (SmolLM2-135M)
+and 1.18x (Qwen2.5-0.5B shape), 64 prompts x 8 at a 32768-token budget on an H200 (2026-12-03,
+bench/results/shared_prompts-gpu-2026-12-03.md): each layer's prompt keys and values gathered per row and
+concatenated with the responses' (two copies kept for the backward). Not modeled term by term: a note, not the
+estimate."""
+
+
+def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
+    """The hf engine runs the shared-prompt passes on a GPU: shared_prompts always (auto shares on CPUs only), more
+    than one response per prompt, no activation recompute (engines/shared_prompts.py)."""
+    t = r.trainer
+    return (
+        r.cluster.device == "cuda"
+        and t.engine == "hf"
+        and t.shared_prompts == "always"
+        and r.rollout.n > 1
+        and t.recompute.granularity == "none"
+    )
+
+
 def _sleep_applies(r: Recipe) -> bool:
     """rollout.sleep matters only for vLLM colocated with the trainer on GPUs in sync mode."""
     c = r.cluster
@@ -447,6 +468,12 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         note = _budget_note(r, m, dp, b, mem)
         if note:
             notes.append(note)
+    if mem is not None and _shares_prompts_on_a_gpu(r):
+        notes.append(
+            f"trainer.shared_prompts always on a GPU: these figures are the plain passes'; with shared prompts "
+            f"the trainer's measured peak was 1.12-1.18x theirs (expect up to ~{SHARED_PEAK * mem.trainer_total:.1f}"
+            f" GiB) and the update slower (0.47-0.90x; bench/results/shared_prompts-gpu-2026-12-03.md)"
+        )
     return Plan(
         world_size=world,
         device=c.device,

@@ -180,6 +180,24 @@ def test_many_small_passes_on_a_gpu_get_a_token_budget_that_fits() -> None:
     assert notes("cluster.device=cpu") == []  # compute-bound passes on a CPU
 
 
+def test_shared_prompts_on_a_gpu_get_a_note_with_their_measured_peak() -> None:
+    """The plan estimates the plain passes; shared prompts on a GPU measured up to 1.18x their peak (a note)."""
+
+    def notes(*sets: str) -> tuple[list[str], float]:
+        r = load_recipe("recipes/quickstart-gpu.yaml", [*IN_LOOP, *sets])
+        plan = make_plan(r, read_model_info(r.model.path))
+        assert plan.memory is not None
+        return [n for n in plan.notes if "shared_prompts" in n], plan.memory.trainer_total
+
+    (note,), trainer = notes("trainer.shared_prompts=always")
+    assert f"~{1.2 * trainer:.1f} GiB" in note and "1.12-1.18x" in note
+    assert notes()[0] == []  # auto: plain passes on a GPU
+    assert notes("trainer.shared_prompts=always", "cluster.device=cpu")[0] == []  # the plan is the CPU's
+    assert notes("trainer.shared_prompts=always", "rollout.n=1")[0] == []  # nothing shared
+    recomputed = notes("trainer.shared_prompts=always", "trainer.recompute.granularity=full")
+    assert recomputed[0] == []  # the engine runs the plain passes
+
+
 # ------------------------------------------------------------------ rollout.sleep: vLLM asleep or resident
 def gpu_plan(sets: list[str], path: str = "recipes/quickstart-gpu.yaml") -> tuple[Recipe, Any]:
     r = load_recipe(path, sets)
