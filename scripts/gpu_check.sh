@@ -15,8 +15,8 @@
 #   bash scripts/gpu_check.sh moe    # issue 22: the tiny Qwen3-MoE with LoRA: vLLM reload + routed experts, GRPO via
 #                                    # the CLI (vLLM, bf16), MoE vs dense log-prob gap (~6 min: 75 s + 69 s + ~180 s bf16, 2026-12-02)
 #   bash scripts/gpu_check.sh faults # issue 20: out of GPU memory (vLLM at start, at wake; the trainer) with a memory
-#                                    # hog, a trainer killed mid-step; resume (~7-8 min; the wake test passed 2026-12-02,
-#                                    # gpu_check-2026-12-02b; the others still owed: GPU_CHECK_K='not wake' ... faults)
+#                                    # hog, a trainer killed mid-step; resume (~7-8 min; all four passed on 2026-12-02
+#                                    # over three calls: gpu_check-2026-12-02b, gpu_check-2026-12-02c)
 #   bash scripts/gpu_check.sh ipc    # issue 16 goal 3: merged sync by CUDA IPC (rollout.weight_transport cuda_ipc) vs
 #                                    # files, trainer and vLLM in two processes on one GPU, 3 sleep/wake/IPC cycles
 #                                    # (151 s, passed 2026-12-02: gpu_check-2026-12-02d)
