@@ -34,7 +34,8 @@
 #   bash scripts/gpu_bench.sh klpasses  # 512 rollouts, KL 0.05: reference log-probs grouped as the training passes vs by 4 rows
 #   bash scripts/gpu_bench.sh compile   # issue 16 goals 1/4: bench/compile_layers.py, the hf engine's LoRA step at the quickstart
 #                                       # shape (32 rows, one pass) eager vs decoder layers compiled (dynamic shapes; then
-#                                       # dynamic + CUDA graphs; then specialized per shape)
+#                                       # dynamic + CUDA graphs; then specialized per shape; 2026-12-03 on an H200: 1.63x
+#                                       # after 72 s of compiling, CUDA graphs segfaulted, 1.45x: compile_layers-gpu-2026-12-03)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
