@@ -85,6 +85,9 @@ def test_shell_completion_of_commands_and_recipe_names() -> None:
     # in a fresh interpreter, as a shell runs it: in-process (CliRunner) it once exited 1 inside the whole suite
     # and passed alone (order-dependent global state of click/typer's completion), a flake a CI landing can hit
     env = {k: v for k, v in os.environ.items() if not k.startswith("_RLBRIDGE_COMPLETE")}
+    # the shell named on the command line, not detected from the parent processes: a test run whose parents hold
+    # no shell (started detached) made typer's flag detect none ("Shell  not supported")
+    env["_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"] = "1"
     res = subprocess.run(
         [sys.executable, "-m", "rlbridge", "--show-completion", "bash"],
         env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
