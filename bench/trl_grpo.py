@@ -24,6 +24,8 @@ always with its colocated vLLM at the recipe's rollout.gpu_memory_utilization an
 correction (as rlbridge's default), `--trl-micro` for TRL's per_device_train_batch_size and `--rlbridge-set` for
 overrides of rlbridge alone (e.g. its token budget); the differences that remain are in GPU_DIFFERENCES.
 `bash scripts/gpu_bench.sh trl` / `trl512` run it there (bench/results/trl_grpo-gpu-2026-12-02.md).
+`--also-async` and `--also NAME:KEY=VALUE` (e.g. `compiled:trainer.compile=true`) add rlbridge runs with those
+overrides (tools rlbridge-async, rlbridge-NAME) to each round, with their own medians and ratios.
 """
 
 from __future__ import annotations
@@ -492,6 +494,14 @@ def main() -> None:
         action="store_true",
         help="also run rlbridge with rollout.mode async (max_staleness 1, token TIS; docs/async.md) in each round",
     )
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="also run rlbridge with these overrides as tool rlbridge-NAME in each round (repeat a NAME for more "
+        "than one override), e.g. compiled:trainer.compile=true",
+    )
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
         "--work", type=Path, help="where the runs and their logs go (default: a new temporary folder)"
@@ -512,17 +522,18 @@ def main() -> None:
     r = recipe(total, a.sets)
     plan = step_prompts(r, total)
     runs: list[dict[str, Any]] = []
+    variants = variant_sets(a)
     for k in range(a.rounds):
         order = ("rlbridge", "trl") if k % 2 == 0 else ("trl", "rlbridge")
-        if a.also_async:
-            order = (*order, "rlbridge-async") if k % 2 == 0 else ("rlbridge-async", *order)
+        extra = tuple(variants)
+        order = (*order, *extra) if k % 2 == 0 else (*extra, *order)
         for tool in order:
             print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
             try:
                 if tool == "trl":
                     res = run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
                 else:
-                    sets = [*a.sets, *a.rlbridge_sets, *(ASYNC if tool == "rlbridge-async" else [])]
+                    sets = [*a.sets, *a.rlbridge_sets, *variants.get(tool, [])]
                     res = run_rlbridge(total, a.warmup, sets, work, plan, r.rollout.n)
                     res["tool"] = tool
             except SystemExit as e:
@@ -538,10 +549,21 @@ def main() -> None:
     finish(a, runs, save=not a.no_save, final=True)
 
 
+def variant_sets(a: argparse.Namespace) -> dict[str, list[str]]:
+    """--also-async and --also NAME:KEY=VALUE: tool name (rlbridge-NAME) -> its recipe overrides, in order."""
+    variants: dict[str, list[str]] = {"rlbridge-async": list(ASYNC)} if a.also_async else {}
+    for spec in a.also:
+        name, sep, override = spec.partition(":")
+        if not sep or not name or "=" not in override:
+            raise SystemExit(f"--also {spec!r}: expected NAME:KEY=VALUE, e.g. compiled:trainer.compile=true")
+        variants.setdefault(f"rlbridge-{name}", []).append(override)
+    return variants
+
+
 def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, final: bool) -> None:
     ok = {
         t: [x for x in runs if x["tool"] == t and not x.get("failed")]
-        for t in ("rlbridge", "trl", "rlbridge-async")
+        for t in ("rlbridge", "trl", *variant_sets(a))
     }
 
     def mean(tool: str, key: str) -> float | None:
@@ -570,9 +592,15 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         ratios["step_s_min_rlbridge_over_trl"] = steps["rlbridge"][0] / steps["trl"][0]
         ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
         ratios["rlbridge_step_faster_median"] = median["rlbridge"] < median["trl"]
-    if ok["rlbridge-async"] and ok["trl"]:  # --also-async: the same medians for the overlapped loop
-        ratios["async_step_s_median"] = median["rlbridge-async"]
-        ratios["trl_over_async_step_s_median"] = median["trl"] / median["rlbridge-async"]
+    for tool in variant_sets(
+        a
+    ):  # --also-async (async_...), --also NAME:...: the same medians for each variant
+        if ok[tool] and ok["trl"]:
+            name = tool.removeprefix("rlbridge-")
+            ratios[f"{name}_step_s_median"] = median[tool]
+            ratios[f"trl_over_{name}_step_s_median"] = median["trl"] / median[tool]
+            if ok["rlbridge"]:
+                ratios[f"rlbridge_over_{name}_step_s_median"] = median["rlbridge"] / median[tool]
     rows = [
         {
             k: x.get(k)
@@ -604,6 +632,7 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             "rounds": a.rounds,
             "sets": a.sets,
             "rlbridge_sets": a.rlbridge_sets,
+            "variants": variant_sets(a),
             "trl_vllm_colocate": a.trl_vllm_colocate or gpu,
             "trl_micro": a.trl_micro,
             "recipe": f"{a.recipe} + run.steps, data.val=null",
