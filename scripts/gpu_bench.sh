@@ -36,9 +36,9 @@
 #                                       # shape (32 rows, one pass) eager vs decoder layers compiled (dynamic shapes; then
 #                                       # dynamic + CUDA graphs; then specialized per shape; 2026-12-03 on an H200: 1.63x
 #                                       # after 72 s of compiling, CUDA graphs segfaulted, 1.45x: compile_layers-gpu-2026-12-03)
-#   bash scripts/gpu_bench.sh trlcompile  # issue 16 goal 4: trl, plus rlbridge with trainer.compile (bench/trl_grpo.py --also
-#                                       # compiled:trainer.compile=true): the compiled layers in the loop, side by side
-#   bash scripts/gpu_bench.sh trl512compile  # the same at 512 rollouts
+#   bash scripts/gpu_bench.sh compilestale  # bench/compile_stale_check.py: do compiled layers follow the weights as they
+#                                       # train (compiled vs eager log-probs and gradient after each step; tiny model, ~1-2
+#                                       # min estimate)? Owed before compiled layers become a trainer option again
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -110,21 +110,19 @@ for part in "$@"; do
           --micro 32 --max-tokens 32768 --lora-rank $r --warmup 1 --steps 2 --no-save > "$OUT/$part/rank$r.txt" 2>&1
         tail -6 "$OUT/$part/rank$r.txt"
       done ;;
-    trl|trlasync|trlcompile)
+    trl|trlasync)
       extra=(); [ "$part" = trlasync ] && extra=(--also-async)
-      [ "$part" = trlcompile ] && extra=(--also compiled:trainer.compile=true)
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_async|over_compiled" "$OUT/$part/log.txt" | tail -14 ;;
-    trl512|trl512async|trl512compile)
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_" "$OUT/$part/log.txt" | tail -14 ;;
+    trl512|trl512async)
       extra=(); [ "$part" = trl512async ] && extra=(--also-async)
-      [ "$part" = trl512compile ] && extra=(--also compiled:trainer.compile=true)
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 3 --warmup 1 \
         --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_async|over_compiled" "$OUT/$part/log.txt" | tail -14 ;;
+      grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_" "$OUT/$part/log.txt" | tail -14 ;;
     growth)
       timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 3 --device "one H200" \
         --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
@@ -134,6 +132,9 @@ for part in "$@"; do
         --batches 2048 --lengths 1024 --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
+    compilestale)
+      timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
+      grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
     compile)
       for variant in "--dynamic --modes eager,default" "--dynamic --modes eager,reduce-overhead" "--modes eager,default"; do
         name=$(echo "$variant" | tr -c 'a-z0-9\n' '_')
@@ -153,7 +154,7 @@ for part in "$@"; do
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trlcompile, trl512, trl512async, trl512compile, growth, growth2, shared, compile)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -140,34 +140,6 @@ def _weight(module: nn.Module) -> Tensor:
     return weight
 
 
-def compile_layers(model: PreTrainedModel) -> int:
-    """trainer.compile: `torch.compile(dynamic=True)` on each decoder layer (the classes the model names in
-    `_no_split_modules`), in place: parameter names, hooks and peft's layers are untouched, each layer's call
-    goes through the compiled code. One graph serves every layer (same code, parameters as inputs); dynamo
-    compiles again per grad mode and train / eval, on first use. Returns the number of layers."""
-    if hf_moe.num_experts(model.config):
-        raise RlbridgeError(
-            "trainer.compile: not for MoE models (the router hooks that count tokens per expert and replay "
-            "routing run Python code inside the layers); set trainer.compile to false"
-        )
-    kinds = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in kinds]
-    if not layers:
-        raise RlbridgeError(
-            f"trainer.compile: found no decoder layer in {type(model).__name__} (looked for {sorted(kinds)}); "
-            "set trainer.compile to false"
-        )
-    for layer in layers:
-        layer.compile(dynamic=True)
-    log.info(
-        "trainer.compile: %d decoder layers (%s) compiled with torch.compile(dynamic=True); the first training "
-        "pass and the first log-prob pass compile first (about a minute each on a GPU)",
-        len(layers),
-        type(layers[0]).__name__,
-    )
-    return len(layers)
-
-
 def _masked(x_br: Tensor, mask_br: Tensor) -> Tensor:
     return torch.where(mask_br > 0, x_br, torch.zeros((), dtype=x_br.dtype, device=x_br.device))
 
@@ -213,8 +185,6 @@ class HFTrainEngine:
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
         self._apply_recompute()
-        if recipe.trainer.compile:
-            compile_layers(base)
         self._shared_logged: bool | None = None
         self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
             DynamicCache(config=base.config)

@@ -130,13 +130,6 @@ class TrainerCfg(Section):
     prompts; never: plain passes only (not `off`: YAML reads it as false). Needs trainer.recompute.granularity none (else the plain passes run); the megatron
     engine always runs the plain passes. With always on a GPU, `rlbridge plan` estimates the plain passes and
     notes the measured 1.12-1.18x trainer peak of the shared ones."""
-    compile: bool = False
-    """hf engine: compile each decoder layer of the policy with torch.compile (dynamic shapes, so lengths that
-    change every step do not recompile; the embedding, output layer and loss stay eager). Fewer, fused kernels
-    for a host-bound pass: the GPU quickstart's LoRA step 0.195 -> 0.120 s (1.63x) on an H200, for ~70 s of
-    compilation at the first training pass and ~30 s more at the first log-prob pass; worth it for long runs of
-    small models (docs/engines/hf.md). Same losses and gradients up to float rounding. Not with the megatron
-    engine or MoE models (validate-recipe refuses both)."""
 
 
 # -------------------------------------------------------------------------------------------- rollout

@@ -197,39 +197,6 @@ CASES = [
         },
     ),
     (
-        "compiled layers on megatron",
-        {"trainer__compile": True},
-        "trainer.compile",
-        "an hf engine option; the megatron engine",
-        {
-            "trainer__compile": True,
-            "trainer__engine": "hf",
-            "trainer__parallel": {},
-            "cluster__gpus_per_node": 1,
-            "rollout__tensor_parallel": 1,
-        },  # fmt: skip
-    ),
-    (
-        "compiled layers on an MoE model",
-        {
-            "model": {"path": MOE},
-            "trainer__compile": True,
-            "trainer__engine": "hf",
-            "trainer__parallel": {},
-            "cluster__gpus_per_node": 1,
-            "rollout__tensor_parallel": 1,
-        },  # fmt: skip
-        "trainer.compile",
-        "is an MoE model",
-        {
-            "model": {"path": MOE},
-            "trainer__engine": "hf",
-            "trainer__parallel": {},
-            "cluster__gpus_per_node": 1,
-            "rollout__tensor_parallel": 1,
-        },  # fmt: skip
-    ),
-    (
         "mini batch does not split over dp",
         {"data__batch_size": 1, "rollout__n": 2},
         "data.mini_batch_size",

@@ -118,7 +118,6 @@ NOT_IN_TABLE: dict[str, str] = {
     "refused with pipeline or context parallelism",
     "trainer.shared_prompts": "the hf engine's shared-prompt passes; the megatron engine runs plain passes "
     "(always is refused with this engine by validate-recipe)",
-    "trainer.compile": "the hf engine's compiled decoder layers (refused with this engine by validate-recipe)",
     "lora.type": "selects the PEFT class (PEFT_CLASSES) instead of setting a field; tested separately",
     "trainer.optim.min_lr": "read at every step by lr_at, the schedule shared with the hf engine",
     "trainer.optim.schedule": "read at every step by lr_at, the schedule shared with the hf engine",

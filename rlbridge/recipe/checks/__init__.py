@@ -18,7 +18,6 @@ from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
 from rlbridge.recipe.checks.layout import (
     check_batches,
-    check_compile,
     check_layout,
     check_rollout_layout,
     check_shared_prompts,
@@ -45,7 +44,6 @@ RULES: tuple[RecipeRule, ...] = (
     check_batches,
     check_token_budget,
     check_shared_prompts,
-    check_compile,
     check_lora,
     check_weight_transport,
     check_algorithm,

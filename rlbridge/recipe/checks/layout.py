@@ -238,16 +238,3 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
                 fix="set trainer.shared_prompts to auto or never, or trainer.recompute.granularity to none",
             )
         )
-
-
-def check_compile(r: Recipe, out: Issues) -> None:
-    """trainer.compile compiles the hf engine's decoder layers; the megatron engine has no such option here."""
-    if r.trainer.compile and r.trainer.engine != "hf":
-        out.append(
-            RecipeIssue(
-                "trainer.compile",
-                f"compiled decoder layers are an hf engine option; the {r.trainer.engine} engine runs its own modules",
-                value="true",
-                fix="set trainer.compile: false, or trainer.engine: hf",
-            )
-        )

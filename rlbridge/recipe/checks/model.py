@@ -72,16 +72,6 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 )
             )
         check_moe_lora(r, out)
-        if r.trainer.compile and r.trainer.engine == "hf":
-            out.append(
-                RecipeIssue(
-                    "trainer.compile",
-                    f"{m.architecture} is an MoE model: the router hooks that count tokens per expert and replay "
-                    "routing run Python code inside the decoder layers, which compiled layers are not checked with",
-                    value="true",
-                    fix="set trainer.compile: false",
-                )
-            )
     elif r.rollout.routing_replay:
         out.append(
             RecipeIssue(
