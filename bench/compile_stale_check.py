@@ -18,6 +18,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,9 +66,11 @@ def main() -> None:
         eager = HFTrainEngine(recipe(dtype), model_dir, device=args.device)
         start = compiled.logprobs(batch).cpu()
 
-        def loss() -> object:
+        algorithm = compiled.recipe.algorithm
+
+        def loss(algorithm: Any = algorithm) -> Any:
             inputs = LossInputs(adv.to(args.device), batch.response_mask.to(args.device), None, None, None)
-            return make_loss_fn(compiled.recipe.algorithm, inputs, norm_constant=32.0)
+            return make_loss_fn(algorithm, inputs, norm_constant=32.0)
 
         for step in range(args.steps + 1):
             if step:
