@@ -1,0 +1,29 @@
+"""bench/trl_grpo.py's extra rlbridge runs (--also-async, --also NAME:KEY=VALUE): the tool names and overrides each
+run gets, and a malformed --also refused by name."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.trl_grpo import ASYNC, variant_sets
+
+
+def test_variants_name_their_overrides_in_order() -> None:
+    a = argparse.Namespace(
+        also_async=True,
+        also=["compiled:trainer.compile=true", "compiled:run.seed=2", "big:data.batch_size=64"],
+    )
+    assert variant_sets(a) == {
+        "rlbridge-async": list(ASYNC),
+        "rlbridge-compiled": ["trainer.compile=true", "run.seed=2"],
+        "rlbridge-big": ["data.batch_size=64"],
+    }
+    assert variant_sets(argparse.Namespace(also_async=False, also=[])) == {}
+
+
+@pytest.mark.parametrize("spec", ["compiled", ":a=1", "x:novalue"])
+def test_a_malformed_variant_is_refused(spec: str) -> None:
+    with pytest.raises(SystemExit, match="expected NAME:KEY=VALUE"):
+        variant_sets(argparse.Namespace(also_async=False, also=[spec]))
