@@ -344,11 +344,10 @@ def run_rlbridge(
                 "generated_tokens": rec["tokens"],
                 "trained_tokens": rec["tokens"] + prompt_tokens,
                 "generate_s": rec.get("time_generate", 0.0),
-                # time_* phases, vLLM's sleep (inside update) and wake (inside sync) on colocated GPUs, and the
-                # trainer's own share of the update (trainer_update_s)
+                # time_* phases, and vLLM's sleep (inside update) and wake (inside sync) on colocated GPUs
                 "phases": {
                     **{k.removeprefix("time_"): v for k, v in rec.items() if k.startswith("time_")},
-                    **{k: v for k, v in rec.items() if k in ("sleep_s", "wake_s", "trainer_update_s")},
+                    **{k: v for k, v in rec.items() if k in ("sleep_s", "wake_s")},
                 },
                 "reward_mean": rec.get("reward_mean"),
             }
