@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -48,9 +47,7 @@ def test_gates_pass_on_a_healthy_run(model_dir: Path) -> None:
     b, adv, lp = batch()
     for _ in range(2):
         lp = t.logprobs(b)
-        start = time.perf_counter()
         m = t.update(b, adv, lp, None)
-        assert 0 < m["trainer_update_s"] <= time.perf_counter() - start
         assert (
             m["grad_norm"] > 0 and m["logprob_diff_max"] < 1e-5
         )  # on-policy: trainer == the given log-probs
