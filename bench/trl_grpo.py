@@ -24,7 +24,7 @@ always with its colocated vLLM at the recipe's rollout.gpu_memory_utilization an
 correction (as rlbridge's default), `--trl-micro` for TRL's per_device_train_batch_size and `--rlbridge-set` for
 overrides of rlbridge alone (e.g. its token budget); the differences that remain are in GPU_DIFFERENCES.
 `bash scripts/gpu_bench.sh trl` / `trl512` run it there (bench/results/trl_grpo-gpu-2026-12-02.md).
-`--also-async` and `--also NAME:KEY=VALUE` (e.g. `compiled:trainer.compile=true`) add rlbridge runs with those
+`--also-async` and `--also NAME:KEY=VALUE` (e.g. `kl:algorithm.kl.coef=0.05`) add rlbridge runs with those
 overrides (tools rlbridge-async, rlbridge-NAME) to each round, with their own medians and ratios.
 """
 
@@ -500,7 +500,7 @@ def main() -> None:
         default=[],
         metavar="NAME:KEY=VALUE",
         help="also run rlbridge with these overrides as tool rlbridge-NAME in each round (repeat a NAME for more "
-        "than one override), e.g. compiled:trainer.compile=true",
+        "than one override), e.g. kl:algorithm.kl.coef=0.05",
     )
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
@@ -555,15 +555,15 @@ def variant_sets(a: argparse.Namespace) -> dict[str, list[str]]:
     for spec in a.also:
         name, sep, override = spec.partition(":")
         if not sep or not name or "=" not in override:
-            raise SystemExit(f"--also {spec!r}: expected NAME:KEY=VALUE, e.g. compiled:trainer.compile=true")
+            raise SystemExit(f"--also {spec!r}: expected NAME:KEY=VALUE, e.g. kl:algorithm.kl.coef=0.05")
         variants.setdefault(f"rlbridge-{name}", []).append(override)
     return variants
 
 
 def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, final: bool) -> None:
+    variants = variant_sets(a)
     ok = {
-        t: [x for x in runs if x["tool"] == t and not x.get("failed")]
-        for t in ("rlbridge", "trl", *variant_sets(a))
+        t: [x for x in runs if x["tool"] == t and not x.get("failed")] for t in ("rlbridge", "trl", *variants)
     }
 
     def mean(tool: str, key: str) -> float | None:
@@ -592,9 +592,7 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
         ratios["step_s_min_rlbridge_over_trl"] = steps["rlbridge"][0] / steps["trl"][0]
         ratios["rlbridge_step_faster_mean"] = mean("rlbridge", "step_s") < mean("trl", "step_s")  # type: ignore[operator]
         ratios["rlbridge_step_faster_median"] = median["rlbridge"] < median["trl"]
-    for tool in variant_sets(
-        a
-    ):  # --also-async (async_...), --also NAME:...: the same medians for each variant
+    for tool in variants:  # --also-async (async_...), --also NAME:...: the same medians for each variant
         if ok[tool] and ok["trl"]:
             name = tool.removeprefix("rlbridge-")
             ratios[f"{name}_step_s_median"] = median[tool]
@@ -632,7 +630,7 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             "rounds": a.rounds,
             "sets": a.sets,
             "rlbridge_sets": a.rlbridge_sets,
-            "variants": variant_sets(a),
+            "variants": variants,
             "trl_vllm_colocate": a.trl_vllm_colocate or gpu,
             "trl_micro": a.trl_micro,
             "recipe": f"{a.recipe} + run.steps, data.val=null",

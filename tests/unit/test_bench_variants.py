@@ -13,17 +13,17 @@ from bench.trl_grpo import ASYNC, variant_sets
 def test_variants_name_their_overrides_in_order() -> None:
     a = argparse.Namespace(
         also_async=True,
-        also=["compiled:trainer.compile=true", "compiled:run.seed=2", "big:data.batch_size=64"],
+        also=["kl:algorithm.kl.coef=0.05", "kl:run.seed=2", "big:data.batch_size=64"],
     )
     assert variant_sets(a) == {
         "rlbridge-async": list(ASYNC),
-        "rlbridge-compiled": ["trainer.compile=true", "run.seed=2"],
+        "rlbridge-kl": ["algorithm.kl.coef=0.05", "run.seed=2"],
         "rlbridge-big": ["data.batch_size=64"],
     }
     assert variant_sets(argparse.Namespace(also_async=False, also=[])) == {}
 
 
-@pytest.mark.parametrize("spec", ["compiled", ":a=1", "x:novalue"])
+@pytest.mark.parametrize("spec", ["kl", ":a=1", "x:novalue"])
 def test_a_malformed_variant_is_refused(spec: str) -> None:
     with pytest.raises(SystemExit, match="expected NAME:KEY=VALUE"):
         variant_sets(argparse.Namespace(also_async=False, also=[spec]))
