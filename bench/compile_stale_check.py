@@ -58,6 +58,12 @@ def main() -> None:
             }
         )
 
+    inputs = LossInputs(adv.to(args.device), batch.response_mask.to(args.device), None, None, None)
+    algorithm = recipe("float32").algorithm  # the dtype changes the model only
+
+    def loss() -> Any:
+        return make_loss_fn(algorithm, inputs, norm_constant=32.0)
+
     for dtype in args.dtypes.split(","):
         torch._dynamo.reset()
         compiled = HFTrainEngine(recipe(dtype), model_dir, device=args.device)
@@ -65,13 +71,6 @@ def main() -> None:
             layer.compile(dynamic=True)
         eager = HFTrainEngine(recipe(dtype), model_dir, device=args.device)
         start = compiled.logprobs(batch).cpu()
-
-        algorithm = compiled.recipe.algorithm
-
-        def loss(algorithm: Any = algorithm) -> Any:
-            inputs = LossInputs(adv.to(args.device), batch.response_mask.to(args.device), None, None, None)
-            return make_loss_fn(algorithm, inputs, norm_constant=32.0)
-
         for step in range(args.steps + 1):
             if step:
                 compiled.train_step(batch, loss(), num_micro_batches=1)
