@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlbridge.algo.advantages import dynamic_sampling_filter, overlong_penalty
-from rlbridge.algo.correction import MismatchNotices, health_problems
+from rlbridge.algo.correction import DriftWatch, MismatchNotices, health_problems
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
@@ -150,6 +150,7 @@ def train_step(
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step, s.mismatch_notices)
+    check_drift(r, s.drift, m.get("logprob_diff_mean"), staleness, step, s.drift_notices)
     background = source.overlapped and s.loads_in_background()
     if source.overlapped and not background:  # the load below would wait for them: time it as what it is
         with timer("rollout_wait"):
@@ -380,6 +381,30 @@ def check_mismatch(r: Recipe, m: dict[str, Any], step: int, notices: MismatchNot
         )
     else:
         log(text)
+
+
+def check_drift(
+    r: Recipe,
+    watch: DriftWatch,
+    diff: object,
+    staleness: int,
+    step: int,
+    notices: MismatchNotices | None = None,
+) -> None:
+    """run.health.max_logprob_diff_growth (algo/correction.DriftWatch): a warning, as check_mismatch's (first step
+    out, every 10th while it lasts, its end), or a stop with on_mismatch: stop."""
+    problems = watch.observe(diff, staleness)
+    if problems is None:
+        return
+    where = (
+        "look for a weight sync that did not reach the rollout or a trainer computing with old weights: "
+        "docs/rollout-correction.md#health-checks"
+    )
+    if problems and r.run.health.on_mismatch == "stop":
+        raise RlbridgeError(f"step {step}: {problems[0]} (run.health.on_mismatch: stop; {where})")
+    text = (notices or MismatchNotices()).notice(step, problems)
+    if text is not None:
+        log(f"[yellow]warning[/] {text} ({where})" if problems else text)
 
 
 def evaluate(s: Session, step: int) -> dict[str, float]:

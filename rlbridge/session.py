@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from rich.markup import escape
 
-from rlbridge.algo.correction import MismatchNotices
+from rlbridge.algo.correction import DriftWatch, MismatchNotices
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import logs
@@ -109,6 +109,12 @@ class Session:
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.mismatch_notices = MismatchNotices()
         """When the loop warns of importance weights outside run.health's limits (not at every step of a long gap)."""
+        self.drift = DriftWatch(recipe.run.health.max_logprob_diff_growth)
+        """Whether the trainer-vs-rollout log-prob gap grows (run.health.max_logprob_diff_growth); seeded with a
+        resumed run's records when the metrics log opens."""
+        self.drift_notices = MismatchNotices(
+            back="the trainer-vs-rollout log-prob gap is back within run.health.max_logprob_diff_growth"
+        )
         self.memory_told: set[str] = set()
         """What the loop has said of the trainer's measured GPU peak against the plan (loop.memory_notice)."""
         self.stall = stalls.from_recipe(
@@ -171,6 +177,7 @@ class Session:
             self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name, config=r.model_dump(mode="json")
         )
         stack.callback(self.metrics.close)
+        self.drift.seed(self.metrics.history)
         stack.callback(self._stop_workers)
         workers = self._start_workers(self)
         self.trainer, self.rollout, self.memory = workers.trainer, workers.rollout, workers.memory

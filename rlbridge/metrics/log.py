@@ -132,6 +132,8 @@ class MetricsLog:
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         history = _read_records(self.path)  # a resumed run's records so far (cut back to its checkpoint)
+        self.history: list[dict[str, Any]] = history
+        """The records metrics.jsonl held at start: a resumed run's steps so far (empty for a new run)."""
         self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
         if "console" in loggers:
             self.sinks["console"] = ConsoleSink(total_steps)

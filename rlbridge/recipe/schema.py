@@ -463,6 +463,12 @@ class HealthCfg(Section):
     """After the first update: grad norm finite and > 0, every trainable tensor changed, no frozen one did."""
     max_logprob_diff: Annotated[float, Field(gt=0)] | None = 0.5
     """Stop when the mean |trainer - rollout| log-prob of sampled tokens exceeds this; null turns it off."""
+    max_logprob_diff_growth: Annotated[float, Field(gt=1)] | None = 2.0
+    """Warn (or stop, with on_mismatch: stop) when the trainer-vs-rollout log-prob gap grows: the median of
+    logprob_diff_mean over the last 3 on-policy steps above this many times its median over the run's first 3, and at
+    least 0.01 above it. A gap that grows
+    as the weights move is the mark of one side computing with weights the other does not have (a sync that did not
+    reach the rollout, a trainer graph holding old weights); bf16 noise stays flat. Null turns it off."""
     max_nonfinite_steps: Annotated[int, Field(ge=0)] = 3
     """Steps with non-finite loss/gradients that are skipped before the run stops."""
     is_weight_range: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (0.5, 2.0)
@@ -472,8 +478,8 @@ class HealthCfg(Section):
     """A step whose normalized effective sample size of the importance weights (rc_ess) falls below this gets a
     warning, or stops the run with on_mismatch: stop."""
     on_mismatch: Literal["warn", "stop"] = "warn"
-    """What a step outside is_weight_range or min_ess does: print a warning (at the first step out, then every 10th
-    while the gap lasts, and when it ends), or stop the run."""
+    """What a step outside is_weight_range or min_ess, or past max_logprob_diff_growth, does: print a warning (at the
+    first step out, then every 10th while the gap lasts, and when it ends), or stop the run."""
     stall_factor: Annotated[float, Field(gt=1)] = 5.0
     """A phase of a step (generate, reward, update, sync, eval, checkpoint, ...) that has run this many times its
     median in earlier steps, and at least stall_floor_s, is stalled: a warning names the phase and its likely
