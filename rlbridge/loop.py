@@ -27,7 +27,7 @@ from rlbridge.data.rewards import format_reward
 from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.log import Timer
 from rlbridge.pipeline import RolloutSource
-from rlbridge.plan import Plan
+from rlbridge.plan import Plan, num_mini_batches
 from rlbridge.recipe.schema import DapoCfg, Recipe
 from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
 from rlbridge.run.signals import StopSignals
@@ -150,7 +150,7 @@ def train_step(
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step, s.mismatch_notices)
-    check_drift(r, s.drift, m.get("logprob_diff_mean"), staleness, step, s.drift_notices)
+    check_drift(r, s.drift, agreement_gap(r, m, batch.size), staleness, step, s.drift_notices)
     background = source.overlapped and s.loads_in_background()
     if source.overlapped and not background:  # the load below would wait for them: time it as what it is
         with timer("rollout_wait"):
@@ -381,6 +381,17 @@ def check_mismatch(r: Recipe, m: dict[str, Any], step: int, notices: MismatchNot
         )
     else:
         log(text)
+
+
+def agreement_gap(r: Recipe, m: dict[str, Any], num_rows: int) -> float | None:
+    """The step's logprob_diff_mean where it measures how the trainer and the rollout agree on the same weights;
+    None where it does not: in bypass mode with several optimizer steps per step the later rows' log-probs include
+    this step's own movement (TrainerRole.update)."""
+    rc = r.algorithm.rollout_correction
+    if rc.bypass and (r.trainer.ppo_epochs > 1 or num_mini_batches(r, num_rows) > 1):
+        return None
+    diff = m.get("logprob_diff_mean")
+    return float(diff) if isinstance(diff, (int, float)) else None
 
 
 def check_drift(

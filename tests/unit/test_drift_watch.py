@@ -147,3 +147,25 @@ def test_the_key_is_validated() -> None:
 
     with pytest.raises(ValidationError, match="max_logprob_diff_growth"):
         recipe(max_logprob_diff_growth=1.0)
+
+
+def test_bypass_with_several_optimizer_steps_is_not_watched() -> None:
+    """There the later mini-batches' log-probs were computed after this step's first optimizer steps."""
+    from rlbridge.loop import agreement_gap
+
+    m = {"logprob_diff_mean": 0.03}
+    plain = recipe()
+    assert agreement_gap(plain, m, 64) == 0.03
+    assert agreement_gap(plain, {}, 64) is None
+
+    def with_(mini: int | None = None, **over: Any) -> Recipe:
+        data = {"train": {"path": "builtin:arithmetic"}, "batch_size": 8, "mini_batch_size": mini}
+        return Recipe.model_validate(
+            {"name": "t", "model": {"path": "x"}, "data": data, "rollout": {"n": 4}, **over}
+        )
+
+    bypass = {"algorithm": {"rollout_correction": {"bypass": True}}}
+    assert agreement_gap(with_(**bypass), m, 32) == 0.03  # one mini-batch: every row at the rollout's weights
+    assert agreement_gap(with_(4, **bypass), m, 32) is None  # 2 mini-batches
+    assert agreement_gap(with_(**bypass, trainer={"ppo_epochs": 2}), m, 32) is None
+    assert agreement_gap(with_(4), m, 32) == 0.03  # old log-probs computed first
