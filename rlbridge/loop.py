@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from rlbridge.algo.advantages import dynamic_sampling_filter, overlong_penalty
-from rlbridge.algo.correction import DriftWatch, MismatchNotices, health_problems
+from rlbridge.algo.correction import MismatchNotices, health_problems
+from rlbridge.algo.drift import DriftWatch, measures_agreement
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
 from rlbridge.data.rewards import format_reward
@@ -384,11 +385,12 @@ def check_mismatch(r: Recipe, m: dict[str, Any], step: int, notices: MismatchNot
 
 
 def agreement_gap(r: Recipe, m: dict[str, Any], num_rows: int) -> float | None:
-    """The step's logprob_diff_mean where it measures how the trainer and the rollout agree on the same weights;
-    None where it does not: in bypass mode with several optimizer steps per step the later rows' log-probs include
-    this step's own movement (TrainerRole.update)."""
-    rc = r.algorithm.rollout_correction
-    if rc.bypass and (r.trainer.ppo_epochs > 1 or num_mini_batches(r, num_rows) > 1):
+    """The step's logprob_diff_mean where it measures how the trainer and the rollout agree on the same weights
+    (drift.measures_agreement), else None."""
+    minis = num_mini_batches(r, num_rows)
+    if not measures_agreement(
+        bypass=r.algorithm.rollout_correction.bypass, ppo_epochs=r.trainer.ppo_epochs, mini_batches=minis
+    ):
         return None
     diff = m.get("logprob_diff_mean")
     return float(diff) if isinstance(diff, (int, float)) else None

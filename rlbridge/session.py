@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from rich.markup import escape
 
-from rlbridge.algo.correction import DriftWatch, MismatchNotices
+from rlbridge.algo.correction import MismatchNotices
+from rlbridge.algo.drift import DriftWatch
 from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import logs

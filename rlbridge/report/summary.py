@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlbridge.algo.drift import first_growth, measures_agreement
 from rlbridge.report.plots import PLOTS, phase_keys
 from rlbridge.report.run import RunData
 
@@ -136,7 +137,25 @@ def _training(run: RunData) -> list[str]:
         notes.append(f"{skipped} step(s) skipped for non-finite loss or gradients")
     if errors:
         notes.append(f"{errors:.0f} reward function error(s)")
+    drift = _drift(run)
+    if drift:
+        notes.append(drift)
     return lines + ([""] + ["; ".join(notes) + "."] if notes else [])
+
+
+def _drift(run: RunData) -> str | None:
+    """run.health.max_logprob_diff_growth replayed over the records (algo/drift.py): where the trainer-vs-rollout
+    log-prob gap first grew past it, as the loop warned (or stopped) then."""
+    growth = run.get("run.health.max_logprob_diff_growth", 2.0)
+    batch = run.get("data.batch_size", 1)
+    mini = run.get("data.mini_batch_size") or batch
+    watched = measures_agreement(
+        bypass=bool(run.get("algorithm.rollout_correction.bypass", False)),
+        ppo_epochs=int(run.get("trainer.ppo_epochs", 1)),
+        mini_batches=2 if isinstance(mini, int) and isinstance(batch, int) and mini < batch else 1,
+    )
+    found = first_growth(run.train, growth if isinstance(growth, (int, float)) else None) if watched else None
+    return None if found is None else f"**step {found[0]}: {found[1]}** (run.health.max_logprob_diff_growth)"
 
 
 def _timing(run: RunData) -> list[str]:

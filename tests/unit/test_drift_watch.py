@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from rlbridge.algo.correction import DRIFT_FLOOR, DriftWatch, MismatchNotices
+from rlbridge.algo.correction import MismatchNotices
+from rlbridge.algo.drift import DRIFT_FLOOR, DriftWatch
 from rlbridge.errors import RlbridgeError
 from rlbridge.loop import check_drift
 from rlbridge.recipe.schema import Recipe

@@ -173,3 +173,21 @@ def test_report_does_not_import_heavy_libraries() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_grown_log_prob_gap_is_named(tmp_path: Path) -> None:
+    """run.health.max_logprob_diff_growth replayed over the records: the H200 run with compiled trainer layers
+    (bench/results/compile_loop-gpu-2026-12-03.metrics.jsonl) grew at step 8; an eager run has no such note."""
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for name, records, expect in [
+        ("compiled", results / "compile_loop-gpu-2026-12-03.metrics.jsonl", "step 8: the trainer-vs-rollout"),
+        ("eager", results / "quickstart_gpu-2026-12-01" / "metrics.jsonl", None),
+    ]:
+        run = make_run(tmp_path / name, steps_done=0, planned=30)
+        (run / "metrics.jsonl").write_text(records.read_text())
+        md = " ".join(render_report(run).markdown.read_text().split())
+        if expect is None:
+            assert "log-prob gap grew" not in md
+        else:
+            assert f"**{expect} log-prob gap grew from 0.026" in md, md
+            assert "(run.health.max_logprob_diff_growth)" in md
