@@ -104,15 +104,11 @@ def test_a_resumed_run_keeps_the_baseline_of_its_first_steps() -> None:
     assert [fresh.observe(v) for v in (0.05, 0.06, 0.07, 0.08, 0.09, 0.1)][-1] == []
 
 
-def recipe(**health: Any) -> Recipe:
-    return Recipe.model_validate(
-        {
-            "name": "t",
-            "model": {"path": "x"},
-            "data": {"train": {"path": "builtin:arithmetic"}},
-            "run": {"health": health},
-        }
-    )
+def recipe(mini: int | None = None, **health: Any) -> Recipe:
+    """8 prompts x 4 a step, mini-batches of `mini` prompts, run.health as given."""
+    data = {"train": {"path": "builtin:arithmetic"}, "batch_size": 8, "mini_batch_size": mini}
+    body = {"name": "t", "model": {"path": "x"}, "data": data, "rollout": {"n": 4}, "run": {"health": health}}
+    return Recipe.model_validate(body)
 
 
 def test_the_loop_warns_once_then_every_tenth_step_and_tells_the_end(
@@ -159,14 +155,15 @@ def test_bypass_with_several_optimizer_steps_is_not_watched() -> None:
     assert agreement_gap(plain, m, 64) == 0.03
     assert agreement_gap(plain, {}, 64) is None
 
-    def with_(mini: int | None = None, **over: Any) -> Recipe:
-        data = {"train": {"path": "builtin:arithmetic"}, "batch_size": 8, "mini_batch_size": mini}
-        return Recipe.model_validate(
-            {"name": "t", "model": {"path": "x"}, "data": data, "rollout": {"n": 4}, **over}
+    def bypass(mini: int | None = None, epochs: int = 1) -> Recipe:
+        r = recipe(mini)
+        algorithm = r.algorithm.model_copy(
+            update={"rollout_correction": r.algorithm.rollout_correction.model_copy(update={"bypass": True})}
         )
+        trainer = r.trainer.model_copy(update={"ppo_epochs": epochs})
+        return r.model_copy(update={"algorithm": algorithm, "trainer": trainer})
 
-    bypass = {"algorithm": {"rollout_correction": {"bypass": True}}}
-    assert agreement_gap(with_(**bypass), m, 32) == 0.03  # one mini-batch: every row at the rollout's weights
-    assert agreement_gap(with_(4, **bypass), m, 32) is None  # 2 mini-batches
-    assert agreement_gap(with_(**bypass, trainer={"ppo_epochs": 2}), m, 32) is None
-    assert agreement_gap(with_(4), m, 32) == 0.03  # old log-probs computed first
+    assert agreement_gap(bypass(), m, 32) == 0.03  # one mini-batch: every row at the rollout's weights
+    assert agreement_gap(bypass(4), m, 32) is None  # 2 mini-batches
+    assert agreement_gap(bypass(epochs=2), m, 32) is None
+    assert agreement_gap(recipe(4), m, 32) == 0.03  # old log-probs computed first
