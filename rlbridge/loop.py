@@ -404,7 +404,7 @@ def check_drift(
     step: int,
     notices: MismatchNotices | None = None,
 ) -> None:
-    """run.health.max_logprob_diff_growth (algo/correction.DriftWatch): a warning, as check_mismatch's (first step
+    """run.health.max_logprob_diff_growth (algo/drift.DriftWatch): a warning, as check_mismatch's (first step
     out, every 10th while it lasts, its end), or a stop with on_mismatch: stop."""
     problems = watch.observe(diff, staleness)
     if problems is None:

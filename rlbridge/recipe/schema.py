@@ -466,9 +466,9 @@ class HealthCfg(Section):
     max_logprob_diff_growth: Annotated[float, Field(gt=1)] | None = 2.0
     """Warn (or stop, with on_mismatch: stop) when the trainer-vs-rollout log-prob gap grows: the median of
     logprob_diff_mean over the last 3 on-policy steps above this many times its median over the run's first 3, and at
-    least 0.01 above it. A gap that grows
-    as the weights move is the mark of one side computing with weights the other does not have (a sync that did not
-    reach the rollout, a trainer graph holding old weights); bf16 noise stays flat. Null turns it off."""
+    least 0.01 above it. A gap that grows as the weights move is the mark of one side computing with weights the other
+    does not have (a sync that did not reach the rollout, a trainer graph holding old weights); bf16 noise stays
+    flat. Null turns it off."""
     max_nonfinite_steps: Annotated[int, Field(ge=0)] = 3
     """Steps with non-finite loss/gradients that are skipped before the run stops."""
     is_weight_range: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (0.5, 2.0)
