@@ -368,20 +368,27 @@ def check_mismatch(r: Recipe, m: dict[str, Any], step: int, notices: MismatchNot
     """run.health's importance-weight limits (algo/correction.py): a warning (the first step out, then every 10th
     while they stay out: `notices`), or a stop with on_mismatch: stop."""
     problems = health_problems(r.run.health, m)
+    _tell(
+        r,
+        step,
+        problems,
+        notices,
+        stop=f"step {step}: rollout and trainer disagree: {'; '.join(problems)} (run.health.on_mismatch: stop; set "
+        "it to warn to continue, or correct the gap with algorithm.rollout_correction: docs/rollout-correction.md)",
+        hint="algorithm.rollout_correction corrects it: docs/rollout-correction.md",
+    )
+
+
+def _tell(
+    r: Recipe, step: int, problems: list[str], notices: MismatchNotices | None, *, stop: str, hint: str
+) -> None:
+    """run.health.on_mismatch for one check's problems at this step: raise `stop`, or print what `notices` says now
+    (the first step out with `hint`, every 10th while it lasts, its end)."""
     if problems and r.run.health.on_mismatch == "stop":
-        raise RlbridgeError(
-            f"step {step}: rollout and trainer disagree: {'; '.join(problems)} (run.health.on_mismatch: stop; set "
-            "it to warn to continue, or correct the gap with algorithm.rollout_correction: docs/rollout-correction.md)"
-        )
+        raise RlbridgeError(stop)
     text = (notices or MismatchNotices()).notice(step, problems)
-    if text is None:
-        return
-    if problems:
-        log(
-            f"[yellow]warning[/] {text} (algorithm.rollout_correction corrects it: docs/rollout-correction.md)"
-        )
-    else:
-        log(text)
+    if text is not None:
+        log(f"[yellow]warning[/] {text} ({hint})" if problems else text)
 
 
 def agreement_gap(r: Recipe, m: dict[str, Any], num_rows: int) -> float | None:
@@ -413,11 +420,8 @@ def check_drift(
         "look for a weight sync that did not reach the rollout or a trainer computing with old weights: "
         "docs/rollout-correction.md#health-checks"
     )
-    if problems and r.run.health.on_mismatch == "stop":
-        raise RlbridgeError(f"step {step}: {problems[0]} (run.health.on_mismatch: stop; {where})")
-    text = (notices or MismatchNotices()).notice(step, problems)
-    if text is not None:
-        log(f"[yellow]warning[/] {text} ({where})" if problems else text)
+    stop = f"step {step}: {problems[0]} (run.health.on_mismatch: stop; {where})" if problems else ""
+    _tell(r, step, problems, notices, stop=stop, hint=where)
 
 
 def evaluate(s: Session, step: int) -> dict[str, float]:
