@@ -39,6 +39,10 @@
 #   bash scripts/gpu_bench.sh compilestale  # bench/compile_stale_check.py: do compiled layers follow the weights as they
 #                                       # train (compiled vs eager log-probs and gradient after each step; tiny model, ~1-2
 #                                       # min estimate)? Owed before compiled layers become a trainer option again
+#   bash scripts/gpu_bench.sh spikes    # issue 16 goal 4: the async quickstart as trlasync runs it (32 steps), its metrics.jsonl,
+#                                       # worker logs and the GPU's utilization every 0.2 s kept flat under $OUT/spikes: what
+#                                       # made 3 of 30 async updates take 1.5-2.2 s instead of 0.3 (trl_grpo-gpu-2026-12-04)
+#   SPIKES_MODE=sync bash scripts/gpu_bench.sh spikes   # the same in sync mode
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -132,6 +136,29 @@ for part in "$@"; do
         --batches 2048 --lengths 1024 --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
+    spikes)
+      mode=${SPIKES_MODE:-async}; run="$OUT/$part/run-$mode"
+      sets=(--set run.steps=32 --set data.val=null --set trainer.max_tokens_per_micro_batch=32768)
+      [ "$mode" = async ] && sets+=(--set rollout.mode=async --set rollout.max_staleness=1
+        --set algorithm.rollout_correction.weights=token)
+      nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 200 \
+        > "$OUT/$part/$mode-gpu_util.csv" 2>/dev/null &
+      smi=$!
+      timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "$run" "${sets[@]}" \
+        > "$OUT/$part/$mode.log" 2>&1
+      kill "$smi" 2>/dev/null
+      cp "$run/metrics.jsonl" "$OUT/$part/$mode-metrics.jsonl"
+      for f in "$run"/logs/*; do [ -f "$f" ] && cp "$f" "$OUT/$part/$mode-log-$(basename "$f")"; done
+      rm -rf "$run"
+      "$PY" - "$OUT/$part/$mode-metrics.jsonl" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("kind") == "train":
+        t = {k[5:]: round(v, 2) for k, v in r.items() if k.startswith("time_") and v >= 0.005}
+        print(r["step"], t, "trainer", round(r.get("trainer_update_s", -1), 2), "tokens", r["tokens"])
+PYEOF
+      ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;

@@ -135,6 +135,7 @@ class TrainerRole:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
         faults.pause("update")  # tests signal the driver here (rlbridge/run/faults.py); a no-op otherwise
+        began = time.perf_counter()
         critic = None
         if self.critic is not None:
             if old_values_bt is None or returns_bt is None:
@@ -198,6 +199,8 @@ class TrainerRole:
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
             # The session hands the trainer rollout.sleep as the plan decided auto (plan.resolved_sleep)
             torch.cuda.empty_cache()
+        # the trainer's own seconds: time_update less this is the hand-over (Ray, vLLM's sleep, a queued export)
+        out["trainer_update_s"] = time.perf_counter() - began
         return out
 
     def _update_mini(

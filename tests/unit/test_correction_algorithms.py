@@ -156,6 +156,7 @@ def test_update_reports_exact_step_metrics(model_dir: Path, algorithm: dict[str,
     for key, value in want.items():
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert m["old_logprobs_s"] == 0.0  # on policy: no forward before the update
+    assert 0 < m["trainer_update_s"] < 60  # the trainer's own seconds, inside the loop's time_update
 
 
 def test_ppo_critic_does_not_see_the_correction(model_dir: Path) -> None:
