@@ -158,10 +158,14 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+WALL_CLOCK = {"tokens_per_s", "trainer_update_s", "old_logprobs_s", "sleep_s", "wake_s"}
+"""Record keys measured in seconds (besides the time_<phase> ones): they differ from run to run."""
+
+
 def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Per-step train records without wall-clock timings: what must repeat exactly."""
     return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
+        {k: v for k, v in r.items() if not k.startswith("time_") and k not in WALL_CLOCK}
         for r in records(run_dir)
         if r["kind"] == "train"
     ]
