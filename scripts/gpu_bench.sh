@@ -41,7 +41,8 @@
 #                                       # min estimate)? Owed before compiled layers become a trainer option again
 #   bash scripts/gpu_bench.sh spikes    # issue 16 goal 4: the async quickstart as trlasync runs it (32 steps), its metrics.jsonl,
 #                                       # worker logs and the GPU's utilization every 0.2 s kept flat under $OUT/spikes: what
-#                                       # made 3 of 30 async updates take 1.5-2.2 s instead of 0.3 (trl_grpo-gpu-2026-12-04)
+#                                       # made 3 of 30 async updates take 1.5-2.2 s instead of 0.3 (trl_grpo-gpu-2026-12-04;
+#                                       # ran in 205 s: cuDNN attention plans at a new width, sdpa_shapes-gpu-2026-12-04)
 #   SPIKES_MODE=sync bash scripts/gpu_bench.sh spikes   # the same in sync mode
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
