@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,22 @@ from rlbridge.trainer.export import WeightSender
 
 log = logging.getLogger(__name__)
 
+CUDNN_ATTENTION_ENV = "RLBRIDGE_CUDNN_ATTENTION"
+"""`0` turns torch's cuDNN attention off in the trainer process (both engines' SDPA then use the other kernels).
+For measurement: cuDNN builds its plans per shape on the host, so the first update at each new batch width stalls
+~1.2 s on an H200, while updates at widths seen before are ~15 % faster with it (sdpa_shapes-gpu-2026-12-04)."""
+
+
+def apply_cudnn_attention_env(environ: dict[str, str] | None = None) -> bool:
+    """Applies RLBRIDGE_CUDNN_ATTENTION (`0` off, `1` or unset: torch's default); returns whether cuDNN attention
+    stays enabled."""
+    value = (os.environ if environ is None else environ).get(CUDNN_ATTENTION_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise RlbridgeError(f"{CUDNN_ATTENTION_ENV}={value!r}: expected 0 (off) or 1 (torch's default)")
+    if value == "0":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return bool(torch.backends.cuda.cudnn_sdp_enabled())
+
 
 class HealthError(RlbridgeError):
     """A health gate failed; the message says which and how to turn it off."""
@@ -58,6 +75,8 @@ class TrainerRole:
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
+        if not apply_cudnn_attention_env():
+            log.info("cuDNN attention off (%s=0)", CUDNN_ATTENTION_ENV)
         self.recipe = recipe
         self.model_dir = Path(model_dir)
         self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
