@@ -38,6 +38,9 @@ from rlbridge.trainer.export import WeightSender
 
 log = logging.getLogger(__name__)
 
+UPDATE_SECONDS = ("old_logprobs_s", "trainer_update_s")
+"""The update's wall-clock outputs (they differ between two runs that are otherwise bit-identical)."""
+
 CUDNN_ATTENTION_ENV = "RLBRIDGE_CUDNN_ATTENTION"
 """`0` turns torch's cuDNN attention off in the trainer process (both engines' SDPA then use the other kernels).
 For measurement: cuDNN builds its plans per shape on the host, so the first update at each new batch width stalls

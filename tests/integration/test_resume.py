@@ -42,6 +42,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlbridge.run import checkpoint as ckpt
+from rlbridge.trainer.role import UPDATE_SECONDS
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-WALL_CLOCK = {"tokens_per_s", "trainer_update_s", "old_logprobs_s", "sleep_s", "wake_s"}
+WALL_CLOCK = {"tokens_per_s", "sleep_s", "wake_s", *UPDATE_SECONDS}
 """Record keys measured in seconds (besides the time_<phase> ones): they differ from run to run."""
 
 
