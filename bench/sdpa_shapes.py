@@ -8,9 +8,10 @@ Why it exists: in the GPU quickstart's async runs (bench/results/trl_grpo-gpu-20
 limit, i.e. at a batch width not seen before. On an H200 (torch 2.11) such an update spends ~0.55 s in the 30
 forward calls of scaled_dot_product_attention and ~0.6 s more in the backward, both on the host: torch's cuDNN
 attention builds its plans per shape. `--no-cudnn-sdp` (torch.backends.cuda.enable_cudnn_sdp(False)) measures the
-same updates on the other attention kernels.
+same updates on the other attention kernels; `--width-multiple N` (trainer.pass_width_multiple) the same updates
+with each pass widened to a multiple of N columns (masked), so fewer distinct widths reach the attention.
 
-    python bench/sdpa_shapes.py --device cuda [--no-cudnn-sdp]
+    python bench/sdpa_shapes.py --device cuda [--no-cudnn-sdp] [--width-multiple 16]
     python bench/sdpa_shapes.py --device cpu --layers 2 --no-save        # the CPU dry run (no cuDNN there)
 """
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all 30)")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
+    ap.add_argument("--width-multiple", type=int, default=1, help="trainer.pass_width_multiple (default 1)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     import torch
@@ -67,6 +69,7 @@ def main() -> None:
                     "optim": {"lr": 2e-4, "clip_grad": 1.0},
                     "micro_batch_size": 8,
                     "max_tokens_per_micro_batch": 32768,
+                    "pass_width_multiple": args.width_multiple,
                 },  # fmt: skip
                 "rollout": {"n": 4, "max_response_tokens": 48},
                 "algorithm": {
@@ -109,6 +112,7 @@ def main() -> None:
         prof.disable()
         seconds = time.perf_counter() - start
         width = int(b.input_ids.shape[1])
+        width = -(-width // args.width_multiple) * args.width_multiple  # the one pass's width
         rows.append({"update": i, "width": width, "response_width": b.response_width, "new_width": width not in seen,
                      "seconds": seconds})  # fmt: skip
         print(f"update {i}: width {width} (response {b.response_width}){'' if width in seen else ', new'}: "
@@ -124,6 +128,9 @@ def main() -> None:
     result = {
         "device": args.device,
         "cudnn_sdp": bool(torch.backends.cuda.cudnn_sdp_enabled()),
+        "width_multiple": args.width_multiple,
+        "all_s": sum(row["seconds"] for row in rows),
+        "distinct_widths": len(seen),
         "torch": torch.__version__,
         "first_update_s": rows[0]["seconds"],
         "new_width_median_s": statistics.median(new),

@@ -25,7 +25,10 @@ correction (as rlbridge's default), `--trl-micro` for TRL's per_device_train_bat
 overrides of rlbridge alone (e.g. its token budget); the differences that remain are in GPU_DIFFERENCES.
 `bash scripts/gpu_bench.sh trl` / `trl512` run it there (bench/results/trl_grpo-gpu-2026-12-02.md).
 `--also-async` and `--also NAME:KEY=VALUE` (e.g. `kl:algorithm.kl.coef=0.05`) add rlbridge runs with those
-overrides (tools rlbridge-async, rlbridge-NAME) to each round, with their own medians and ratios.
+overrides (tools rlbridge-async, rlbridge-NAME) to each round, with their own medians, means and ratios; a KEY
+that starts with RLBRIDGE_ is set in that run's environment instead (e.g. `nocudnn:RLBRIDGE_CUDNN_ATTENTION=0`).
+`--no-plain` leaves out the plain rlbridge run (TRL and the --also runs only). Each rlbridge run's metrics.jsonl
+is copied to WORK/<tool>-<round>.metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,13 +253,17 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
 
 
 # --------------------------------------------------------------------------------- the two runs
-def measure(cmd: list[str], log: Path, lines: Path | None = None) -> dict[str, Any]:
-    """Run `cmd` as a child, sampling its process tree; returns timing, memory, load and (optionally) the
-    arrival time of each line of the file `lines`."""
+def measure(
+    cmd: list[str], log: Path, lines: Path | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run `cmd` as a child (with `env` added to the environment), sampling its process tree; returns timing,
+    memory, load and (optionally) the arrival time of each line of the file `lines`."""
     load_before = load_average()
     t0 = time.time()
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         arrivals = LineArrivals(lines) if lines is not None else None
         with TreeMemory(proc.pid) as mem:
             if arrivals is not None:
@@ -310,8 +318,16 @@ def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup:
 
 
 def run_rlbridge(
-    total: int, warmup: int, sets: list[str], work: Path, plan: list[list[tuple[Any, list[int]]]], n: int
+    total: int,
+    warmup: int,
+    sets: list[str],
+    work: Path,
+    plan: list[list[tuple[Any, list[int]]]],
+    n: int,
+    env: dict[str, str] | None = None,
+    keep: Path | None = None,
 ) -> dict[str, Any]:
+    """`env`: variables added to the run's environment; `keep`: where its metrics.jsonl is copied (flat)."""
     run_dir = work / f"rlbridge-{time.time_ns()}"
     cmd = [
         sys.executable,
@@ -327,7 +343,9 @@ def run_rlbridge(
         "data.val=null",
         *sum((["--set", s] for s in sets), []),
     ]
-    m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl")
+    m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl", env=env)
+    if keep is not None and (run_dir / "metrics.jsonl").exists():
+        shutil.copyfile(run_dir / "metrics.jsonl", keep)
     if m["rc"] != 0:
         raise SystemExit(f"rlbridge failed (rc {m['rc']}); log: {work / 'rlbridge.log'}")
     records = [(t, json.loads(line)) for t, line in m["arrivals"]]
@@ -502,6 +520,9 @@ def main() -> None:
         help="also run rlbridge with these overrides as tool rlbridge-NAME in each round (repeat a NAME for more "
         "than one override), e.g. kl:algorithm.kl.coef=0.05",
     )
+    ap.add_argument(
+        "--no-plain", action="store_true", help="leave out the plain rlbridge run (TRL, --also runs)"
+    )
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
         "--work", type=Path, help="where the runs and their logs go (default: a new temporary folder)"
@@ -525,6 +546,8 @@ def main() -> None:
     variants = variant_sets(a)
     for k in range(a.rounds):
         order = ("rlbridge", "trl") if k % 2 == 0 else ("trl", "rlbridge")
+        if a.no_plain:
+            order = ("trl",)
         extra = tuple(variants)
         order = (*order, *extra) if k % 2 == 0 else (*extra, *order)
         for tool in order:
@@ -533,8 +556,10 @@ def main() -> None:
                 if tool == "trl":
                     res = run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
                 else:
-                    sets = [*a.sets, *a.rlbridge_sets, *variants.get(tool, [])]
-                    res = run_rlbridge(total, a.warmup, sets, work, plan, r.rollout.n)
+                    own, env = split_env(variants.get(tool, []))
+                    sets = [*a.sets, *a.rlbridge_sets, *own]
+                    keep = work / f"{tool}-{k + 1}.metrics.jsonl"
+                    res = run_rlbridge(total, a.warmup, sets, work, plan, r.rollout.n, env, keep)
                     res["tool"] = tool
             except SystemExit as e:
                 res = {"tool": tool, "failed": True, "error": str(e)}
@@ -558,6 +583,12 @@ def variant_sets(a: argparse.Namespace) -> dict[str, list[str]]:
             raise SystemExit(f"--also {spec!r}: expected NAME:KEY=VALUE, e.g. kl:algorithm.kl.coef=0.05")
         variants.setdefault(f"rlbridge-{name}", []).append(override)
     return variants
+
+
+def split_env(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A variant's overrides as recipe overrides and environment variables (those whose key starts RLBRIDGE_)."""
+    env = dict(o.split("=", 1) for o in overrides if o.startswith("RLBRIDGE_"))
+    return [o for o in overrides if not o.startswith("RLBRIDGE_")], env
 
 
 def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, final: bool) -> None:
@@ -597,6 +628,10 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             name = tool.removeprefix("rlbridge-")
             ratios[f"{name}_step_s_median"] = median[tool]
             ratios[f"trl_over_{name}_step_s_median"] = median["trl"] / median[tool]
+            ratios[f"{name}_step_s_mean"] = statistics.fmean(steps[tool])
+            ratios[f"trl_over_{name}_step_s_mean"] = statistics.fmean(steps["trl"]) / statistics.fmean(
+                steps[tool]
+            )
             if ok["rlbridge"]:
                 ratios[f"rlbridge_over_{name}_step_s_median"] = median["rlbridge"] / median[tool]
     rows = [

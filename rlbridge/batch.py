@@ -112,6 +112,32 @@ class SeqBatch:
             routed_experts=None if self.routed_experts is None else self.routed_experts[:, start:end],
         )
 
+    def width_rounded(self, multiple: int) -> SeqBatch:
+        """The same rows with masked columns added on the left of the prompts so that P + R is a multiple of
+        `multiple` (itself when it already is, or multiple <= 1): id 0, attention_mask 0, position 0, as the
+        left padding of `from_token_lists`. Exact as `trimmed` is: no real token attends a masked column, and
+        the response columns (R, the response mask) are unchanged, so per-token results keep their shape; the
+        pass costs up to multiple - 1 more positions per row. Its use: few distinct pass shapes
+        (trainer.pass_width_multiple)."""
+        extra = (-self.input_ids.shape[1]) % multiple if multiple > 1 else 0
+        if not extra:
+            return self
+
+        def left(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x.new_zeros((x.shape[0], extra, *x.shape[2:])), x], dim=1)
+
+        routed = self.routed_experts
+        if routed is not None:  # masked columns route like the first one (never scored)
+            routed = torch.cat([routed[:, :1].expand(-1, extra, *routed.shape[2:]), routed], dim=1)
+        return SeqBatch(
+            input_ids=left(self.input_ids),
+            attention_mask=left(self.attention_mask),
+            position_ids=left(self.position_ids),
+            response_mask=self.response_mask,
+            prompt_width=self.prompt_width + extra,
+            routed_experts=routed,
+        )
+
     def to(self, device: Any) -> SeqBatch:
         return SeqBatch(
             self.input_ids.to(device),

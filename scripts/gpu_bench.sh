@@ -44,6 +44,10 @@
 #                                       # made 3 of 30 async updates take 1.5-2.2 s instead of 0.3 (trl_grpo-gpu-2026-12-04;
 #                                       # ran in 205 s: cuDNN attention plans at a new width, sdpa_shapes-gpu-2026-12-04)
 #   SPIKES_MODE=sync bash scripts/gpu_bench.sh spikes   # the same in sync mode
+#   bash scripts/gpu_bench.sh widths    # issue 16 goal 4: bench/sdpa_shapes.py at trainer.pass_width_multiple 1, 16, 32 (cuDNN
+#                                       # attention on): does rounding the pass widths remove the new-width stall (~2 min)
+#   bash scripts/gpu_bench.sh trlwidth  # TRL, rlbridge async, rlbridge async at pass_width_multiple 16 (no plain sync run;
+#                                       # TRLWIDTH_NOCUDNN=1 adds async with RLBRIDGE_CUDNN_ATTENTION=0; TRL_STEPS as trl)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -160,6 +164,23 @@ for line in open(sys.argv[1]):
         print(r["step"], t, "trainer", round(r.get("trainer_update_s", -1), 2), "tokens", r["tokens"])
 PYEOF
       ;;
+    widths)
+      for m in 1 16 32; do
+        timeout "$(left)" "$PY" bench/sdpa_shapes.py --device cuda --width-multiple "$m" --no-save > "$OUT/$part/w$m.txt" 2>&1
+        echo "-- pass_width_multiple $m"; grep -E "^update|_s\"|distinct" "$OUT/$part/w$m.txt"
+      done ;;
+    trlwidth)
+      async=(rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token)
+      also=(--also-async)
+      for o in "${async[@]}" trainer.pass_width_multiple=16; do also+=(--also "w16:$o"); done
+      if [ "${TRLWIDTH_NOCUDNN:-0}" = 1 ]; then
+        for o in "${async[@]}" RLBRIDGE_CUDNN_ATTENTION=0; do also+=(--also "nocudnn:$o"); done
+      fi
+      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
+        > "$OUT/$part/log.txt" 2>&1
+      find "$OUT/$part/work" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +  # run dirs: too deep to come back
+      grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20 ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;

@@ -274,7 +274,9 @@ class HFTrainEngine:
         with self._scoring_model(reference) as model:
             model.eval()
             for rows in groups:
-                sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
+                sub = forward_batch(
+                    batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
+                )
                 with replay_routing(model, sub.routed_experts):
                     logp, _ = self._token_stats(model, sub, shared)
                 out[rows.to(out.device)] = pad_columns(
@@ -326,7 +328,9 @@ class HFTrainEngine:
         sums: dict[str, float] = {}
         done = 0
         for rows in groups:
-            sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
+            sub = forward_batch(
+                batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
+            )
             # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
             with replay_routing(self.model, sub.routed_experts):
                 loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
@@ -381,6 +385,10 @@ class HFTrainEngine:
                 shape.num_prompts,
             )
         return (shared, True) if use else (plain, False)
+
+    def _width(self, shared: bool) -> int:
+        """trainer.pass_width_multiple for the plain passes; the shared-prompt passes keep their own widths."""
+        return 1 if shared else self.recipe.trainer.pass_width_multiple
 
     def _token_stats(self, model: nn.Module, sub: SeqBatch, shared: bool) -> tuple[Tensor, Tensor]:
         """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its

@@ -126,7 +126,13 @@ class HFCritic:
 
     def _padded_values(self, batch: SeqBatch, rows: Tensor) -> Tensor:
         """[len(rows), R] values of the rows (0 on padding), computed at the rows' own widths (padding_free)."""
-        sub = forward_batch(batch, rows, self.device, trim=self.padding_free)
+        sub = forward_batch(
+            batch,
+            rows,
+            self.device,
+            trim=self.padding_free,
+            width_multiple=self.recipe.trainer.pass_width_multiple,
+        )
         values = torch.where(sub.response_mask > 0, self._values(sub), 0.0)
         return pad_columns(values, batch.response_width)
 

@@ -96,7 +96,11 @@ def scoring_passes(num_rows: int, chunk_size: int | None, micro_batch_size: int)
     return max(min(-(-num_rows // rows), num_rows), 1), chunk_size is None
 
 
-def forward_batch(batch: SeqBatch, rows: Tensor, device: torch.device, *, trim: bool = True) -> SeqBatch:
-    """The rows' sub-batch on `device`, trimmed to its own widths (trim) or at the full batch width."""
+def forward_batch(
+    batch: SeqBatch, rows: Tensor, device: torch.device, *, trim: bool = True, width_multiple: int = 1
+) -> SeqBatch:
+    """The rows' sub-batch on `device`, trimmed to its own widths (trim) or at the full batch width, then with
+    masked prompt columns added up to a width that is a multiple of `width_multiple`
+    (trainer.pass_width_multiple: SeqBatch.width_rounded)."""
     sub = batch.select(rows)
-    return (sub.trimmed() if trim else sub).to(device)
+    return (sub.trimmed() if trim else sub).width_rounded(width_multiple).to(device)

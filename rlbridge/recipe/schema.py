@@ -112,6 +112,13 @@ class TrainerCfg(Section):
     own), so short rows share larger passes. The update's gradient is unchanged (the loss closure returns each
     pass's share of the mini-batch loss); per-pass metrics are averaged over the passes actually run. Log-prob
     and value passes follow it too unless logprob_chunk_size is set. null: micro_batch_size sequences per pass."""
+    pass_width_multiple: PositiveInt = 1
+    """Round each forward pass's width (prompt + response columns, after trimming to its rows) up to a multiple
+    of this with masked columns (hf engine: left of the prompts; megatron: on the right), so a run meets few
+    distinct pass shapes. Why: on a GPU, torch's cuDNN attention builds its plans on the host for every new
+    shape, ~1.2 s for SmolLM2 on an H200 with the GPU idle (docs/gpu.md). Exact (the added columns are
+    masked); a pass costs up to pass_width_multiple - 1 more positions per row. 1: each pass at its own widths.
+    Not applied to trainer.shared_prompts' passes."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
     distributed_optimizer: bool = False

@@ -857,13 +857,22 @@ def spread_batch() -> SeqBatch:
 
 BUDGET = 48
 """trainer.max_tokens_per_micro_batch for the spread batch: 5 training passes where micro_batch_size gives 3."""
-LAYOUTS: tuple[tuple[str, bool, int | None], ...] = (
-    ("padded", False, None),
-    ("trimmed", True, None),
-    ("budget", True, BUDGET),
+LAYOUTS: tuple[tuple[str, bool, int | None, int], ...] = (
+    ("padded", False, None, 1),
+    ("trimmed", True, None, 1),
+    ("budget", True, BUDGET, 1),
+    ("rounded", True, BUDGET, 16),
 )
-"""(result key, padding_free, max_tokens): the former index-order micro-batches at the batch's width, those
-grouped by length and trimmed, and those formed by the token budget."""
+"""(result key, padding_free, max_tokens, trainer.pass_width_multiple): the former index-order micro-batches at
+the batch's width, those grouped by length and trimmed, those formed by the token budget, and those again with
+every pass right-padded (masked) to 16 or 32 columns."""
+
+
+def with_width_multiple(recipe: Recipe, multiple: int) -> Recipe:
+    """The recipe with trainer.pass_width_multiple set (the engines read it at every split)."""
+    return recipe.model_copy(
+        update={"trainer": recipe.trainer.model_copy(update={"pass_width_multiple": multiple})}
+    )
 
 
 def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
@@ -883,14 +892,16 @@ def padding_free_suite(qwen: str, num_micro_batches: int = 3) -> dict[str, Any]:
         if label == "lora":
             set_adapters(engine)  # adapters that are not a no-op
             res.update(_critic_layouts(recipe, batch, num_micro_batches))
-        for key, free, budget in LAYOUTS:
+        for key, free, budget, multiple in LAYOUTS:
             engine.padding_free, engine.max_tokens = free, budget
+            engine.recipe = with_width_multiple(recipe, multiple)
             key = f"{label}_{key}"
             mbs = engine._split(batch, num_micro_batches, training=True)
             res[f"{key}_rows"] = [mb.rows.tolist() for mb in mbs]
             res[f"{key}_widths"] = [int(mb.input_ids.shape[1]) for mb in mbs]
             res[f"{key}_logprobs"] = engine.logprobs(batch)
             res[f"{key}_grads"] = engine.gradients(batch, loss, num_micro_batches=num_micro_batches)
+        engine.recipe = recipe
         res.update(_head_positions(engine, batch, loss, num_micro_batches, label))
         engine.close()
     return res
@@ -940,9 +951,13 @@ def _critic_layouts(recipe: Recipe, batch: SeqBatch, num_micro_batches: int) -> 
     )
     returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     out: dict[str, Any] = {}
-    for key, free, budget in LAYOUTS:
+    for key, free, budget, multiple in LAYOUTS:
         critic.padding_free, critic.max_tokens = free, budget
+        critic.recipe = with_width_multiple(recipe, multiple)
         key = f"critic_{key}"
+        out[f"{key}_widths"] = [
+            int(mb.input_ids.shape[1]) for mb in critic._split(batch, num_micro_batches, training=True)
+        ]
         out[f"{key}_rows"] = [
             mb.rows.tolist() for mb in critic._split(batch, num_micro_batches, training=True)
         ]

@@ -120,6 +120,21 @@ def test_token_budget_critic_values_and_gradients_match_the_padded_micro_batches
     assert frob < 1e-5 and worst < 1e-5, (frob, worst)
 
 
+@pytest.mark.parametrize("label", ["lora", "full", "critic"])
+def test_rounded_pass_widths_match_the_padded_micro_batches(suite: dict[str, Any], label: str) -> None:
+    """trainer.pass_width_multiple 16 over the token budget's passes: each pass right-padded (masked) to 16 or 32
+    columns (from 16, 6, 18, 25, 18), the same log-probs / values and gradients as the index-order layout at the
+    batch's width (the tolerances above)."""
+    assert suite[f"{label}_rounded_widths"] == [16, 16, 32, 32, 32]
+    kind = "values" if label == "critic" else "logprobs"
+    got, want = suite[f"{label}_rounded_{kind}"], suite[f"{label}_padded_{kind}"]
+    print(f"{label} rounded: {kind} max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite[f"{label}_rounded_grads"], suite[f"{label}_padded_grads"])
+    print(f"{label} rounded: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
 @pytest.mark.parametrize("label", ["lora", "full"])
 def test_output_layer_on_response_positions_only_changes_nothing(suite: dict[str, Any], label: str) -> None:
     """forward.response_head: the output layer runs on the R positions that predict response tokens, not on all

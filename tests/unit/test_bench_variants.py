@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.trl_grpo import ASYNC, variant_sets
+from bench.trl_grpo import ASYNC, split_env, variant_sets
 
 
 def test_variants_name_their_overrides_in_order() -> None:
@@ -27,3 +27,10 @@ def test_variants_name_their_overrides_in_order() -> None:
 def test_a_malformed_variant_is_refused(spec: str) -> None:
     with pytest.raises(SystemExit, match="expected NAME:KEY=VALUE"):
         variant_sets(argparse.Namespace(also_async=False, also=[spec]))
+
+
+def test_an_rlbridge_variable_goes_to_the_environment() -> None:
+    a = argparse.Namespace(
+        also_async=False, also=["nocudnn:RLBRIDGE_CUDNN_ATTENTION=0", *(f"nocudnn:{o}" for o in ASYNC)]
+    )
+    assert split_env(variant_sets(a)["rlbridge-nocudnn"]) == (list(ASYNC), {"RLBRIDGE_CUDNN_ATTENTION": "0"})

@@ -53,6 +53,7 @@ def recipe(
     max_tokens: int | None = None,
     chunk: int | None = 3,
     micro: int = 1,
+    width_multiple: int = 1,
 ) -> Recipe:
     return Recipe.model_validate(
         {
@@ -64,6 +65,7 @@ def recipe(
                 "micro_batch_size": micro,
                 "optim": {"lr": 1e-2},
                 "max_tokens_per_micro_batch": max_tokens,
+                "pass_width_multiple": width_multiple,
             },
             "rollout": {"n": 2, "max_response_tokens": 32},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
@@ -244,17 +246,35 @@ def test_scoring_passes_follow_the_training_passes_unless_chunked(
         assert float(w.abs().max()) > 0
 
 
-@pytest.mark.parametrize("max_tokens", [None, 48], ids=["micro_batch_size", "token-budget"])
+def pass_widths(obj: HFTrainEngine | HFCritic) -> tuple[list[int], Any]:
+    """The widths of the forward passes `obj` runs from now on (a hook on its input embedding), and the hook."""
+    widths: list[int] = []
+    model = obj.hf_model if isinstance(obj, HFTrainEngine) else obj.module["backbone"]
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _o: widths.append(int(args[0].shape[1]))
+    )
+    return widths, hook
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "width_multiple"),
+    [(None, 1), (48, 1), (48, 16)],
+    ids=["micro_batch_size", "token-budget", "token-budget+width-multiple"],
+)
 def test_ppo_policy_and_critic_match_the_padded_micro_batches(
-    model_dir: Path, max_tokens: int | None
+    model_dir: Path, max_tokens: int | None, width_multiple: int
 ) -> None:
-    """With a token budget the passes differ in number too (5 here, against 3 nominal): still exact."""
+    """With a token budget the passes differ in number too (5 here, against 3 nominal): still exact. With
+    trainer.pass_width_multiple 16 every pass of both models is widened to 16 or 32 columns with masked prompt
+    columns (SeqBatch.width_rounded): the same tolerances."""
     r = recipe(
         model_dir,
         {"name": "ppo", "critic": {"lr": 1e-2, "value_clip": 0.2}, "entropy_coef": 0.01},
         max_tokens=max_tokens,
+        width_multiple=width_multiple,
     )
     engine, critic = HFTrainEngine(r, model_dir), HFCritic(r, model_dir)
+    (policy_widths, policy_hook), (critic_widths, critic_hook) = pass_widths(engine), pass_widths(critic)
     perturb_lora_b(engine.trainable_state(), engine.load_trainable_state)
     perturb_lora_b(critic.trainable_state(), critic.load_trainable_state)
     batch = spread_batch()
@@ -291,6 +311,12 @@ def test_ppo_policy_and_critic_match_the_padded_micro_batches(
             assert losses[i][0] != 0.0
         assert_grads_close(got_policy, want_policy, tol)
         assert_grads_close(got_critic, want_critic, tol)
+    policy_hook.remove()
+    critic_hook.remove()
+    full = batch.input_ids.shape[1]  # 31: the padded layout's passes
+    for widths in (policy_widths, critic_widths):
+        rounded = {w for w in widths if w != full}
+        assert rounded and (width_multiple == 1 or rounded <= {16, 32}), sorted(set(widths))
 
 
 @pytest.mark.parametrize("engine", ["hf", "megatron"])
@@ -316,6 +342,37 @@ def test_plan_bounds_activations_by_the_token_budget(engine: str) -> None:
 
     assert activations(max_tokens_per_micro_batch=4096) == pytest.approx(activations(micro_batch_size=4))
     assert activations(max_tokens_per_micro_batch=100) == pytest.approx(activations(micro_batch_size=1))
+
+
+def test_a_rounded_width_adds_masked_prompt_columns_only() -> None:
+    """SeqBatch.width_rounded: P + R up to a multiple with columns on the left that no token attends (id 0,
+    mask 0, position 0); the original columns, the response columns and R unchanged; routed experts follow."""
+    full = spread_batch()
+    routed = full.input_ids.to(torch.int16)[:, :, None, None].expand(-1, -1, 2, 2).clone()
+    for rows in ([0, 3, 5], [1], [2, 6], list(range(8))):
+        sub = SeqBatch(full.input_ids, full.attention_mask, full.position_ids, full.response_mask,
+                       full.prompt_width, routed_experts=routed).select(torch.tensor(rows)).trimmed()  # fmt: skip
+        for multiple in (1, 8, 16, 32):
+            got = sub.width_rounded(multiple)
+            width, extra = got.input_ids.shape[1], got.input_ids.shape[1] - sub.input_ids.shape[1]
+            assert (
+                width % multiple == 0
+                and 0 <= extra < multiple
+                and got.prompt_width == sub.prompt_width + extra
+            )
+            assert got.response_width == sub.response_width and torch.equal(
+                got.response_mask, sub.response_mask
+            )
+            for field in ("input_ids", "attention_mask", "position_ids"):
+                assert torch.equal(getattr(got, field)[:, extra:], getattr(sub, field)), field
+                assert not bool(getattr(got, field)[:, :extra].any()), field
+            assert got.routed_experts is not None
+            assert torch.equal(got.routed_experts[:, extra:], sub.routed_experts)  # type: ignore[arg-type]
+            assert torch.equal(
+                got.routed_experts[:, :extra],
+                sub.routed_experts[:, :1].expand_as(got.routed_experts[:, :extra]),
+            )  # type: ignore[index]
+            assert (got is sub) == (extra == 0)
 
 
 def test_trimming_keeps_replayed_experts_on_their_columns() -> None:

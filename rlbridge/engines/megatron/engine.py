@@ -25,6 +25,7 @@ are [b, R] float32 with 0 on padding.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -118,7 +119,10 @@ class MegatronTrainEngine:
         return forward.split_micro_batches(
             batch.to(self.device),
             num,
-            seq_multiple=provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
+            seq_multiple=math.lcm(
+                provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
+                self.recipe.trainer.pass_width_multiple,
+            ),
             equal_rows=pp > 1,
             count_multiple=pp if interleaved else 1,
             by_length=self._by_length(),
