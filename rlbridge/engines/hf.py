@@ -268,7 +268,9 @@ class HFTrainEngine:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per forward pass; returned on the batch's device."""
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
-        plain = scoring_rows(batch, self.recipe.trainer, by_length=self.padding_free)
+        plain = scoring_rows(
+            batch, self.recipe.trainer, by_length=self.padding_free, width_multiple=self._width(False)
+        )
         budget = None if self.recipe.trainer.logprob_chunk_size else self._max_tokens
         groups, shared = self._layout(batch, plain, len(plain), budget)
         with self._scoring_model(reference) as model:
@@ -320,7 +322,11 @@ class HFTrainEngine:
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
         plain = micro_batch_rows(
-            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+            batch,
+            num_micro_batches,
+            by_length=self.padding_free,
+            max_tokens=self._max_tokens,
+            width_multiple=self._width(False),
         )
         groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
         self.model.train()
@@ -388,7 +394,7 @@ class HFTrainEngine:
 
     def _width(self, shared: bool) -> int:
         """trainer.pass_width_multiple for the plain passes; the shared-prompt passes keep their own widths."""
-        return 1 if shared else self.recipe.trainer.pass_width_multiple
+        return 1 if shared else self.recipe.trainer.width_multiple(self.device.type)
 
     def _token_stats(self, model: nn.Module, sub: SeqBatch, shared: bool) -> tuple[Tensor, Tensor]:
         """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its

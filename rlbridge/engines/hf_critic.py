@@ -47,6 +47,11 @@ class HFCritic:
     def _max_tokens(self) -> int | None:
         return self.recipe.trainer.max_tokens_per_micro_batch
 
+    @property
+    def _width(self) -> int:
+        """trainer.pass_width_multiple on this device."""
+        return self.recipe.trainer.width_multiple(self.device.type)
+
     def __init__(self, recipe: Recipe, model_dir: Path, *, device: str = "cpu") -> None:
         self.recipe = recipe
         self.device = torch.device(device)
@@ -120,7 +125,9 @@ class HFCritic:
         per forward pass, on the batch's device."""
         self.module.eval()
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
-        for rows in scoring_rows(batch, self.recipe.trainer, by_length=self.padding_free):
+        for rows in scoring_rows(
+            batch, self.recipe.trainer, by_length=self.padding_free, width_multiple=self._width
+        ):
             out[rows.to(out.device)] = self._padded_values(batch, rows).to(out.device)
         return out
 
@@ -131,7 +138,7 @@ class HFCritic:
             rows,
             self.device,
             trim=self.padding_free,
-            width_multiple=self.recipe.trainer.pass_width_multiple,
+            width_multiple=self._width,
         )
         values = torch.where(sub.response_mask > 0, self._values(sub), 0.0)
         return pad_columns(values, batch.response_width)
@@ -175,7 +182,11 @@ class HFCritic:
         sums: dict[str, float] = {}
         done = 0
         for rows in micro_batch_rows(
-            batch, num_micro_batches, by_length=self.padding_free, max_tokens=self._max_tokens
+            batch,
+            num_micro_batches,
+            by_length=self.padding_free,
+            max_tokens=self._max_tokens,
+            width_multiple=self._width,
         ):
             loss, metrics = loss_fn(self._padded_values(batch, rows), rows)
             if not bool(torch.isfinite(loss.detach())):

@@ -43,28 +43,35 @@ def length_order(batch: SeqBatch) -> Tensor:
 
 
 def micro_batch_rows(
-    batch: SeqBatch, num_micro_batches: int, *, by_length: bool = True, max_tokens: int | None = None
+    batch: SeqBatch,
+    num_micro_batches: int,
+    *,
+    by_length: bool = True,
+    max_tokens: int | None = None,
+    width_multiple: int = 1,
 ) -> list[Tensor]:
     """Row indices of each micro-batch: `num_micro_batches` groups of near-equal size, of rows of similar
     length (by_length) or contiguous in index order (by_length=False: the former layout). With `max_tokens`
-    (by_length only), as many groups as the token budget needs instead (`budget_rows`)."""
+    (by_length only), as many groups as the token budget needs instead (`budget_rows`, with the passes' widths
+    rounded up to `width_multiple`)."""
     if not 1 <= num_micro_batches <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
     if max_tokens is not None and by_length:
-        return budget_rows(batch, max_tokens)
+        return budget_rows(batch, max_tokens, width_multiple)
     rows = length_order(batch) if by_length else torch.arange(batch.size)
     return list(rows.tensor_split(num_micro_batches))
 
 
-def budget_rows(batch: SeqBatch, max_tokens: int) -> list[Tensor]:
+def budget_rows(batch: SeqBatch, max_tokens: int, width_multiple: int = 1) -> list[Tensor]:
     """Rows in length order, cut greedily into groups whose trimmed size, rows x (longest prompt + longest
-    response in the group), stays within `max_tokens`; a row longer than the budget forms a group alone."""
+    response in the group, rounded up to a multiple of `width_multiple`: trainer.pass_width_multiple), stays
+    within `max_tokens`; a row longer than the budget forms a group alone."""
     prompt_b, response_b = (lengths.tolist() for lengths in real_lengths(batch))
     groups: list[list[int]] = []
     widest_p = widest_r = 0
     for row in length_order(batch).tolist():
         p, r = max(widest_p, prompt_b[row]), max(widest_r, response_b[row])
-        if groups and (len(groups[-1]) + 1) * (p + r) <= max_tokens:
+        if groups and (len(groups[-1]) + 1) * (-(-(p + r) // width_multiple) * width_multiple) <= max_tokens:
             groups[-1].append(row)
             widest_p, widest_r = p, r
         else:
@@ -79,13 +86,22 @@ def chunk_rows(batch: SeqBatch, chunk_size: int, *, by_length: bool = True) -> l
     return list(rows.split(chunk_size))
 
 
-def scoring_rows(batch: SeqBatch, trainer: TrainerCfg, *, by_length: bool = True) -> list[Tensor]:
+def scoring_rows(
+    batch: SeqBatch, trainer: TrainerCfg, *, by_length: bool = True, width_multiple: int = 1
+) -> list[Tensor]:
     """Row indices of the no-gradient passes (log-probs, values): trainer.logprob_chunk_size rows each, or
-    (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget."""
+    (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget
+    (at passes' widths rounded up to `width_multiple`)."""
     if trainer.logprob_chunk_size is not None:
         return chunk_rows(batch, trainer.logprob_chunk_size, by_length=by_length)
     num, _ = scoring_passes(batch.size, None, trainer.micro_batch_size)
-    return micro_batch_rows(batch, num, by_length=by_length, max_tokens=trainer.max_tokens_per_micro_batch)
+    return micro_batch_rows(
+        batch,
+        num,
+        by_length=by_length,
+        max_tokens=trainer.max_tokens_per_micro_batch,
+        width_multiple=width_multiple,
+    )
 
 
 def scoring_passes(num_rows: int, chunk_size: int | None, micro_batch_size: int) -> tuple[int, bool]:

@@ -94,6 +94,12 @@ class OptimCfg(Section):
     """Gradient-norm clipping threshold; null turns clipping off."""
 
 
+AUTO_WIDTH_MULTIPLE = 16
+"""trainer.pass_width_multiple null for the hf engine on a CUDA device: on an H200 an update at a new, unaligned width
+costs up to ~1.6 s more with cuDNN attention; at multiples of 16 a quickstart run meets 3-4 widths
+(bench/results/pass_widths-gpu-2026-12-04.md)."""
+
+
 class TrainerCfg(Section):
     engine: Literal["megatron", "hf"] = "hf"
     """Training engine: megatron (Megatron-core via Megatron-Bridge/mbridge) or hf (transformers + peft)."""
@@ -112,15 +118,25 @@ class TrainerCfg(Section):
     own), so short rows share larger passes. The update's gradient is unchanged (the loss closure returns each
     pass's share of the mini-batch loss); per-pass metrics are averaged over the passes actually run. Log-prob
     and value passes follow it too unless logprob_chunk_size is set. null: micro_batch_size sequences per pass."""
-    pass_width_multiple: PositiveInt = 1
+    pass_width_multiple: PositiveInt | None = None
     """Round each forward pass's width (prompt + response columns, after trimming to its rows) up to a multiple
     of this with masked columns (hf engine: left of the prompts; megatron: on the right), so a run meets few
     distinct pass shapes. Why: on a GPU, torch's cuDNN attention builds its plans on the host for every new
-    shape, ~1.2 s for SmolLM2 on an H200 with the GPU idle (docs/gpu.md). Exact (the added columns are
-    masked); a pass costs up to pass_width_multiple - 1 more positions per row. 1: each pass at its own widths.
-    Not applied to trainer.shared_prompts' passes."""
+    shape, up to ~1.2 s an update for SmolLM2 on an H200 with the GPU idle (docs/gpu.md). Exact (the added
+    columns are masked); a pass costs up to pass_width_multiple - 1 more positions per row. null: 16 for the hf
+    engine on a GPU (measured there: bench/results/pass_widths-gpu-2026-12-04.md), else 1 (each pass at its own
+    widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured yet). Not
+    applied to trainer.shared_prompts' passes."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
+
+    def width_multiple(self, device: str) -> int:
+        """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
+        AUTO_WIDTH_MULTIPLE for the hf engine on cuda, else 1."""
+        if self.pass_width_multiple is not None:
+            return self.pass_width_multiple
+        return AUTO_WIDTH_MULTIPLE if self.engine == "hf" and device == "cuda" else 1
+
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"

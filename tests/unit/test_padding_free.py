@@ -30,7 +30,7 @@ from rlbridge.engines.hf_critic import HFCritic
 from rlbridge.engines.micro import budget_rows, chunk_rows, micro_batch_rows, scoring_passes, scoring_rows
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import AUTO_WIDTH_MULTIPLE, Recipe
 from tests.fixtures.spread import spread_lists
 from tests.fixtures.tiny_llama import build_tiny_llama
 
@@ -53,7 +53,7 @@ def recipe(
     max_tokens: int | None = None,
     chunk: int | None = 3,
     micro: int = 1,
-    width_multiple: int = 1,
+    width_multiple: int | None = 1,
 ) -> Recipe:
     return Recipe.model_validate(
         {
@@ -373,6 +373,35 @@ def test_a_rounded_width_adds_masked_prompt_columns_only() -> None:
                 sub.routed_experts[:, :1].expand_as(got.routed_experts[:, :extra]),
             )  # type: ignore[index]
             assert (got is sub) == (extra == 0)
+
+
+def test_the_default_width_multiple_is_16_for_the_hf_engine_on_a_gpu_only(model_dir: Path) -> None:
+    """trainer.pass_width_multiple null: AUTO_WIDTH_MULTIPLE for the hf engine on a CUDA device, 1 on a CPU and for
+    the megatron engine; a set value everywhere."""
+    auto = recipe(model_dir, {"name": "grpo"}, width_multiple=None).trainer
+    megatron = auto.model_copy(update={"engine": "megatron"})
+    assert auto.pass_width_multiple is None and AUTO_WIDTH_MULTIPLE == 16
+    assert (auto.width_multiple("cpu"), auto.width_multiple("cuda")) == (1, 16)
+    assert (megatron.width_multiple("cpu"), megatron.width_multiple("cuda")) == (1, 1)
+    eight = recipe(model_dir, {"name": "grpo"}, width_multiple=8).trainer
+    assert (
+        eight.width_multiple("cpu")
+        == eight.model_copy(update={"engine": "megatron"}).width_multiple("cuda")
+        == 8
+    )
+
+
+def test_a_token_budget_counts_the_rounded_widths() -> None:
+    """With pass_width_multiple, budget_rows keeps rows x (rounded width) within the budget, so the rounding does not
+    take a pass past the memory the plan bounds it by."""
+    batch = spread_batch()
+    for budget, multiple in ((48, 16), (64, 16), (100, 32), (48, 1)):
+        groups = budget_rows(batch, budget, multiple)
+        assert sorted(torch.cat(groups).tolist()) == list(range(batch.size))
+        for g in groups:
+            width = batch.select(g).trimmed().width_rounded(multiple).input_ids.shape[1]
+            assert width % multiple == 0 and (len(g) * width <= budget or len(g) == 1), (budget, multiple, g)
+    assert len(budget_rows(batch, 64, 16)) > len(budget_rows(batch, 64))  # the rounding really counted (4 vs 3)
 
 
 def test_trimming_keeps_replayed_experts_on_their_columns() -> None:

@@ -132,7 +132,7 @@ class MegatronCritic:
         return forward.split_micro_batches(
             batch.to(self.device),
             num,
-            seq_multiple=self.recipe.trainer.pass_width_multiple,
+            seq_multiple=self.recipe.trainer.width_multiple(self.device.type),
             by_length=self.padding_free,
             max_tokens=self.max_tokens if training or budget else None,
         )

@@ -121,7 +121,7 @@ class MegatronTrainEngine:
             num,
             seq_multiple=math.lcm(
                 provider.tensor_model_parallel_size if provider.sequence_parallel else 1,
-                self.recipe.trainer.pass_width_multiple,
+                self.recipe.trainer.width_multiple(self.device.type),
             ),
             equal_rows=pp > 1,
             count_multiple=pp if interleaved else 1,

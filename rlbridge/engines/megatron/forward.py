@@ -88,7 +88,7 @@ def split_micro_batches(
             raise ValueError("length-grouped micro-batches vary in shape: not for pipeline parallelism")
         return [
             _micro_batch(batch.select(rows).trimmed(), rows, torch.arange(len(rows)), seq_multiple)
-            for rows in micro_batch_rows(batch, num, max_tokens=max_tokens)
+            for rows in micro_batch_rows(batch, num, max_tokens=max_tokens, width_multiple=seq_multiple)
         ]
     groups = list(torch.arange(batch.size).tensor_split(num))
     groups += [torch.zeros(0, dtype=torch.long)] * ((-num) % count_multiple)
