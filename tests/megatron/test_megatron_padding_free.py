@@ -97,27 +97,29 @@ def test_token_budget_forms_the_hf_engines_passes(suite: dict[str, Any]) -> None
     assert widths == [16, 6, 18, 25, 18] * 2  # each pass at its own rows' widths
 
 
+def _assert_matches_padded(suite: dict[str, Any], label: str, layout: str) -> None:
+    """The `layout` results of `label` (lora, full: log-probs; critic: values) against the index-order layout at
+    the batch's width: atol 1e-5, gradients within 1e-5 (relative Frobenius and elementwise)."""
+    kind = "values" if label == "critic" else "logprobs"
+    got, want = suite[f"{label}_{layout}_{kind}"], suite[f"{label}_padded_{kind}"]
+    print(f"{label} {layout}: {kind} max abs difference {float((got - want).abs().max()):.2e}")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    frob, worst = _grad_errors(suite[f"{label}_{layout}_grads"], suite[f"{label}_padded_grads"])
+    print(f"{label} {layout}: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
+    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+
+
 @pytest.mark.parametrize("label", ["lora", "full"])
 def test_token_budget_logprobs_and_gradients_match_the_padded_micro_batches(
     suite: dict[str, Any], label: str
 ) -> None:
-    got, want = suite[f"{label}_budget_logprobs"], suite[f"{label}_padded_logprobs"]
-    print(f"{label} budget: log-probs max abs difference {float((got - want).abs().max()):.2e}")
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    frob, worst = _grad_errors(suite[f"{label}_budget_grads"], suite[f"{label}_padded_grads"])
-    print(f"{label} budget: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
-    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+    _assert_matches_padded(suite, label, "budget")
 
 
 def test_token_budget_critic_values_and_gradients_match_the_padded_micro_batches(
     suite: dict[str, Any],
 ) -> None:
-    got, want = suite["critic_budget_values"], suite["critic_padded_values"]
-    print(f"critic budget: values max abs difference {float((got - want).abs().max()):.2e}")
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    frob, worst = _grad_errors(suite["critic_budget_grads"], suite["critic_padded_grads"])
-    print(f"critic budget: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
-    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+    _assert_matches_padded(suite, "critic", "budget")
 
 
 @pytest.mark.parametrize("label", ["lora", "full", "critic"])
@@ -126,13 +128,7 @@ def test_rounded_pass_widths_match_the_padded_micro_batches(suite: dict[str, Any
     columns (from 16, 6, 18, 25, 18), the same log-probs / values and gradients as the index-order layout at the
     batch's width (the tolerances above)."""
     assert suite[f"{label}_rounded_widths"] == [16, 16, 32, 32, 32]
-    kind = "values" if label == "critic" else "logprobs"
-    got, want = suite[f"{label}_rounded_{kind}"], suite[f"{label}_padded_{kind}"]
-    print(f"{label} rounded: {kind} max abs difference {float((got - want).abs().max()):.2e}")
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    frob, worst = _grad_errors(suite[f"{label}_rounded_grads"], suite[f"{label}_padded_grads"])
-    print(f"{label} rounded: gradients rel. Frobenius {frob:.2e}, elementwise {worst:.2e}")
-    assert frob < 1e-5 and worst < 1e-5, (frob, worst)
+    _assert_matches_padded(suite, label, "rounded")
 
 
 @pytest.mark.parametrize("label", ["lora", "full"])
