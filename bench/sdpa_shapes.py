@@ -50,7 +50,7 @@ def main() -> None:
     from bench.common import report
     from bench.update_padding import save_model
     from rlbridge.batch import SeqBatch
-    from rlbridge.recipe.schema import Recipe
+    from rlbridge.recipe.schema import Recipe, round_width
     from rlbridge.trainer.role import TrainerRole
 
     if args.no_cudnn_sdp:
@@ -111,8 +111,7 @@ def main() -> None:
         trainer.update(b, adv, logp, None)
         prof.disable()
         seconds = time.perf_counter() - start
-        width = int(b.input_ids.shape[1])
-        width = -(-width // args.width_multiple) * args.width_multiple  # the one pass's width
+        width = round_width(int(b.input_ids.shape[1]), args.width_multiple)  # the one pass's width
         rows.append({"update": i, "width": width, "response_width": b.response_width, "new_width": width not in seen,
                      "seconds": seconds})  # fmt: skip
         print(f"update {i}: width {width} (response {b.response_width}){'' if width in seen else ', new'}: "

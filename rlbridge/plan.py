@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from rlbridge.model.info import ModelInfo
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import Recipe, round_width
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -314,15 +314,13 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     only (hf: logits_to_keep; megatron: forward.response_head), megatron every position under sequence or context
     parallelism, where its output layer sees a shard of the sequence (that case is not measured).
 
-    A pass holds micro_batch_size full-length sequences (rounded up to trainer.pass_width_multiple), or with trainer.max_tokens_per_micro_batch (either
-    engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
+    A pass holds micro_batch_size full-length sequences (rounded up to trainer.pass_width_multiple), or with
+    trainer.max_tokens_per_micro_batch (either engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
     upper bounds. Measured against this on an H200: bench/results/plan_memory-2026-12-02b.md and
     growth-gpu-2026-12-02.md."""
     p = r.trainer.parallel
-    multiple = r.trainer.width_multiple(
-        r.cluster.device
-    )  # trainer.pass_width_multiple: the longest pass's width
-    s, h = -(-b.max_sequence_tokens // multiple) * multiple / p.context, m.hidden
+    longest = round_width(b.max_sequence_tokens, r.trainer.width_multiple(r.cluster.device))
+    s, h = longest / p.context, m.hidden
     budget = r.trainer.max_tokens_per_micro_batch
     tokens = s * r.trainer.micro_batch_size if budget is None else max(budget / p.context, s)
     tokens = min(tokens, s * b.sequences_per_dp_rank)  # a pass holds at most the rank's whole mini-batch

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlbridge.batch import SeqBatch
-from rlbridge.recipe.schema import TrainerCfg
+from rlbridge.recipe.schema import TrainerCfg, round_width
 
 
 def real_lengths(batch: SeqBatch) -> tuple[Tensor, Tensor]:
@@ -71,7 +71,7 @@ def budget_rows(batch: SeqBatch, max_tokens: int, width_multiple: int = 1) -> li
     widest_p = widest_r = 0
     for row in length_order(batch).tolist():
         p, r = max(widest_p, prompt_b[row]), max(widest_r, response_b[row])
-        if groups and (len(groups[-1]) + 1) * (-(-(p + r) // width_multiple) * width_multiple) <= max_tokens:
+        if groups and (len(groups[-1]) + 1) * round_width(p + r, width_multiple) <= max_tokens:
             groups[-1].append(row)
             widest_p, widest_r = p, r
         else:

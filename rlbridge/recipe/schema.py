@@ -100,6 +100,12 @@ costs up to ~1.6 s more with cuDNN attention; at multiples of 16 a quickstart ru
 (bench/results/pass_widths-gpu-2026-12-04.md)."""
 
 
+def round_width(width: int, multiple: int) -> int:
+    """The width a pass of `width` columns runs at under trainer.pass_width_multiple `multiple` (resolved:
+    TrainerCfg.width_multiple): the next multiple."""
+    return -(-width // multiple) * multiple
+
+
 class TrainerCfg(Section):
     engine: Literal["megatron", "hf"] = "hf"
     """Training engine: megatron (Megatron-core via Megatron-Bridge/mbridge) or hf (transformers + peft)."""
@@ -130,13 +136,6 @@ class TrainerCfg(Section):
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
 
-    def width_multiple(self, device: str) -> int:
-        """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
-        AUTO_WIDTH_MULTIPLE for the hf engine on cuda, else 1."""
-        if self.pass_width_multiple is not None:
-            return self.pass_width_multiple
-        return AUTO_WIDTH_MULTIPLE if self.engine == "hf" and device == "cuda" else 1
-
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -153,6 +152,13 @@ class TrainerCfg(Section):
     prompts; never: plain passes only (not `off`: YAML reads it as false). Needs trainer.recompute.granularity none (else the plain passes run); the megatron
     engine always runs the plain passes. With always on a GPU, `rlbridge plan` estimates the plain passes and
     notes the measured 1.12-1.18x trainer peak of the shared ones."""
+
+    def width_multiple(self, device: str) -> int:
+        """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
+        AUTO_WIDTH_MULTIPLE for the hf engine on cuda, else 1."""
+        if self.pass_width_multiple is not None:
+            return self.pass_width_multiple
+        return AUTO_WIDTH_MULTIPLE if self.engine == "hf" and device == "cuda" else 1
 
 
 # -------------------------------------------------------------------------------------------- rollout

@@ -955,12 +955,9 @@ def _critic_layouts(recipe: Recipe, batch: SeqBatch, num_micro_batches: int) -> 
         critic.padding_free, critic.max_tokens = free, budget
         critic.recipe = with_width_multiple(recipe, multiple)
         key = f"critic_{key}"
-        out[f"{key}_widths"] = [
-            int(mb.input_ids.shape[1]) for mb in critic._split(batch, num_micro_batches, training=True)
-        ]
-        out[f"{key}_rows"] = [
-            mb.rows.tolist() for mb in critic._split(batch, num_micro_batches, training=True)
-        ]
+        mbs = critic._split(batch, num_micro_batches, training=True)
+        out[f"{key}_widths"] = [int(mb.input_ids.shape[1]) for mb in mbs]
+        out[f"{key}_rows"] = [mb.rows.tolist() for mb in mbs]
         out[f"{key}_values"] = values = critic.values(batch)
         fn = make_value_loss_fn(
             recipe.algorithm.critic,  # type: ignore[union-attr]  # a PpoCfg

@@ -401,9 +401,8 @@ def test_a_token_budget_counts_the_rounded_widths() -> None:
         for g in groups:
             width = batch.select(g).trimmed().width_rounded(multiple).input_ids.shape[1]
             assert width % multiple == 0 and (len(g) * width <= budget or len(g) == 1), (budget, multiple, g)
-    assert len(budget_rows(batch, 64, 16)) > len(
-        budget_rows(batch, 64)
-    )  # the rounding really counted (4 vs 3)
+    # the rounding really counted (4 passes against 3)
+    assert len(budget_rows(batch, 64, 16)) > len(budget_rows(batch, 64))
 
 
 def test_trimming_keeps_replayed_experts_on_their_columns() -> None:
