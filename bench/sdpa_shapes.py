@@ -11,7 +11,7 @@ attention builds its plans per shape. `--no-cudnn-sdp` (torch.backends.cuda.enab
 same updates on the other attention kernels; `--width-multiple N` (trainer.pass_width_multiple) the same updates
 with each pass widened to a multiple of N columns (masked), so fewer distinct widths reach the attention.
 
-    python bench/sdpa_shapes.py --device cuda [--no-cudnn-sdp] [--width-multiple 16]
+    python bench/sdpa_shapes.py --device cuda [--no-cudnn-sdp] [--width-multiple 16] [--cuda-graphs --no-profile]
     python bench/sdpa_shapes.py --device cpu --layers 2 --no-save        # the CPU dry run (no cuDNN there)
 """
 
@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all 30)")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     ap.add_argument("--width-multiple", type=int, default=1, help="trainer.pass_width_multiple (default 1)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (engines/graphs.py)")
+    ap.add_argument("--no-profile", action="store_true", help="no cProfile around the updates (it adds host time)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     import torch
@@ -70,6 +72,7 @@ def main() -> None:
                     "micro_batch_size": 8,
                     "max_tokens_per_micro_batch": 32768,
                     "pass_width_multiple": args.width_multiple,
+                    "cuda_graphs": args.cuda_graphs,
                 },  # fmt: skip
                 "rollout": {"n": 4, "max_response_tokens": 48},
                 "algorithm": {
@@ -107,16 +110,17 @@ def main() -> None:
         logp = torch.where(b.response_mask > 0, -torch.rand(b.response_mask.shape, generator=gen), 0.0)
         prof = cProfile.Profile()
         start = time.perf_counter()
-        prof.enable()
-        trainer.update(b, adv, logp, None)
+        if not args.no_profile:
+            prof.enable()
+        metrics = trainer.update(b, adv, logp, None)
         prof.disable()
         seconds = time.perf_counter() - start
         width = round_width(int(b.input_ids.shape[1]), args.width_multiple)  # the one pass's width
         rows.append({"update": i, "width": width, "response_width": b.response_width, "new_width": width not in seen,
-                     "seconds": seconds})  # fmt: skip
+                     "seconds": seconds, "graphed_passes": metrics.get("cuda_graph_passes")})  # fmt: skip
         print(f"update {i}: width {width} (response {b.response_width}){'' if width in seen else ', new'}: "
               f"{seconds:.3f} s", flush=True)  # fmt: skip
-        if i >= 2 and seconds > 2.5 * statistics.median(row["seconds"] for row in rows[:-1]):
+        if i >= 2 and not args.no_profile and seconds > 2.5 * statistics.median(row["seconds"] for row in rows[:-1]):
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(4)
             print(text.getvalue()[:3000], flush=True)
@@ -128,6 +132,7 @@ def main() -> None:
         "device": args.device,
         "cudnn_sdp": bool(torch.backends.cuda.cudnn_sdp_enabled()),
         "width_multiple": args.width_multiple,
+        "cuda_graphs": args.cuda_graphs,
         "all_s": sum(row["seconds"] for row in rows),
         "distinct_widths": len(seen),
         "torch": torch.__version__,

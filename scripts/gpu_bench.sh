@@ -48,6 +48,9 @@
 #                                       # attention on): does rounding the pass widths remove the new-width stall (~2 min)
 #   bash scripts/gpu_bench.sh trlwidth  # TRL, rlbridge async, rlbridge async at pass_width_multiple 16 (no plain sync run;
 #                                       # TRLWIDTH_NOCUDNN=1 adds async with RLBRIDGE_CUDNN_ATTENTION=0; TRL_STEPS as trl)
+#   bash scripts/gpu_bench.sh graphs    # issue 16 goal 4: bench/sdpa_shapes.py at width multiple 16, eager then
+#                                       # trainer.cuda_graphs (no cProfile): the update with recorded passes (~2 min)
+#   bash scripts/gpu_bench.sh trlgraphs # TRL, rlbridge async, rlbridge async with trainer.cuda_graphs (TRL_STEPS as trl)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -176,6 +179,22 @@ PYEOF
       if [ "${TRLWIDTH_NOCUDNN:-0}" = 1 ]; then
         for o in "${async[@]}" RLBRIDGE_CUDNN_ATTENTION=0; do also+=(--also "nocudnn:$o"); done
       fi
+      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
+        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
+        > "$OUT/$part/log.txt" 2>&1
+      find "$OUT/$part/work" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +  # run dirs: too deep to come back
+      grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20 ;;
+    graphs)
+      for g in "" --cuda-graphs; do
+        # shellcheck disable=SC2086  # $g: no word, or the one flag
+        timeout "$(left)" "$PY" bench/sdpa_shapes.py --device cuda --width-multiple 16 --no-profile $g --no-save \
+          > "$OUT/$part/log${g:+-graphs}.txt" 2>&1
+        grep -E "^update|_s\"|Error" "$OUT/$part/log${g:+-graphs}.txt" | tail -22
+      done ;;
+    trlgraphs)
+      async=(rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token)
+      also=(--also-async)
+      for o in "${async[@]}" trainer.cuda_graphs=true; do also+=(--also "graphs:$o"); done
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
         > "$OUT/$part/log.txt" 2>&1

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
+from rlbridge.engines.graphs import PassGraphs
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
@@ -212,6 +213,8 @@ class HFTrainEngine:
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
+        self._graphs: PassGraphs | None = self._pass_graphs() if recipe.trainer.cuda_graphs else None
+        """trainer.cuda_graphs: the recorded training passes (engines/graphs.py)."""
 
     # -------------------------------------------------------------------------------- set-up
     def _apply_lora(self, base: PreTrainedModel) -> PeftModel:
@@ -232,6 +235,23 @@ class HFTrainEngine:
             # float32 adapters on a bfloat16 / float16 base (peft's default, stated): they are their own
             # master weights, and their share of each layer's output is computed in float32
             return get_peft_model(base, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+
+    def _pass_graphs(self) -> PassGraphs:
+        """trainer.cuda_graphs (validate-recipe refuses the recipes it cannot record; this guards the rest)."""
+        if self.device.type != "cuda":
+            raise RlbridgeError(f"trainer.cuda_graphs needs a CUDA device, the trainer runs on {self.device}")
+        if self.moe is not None:
+            raise RlbridgeError(
+                "trainer.cuda_graphs: an MoE model's passes are not recorded (set it to false)"
+            )
+        if self.master.num_copies or self.recipe.trainer.recompute.granularity != "none":
+            raise RlbridgeError(
+                "trainer.cuda_graphs needs float32 trainable parameters and trainer.recompute.granularity none"
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return PassGraphs(
+            self.model, params, lambda sub: self._token_stats(self.model, sub, False), self.device
+        )
 
     def _apply_recompute(self) -> None:
         recompute = self.recipe.trainer.recompute
@@ -308,8 +328,11 @@ class HFTrainEngine:
         divided by num_micro_batches: engines/micro.py). Metrics: loss_fn's metrics averaged over the passes,
         grad_norm (before clipping), lr, skipped (0.0 / 1.0) and, on a skipped step only, `nonfinite` (a list
         of names)."""
+        replays = 0 if self._graphs is None else self._graphs.replays
         metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
         metrics.update(self._apply_update(bad_loss))
+        if self._graphs is not None:  # passes of this step replayed from their recorded graphs
+            metrics["cuda_graph_passes"] = float(self._graphs.replays - replays)
         return metrics
 
     def gradients(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Tensor]:
@@ -333,28 +356,37 @@ class HFTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         done = 0
-        for rows in groups:
-            sub = forward_batch(
-                batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
-            )
-            # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
-            with replay_routing(self.model, sub.routed_experts):
-                loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
-                if not bool(torch.isfinite(loss.detach())):
-                    return {k: v / max(done, 1) for k, v in sums.items()}, True
-                (loss / num_micro_batches).backward()
-            done += 1
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+        graphs = None if shared else self._graphs
+        with graphs.on_stream() if graphs is not None else contextlib.nullcontext():
+            for rows in groups:
+                sub = forward_batch(
+                    batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
+                )
+                # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
+                with replay_routing(self.model, sub.routed_experts):
+                    loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
+                    if not bool(torch.isfinite(loss.detach())):
+                        return {k: v / max(done, 1) for k, v in sums.items()}, True
+                    (loss / num_micro_batches).backward()
+                if graphs is not None:  # an eager pass of a new shape was its warm-up: record it now
+                    graphs.record(sub, self._entropy_grad)
+                done += 1
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
         return {k: v / done for k, v in sums.items()}, False
+
+    @property
+    def _entropy_grad(self) -> bool:
+        return self.recipe.algorithm.entropy_coef != 0
 
     def _micro_step(
         self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int, shared: bool
     ) -> tuple[Tensor, dict[str, float]]:
         """`sub`: the rows' forward batch (forward_batch); `width`: the full batch's R, which the closure indexes."""
-        logp, entropy = self._token_stats(self.model, sub, shared)
+        replayed = None if shared or self._graphs is None else self._graphs.replay(sub, self._entropy_grad)
+        logp, entropy = replayed or self._token_stats(self.model, sub, shared)
         logp = _masked(logp, sub.response_mask)
-        if self.recipe.algorithm.entropy_coef == 0:  # a metric only: no gradient pass for it
+        if not self._entropy_grad:  # a metric only: no gradient pass for it
             entropy = entropy.detach()
         # the closure indexes [b, R] tensors: trimmed columns come back as 0
         return loss_fn(

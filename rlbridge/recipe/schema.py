@@ -133,6 +133,15 @@ class TrainerCfg(Section):
     engine on a GPU (measured there: bench/results/pass_widths-gpu-2026-12-04.md), else 1 (each pass at its own
     widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured yet). Not
     applied to trainer.shared_prompts' passes."""
+    cuda_graphs: bool = False
+    """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape
+    (rows x width; passes of up to 8192 positions, at most 16 shapes kept), and replay them for later passes of
+    that shape: one launch instead of tens of thousands of host-side calls, for updates that are host-bound (small
+    models, small passes: the GPU quickstart). The first pass of each shape runs eagerly and is then recorded (about
+    one more pass of host time); each recorded shape keeps one pass's activations in GPU memory, which `rlbridge
+    plan` counts. Exact: a replay computes what the eager pass computes (docs/engines/hf.md). Needs
+    trainer.engine hf, cluster.device cuda, trainer.recompute.granularity none, no rollout.routing_replay, and
+    trainable parameters in float32 (LoRA, or full fine-tuning of a float32 model)."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
 

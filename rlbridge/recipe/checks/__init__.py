@@ -18,6 +18,7 @@ from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
 from rlbridge.recipe.checks.layout import (
     check_batches,
+    check_cuda_graphs,
     check_layout,
     check_rollout_layout,
     check_shared_prompts,
@@ -44,6 +45,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_batches,
     check_token_budget,
     check_shared_prompts,
+    check_cuda_graphs,
     check_lora,
     check_weight_transport,
     check_algorithm,

@@ -238,3 +238,47 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
                 fix="set trainer.shared_prompts to auto or never, or trainer.recompute.granularity to none",
             )
         )
+
+
+def check_cuda_graphs(r: Recipe, out: Issues) -> None:
+    """trainer.cuda_graphs records the hf engine's passes on a GPU (engines/graphs.py): what it cannot record is
+    refused here, not discovered at the first step."""
+    if not r.trainer.cuda_graphs:
+        return
+    reasons = []
+    if r.trainer.engine != "hf":
+        reasons.append(
+            (
+                f"the {r.trainer.engine} engine has no recorded passes (the hf engine has)",
+                "trainer.engine: hf",
+            )
+        )
+    if r.cluster.device != "cuda":
+        reasons.append(
+            (f"CUDA graphs need cluster.device cuda, not {r.cluster.device}", "cluster.device: cuda")
+        )
+    if r.trainer.recompute.granularity != "none":
+        reasons.append(
+            (
+                f"recompute ({r.trainer.recompute.granularity}) is not recorded",
+                "trainer.recompute.granularity: none",
+            )
+        )
+    if r.rollout.routing_replay:
+        reasons.append(
+            ("routing replay sets each pass's experts from the host", "rollout.routing_replay: false")
+        )
+    if not r.lora.enabled and r.model.dtype != "float32":
+        reasons.append(
+            (
+                f"full fine-tuning of a {r.model.dtype} model moves gradients into float32 masters by hooks, "
+                "which a replayed backward does not run",
+                "LoRA (lora.rank > 0) or model.dtype: float32",
+            )
+        )
+    for why, fix in reasons:
+        out.append(
+            RecipeIssue(
+                "trainer.cuda_graphs", why, value="true", fix=f"set {fix}, or trainer.cuda_graphs: false"
+            )
+        )

@@ -1,0 +1,108 @@
+"""trainer.cuda_graphs (rlbridge/engines/graphs.py) on the device: an engine that replays its recorded passes
+against one that runs every pass eagerly, in lockstep over optimizer steps (CUDA only: a CPU has no graphs).
+
+SmolLM2-135M-Instruct with LoRA rank 8 on all linear layers (B ~ N(0, 0.05), so the adapters matter from the
+first pass), GRPO's loss on random advantages, 8 steps over batches of 3 shapes met again and again (A B A A C B
+A C: each shape's first pass is eager and recorded, the later ones replayed), 2 passes per step (a token budget).
+After every step both engines' eager no-gradient log-probs of a fixed batch are compared: a trainer whose
+graphs kept computing with the weights of their recording (as compiled layers did: bench/results/
+compile_loop-gpu-2026-12-03.md) would fall behind here step by step. Bounds: float32: the same kernels on the same
+inputs, so per-step gradient norms within 1e-5 relative, adapters within 1e-6 and log-probs within 1e-4 (summation
+order of other kernels, if a capture picked any); bfloat16: gradient norms within 2 %, log-probs of the two
+engines within 0.02 mean after 8 steps (bf16 noise; the engines start equal). Figures: the differences, the
+number of replayed passes, eager and replayed seconds per step."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.common import DRY_RUN, TEXTS, chat_prompt_ids, figure
+
+pytestmark = [pytest.mark.timeout(600)]
+
+SHAPES = "ABAACBAC"
+
+
+@pytest.mark.skipif(DRY_RUN, reason="CUDA graphs need CUDA: no CPU dry run")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) -> None:
+    import torch
+
+    from rlbridge.algo.objective import LossInputs, make_loss_fn
+    from rlbridge.batch import SeqBatch
+    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.model.hf import AutoTokenizer
+    from rlbridge.recipe.schema import Recipe
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [chat_prompt_ids(tok, q) for q, _ in TEXTS[:4]]
+
+    def batch_of(longest: int, seed: int) -> SeqBatch:
+        """16 rows: 4 prompts x 4 random responses whose lengths depend on `longest` only, so batches of one
+        shape letter make passes of the same shapes (with masked columns: prompts and responses of several
+        lengths), and different tokens."""
+        g = torch.Generator().manual_seed(seed)
+        lengths = [longest - (i % 4) * (longest // 6) for i in range(16)]
+        responses = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+        return SeqBatch.from_token_lists([p for p in prompts for _ in range(4)], responses, pad_id=0)
+
+    lengths = {"A": 24, "B": 40, "C": 12}
+    batches = [batch_of(lengths[s], i) for i, s in enumerate(SHAPES)]
+    probe = batch_of(32, 99)
+    advs = [
+        torch.randn(b.size, 1, generator=gen).expand(-1, b.response_width) * b.response_mask for b in batches
+    ]
+
+    def engine(graphs: bool) -> Any:
+        raw = {"name": "t", "model": {"path": str(model_dir), "dtype": dtype},
+               "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
+               "trainer": {"cuda_graphs": graphs, "max_tokens_per_micro_batch": 8 * 96, "optim": {"lr": 1e-3}},
+               "rollout": {"n": 4, "max_response_tokens": 40},
+               "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+               "cluster": {"device": "cuda"}}  # fmt: skip
+        eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device="cuda")
+        b_init = torch.Generator().manual_seed(1)
+        eng.load_trainable_state({n: torch.randn(t.shape, generator=b_init) * 0.05 if "lora_B" in n else t
+                                  for n, t in eng.trainable_state().items()})  # fmt: skip
+        return eng
+
+    eager, graphed = engine(False), engine(True)
+    initial = graphed.trainable_state()
+    rows: list[dict[str, float]] = []
+    for step, (batch, adv) in enumerate(zip(batches, advs, strict=True)):
+        out = {}
+        for name, eng in (("eager", eager), ("graphed", graphed)):
+            fn = make_loss_fn(eng.recipe.algorithm, LossInputs(adv, batch.response_mask, None, None, None),
+                              norm_constant=40.0, micro_scale=1.0)  # fmt: skip
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            m = eng.train_step(batch, fn, num_micro_batches=1)
+            torch.cuda.synchronize()
+            out[name] = {**m, "seconds": time.perf_counter() - start, "logp": eng.logprobs(probe).cpu()}
+        state_e, state_g = eager.trainable_state(), graphed.trainable_state()
+        real = probe.response_mask > 0
+        rows.append({
+            "step": step, "shape": SHAPES[step], "replayed": out["graphed"].get("cuda_graph_passes", 0.0),
+            "grad_norm_rel": abs(out["graphed"]["grad_norm"] - out["eager"]["grad_norm"]) / out["eager"]["grad_norm"],
+            "adapter_diff_max": max(float((state_g[k] - v).abs().max()) for k, v in state_e.items()),
+            "logp_diff_mean": float((out["graphed"]["logp"] - out["eager"]["logp"]).abs()[real].mean()),
+            "eager_s": out["eager"]["seconds"], "graphed_s": out["graphed"]["seconds"],
+        })  # fmt: skip
+    figure(f"cuda_graphs_{dtype}", steps=rows, captures=graphed._graphs.captures, off=graphed._graphs.off)
+    assert graphed._graphs.off is None, graphed._graphs.off
+    assert sum(r["replayed"] for r in rows) >= 8, rows  # 5 of 8 steps met a recorded shape, 2 passes each
+    assert all(r["replayed"] == 0 for r in rows[:2]), rows  # A and B met first: eager, then recorded
+    changed = max(float((graphed.trainable_state()[k] - v).abs().max()) for k, v in initial.items())
+    assert changed > 1e-3, changed  # the adapters did train
+    if dtype == "float32":
+        assert all(r["grad_norm_rel"] <= 1e-5 for r in rows), rows
+        assert all(r["adapter_diff_max"] <= 1e-6 for r in rows), rows
+        assert all(r["logp_diff_mean"] <= 1e-4 for r in rows), rows
+    else:
+        assert all(r["grad_norm_rel"] <= 0.02 for r in rows), rows
+        assert rows[-1]["logp_diff_mean"] <= 0.02, rows
