@@ -43,7 +43,9 @@ def main() -> None:
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     ap.add_argument("--width-multiple", type=int, default=1, help="trainer.pass_width_multiple (default 1)")
     ap.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (engines/graphs.py)")
-    ap.add_argument("--no-profile", action="store_true", help="no cProfile around the updates (it adds host time)")
+    ap.add_argument(
+        "--no-profile", action="store_true", help="no cProfile around the updates (it adds host time)"
+    )
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     import torch
@@ -120,7 +122,11 @@ def main() -> None:
                      "seconds": seconds, "graphed_passes": metrics.get("cuda_graph_passes")})  # fmt: skip
         print(f"update {i}: width {width} (response {b.response_width}){'' if width in seen else ', new'}: "
               f"{seconds:.3f} s", flush=True)  # fmt: skip
-        if i >= 2 and not args.no_profile and seconds > 2.5 * statistics.median(row["seconds"] for row in rows[:-1]):
+        if (
+            i >= 2
+            and not args.no_profile
+            and seconds > 2.5 * statistics.median(row["seconds"] for row in rows[:-1])
+        ):
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(4)
             print(text.getvalue()[:3000], flush=True)

@@ -120,23 +120,20 @@ class SeqBatch:
         pass costs up to multiple - 1 more positions per row. Its use: few distinct pass shapes
         (trainer.pass_width_multiple)."""
         extra = (-self.input_ids.shape[1]) % multiple if multiple > 1 else 0
-        if not extra:
+        return _left_columns(self, extra) if extra else self
+
+    def sides_rounded(self, multiple: int) -> SeqBatch:
+        """The same rows with masked columns added on the left of the prompts and on the right of the responses so
+        that P and R are each a multiple of `multiple` (itself when they are, or multiple <= 1): the pass shapes
+        of trainer.cuda_graphs, which record one graph per (rows, P, R). Left columns as in `width_rounded`;
+        right ones: id 0, attention_mask 0, the row's last position, response_mask 0, as the right padding of
+        `from_token_lists`. Exact as `trimmed` is (no real token attends a later column); per-token results have
+        the rounded R: callers cut them back to their own width."""
+        if multiple <= 1:
             return self
-
-        def left(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x.new_zeros((x.shape[0], extra, *x.shape[2:])), x], dim=1)
-
-        routed = self.routed_experts
-        if routed is not None:  # masked columns route like the first one (never scored)
-            routed = torch.cat([routed[:, :1].expand(-1, extra, *routed.shape[2:]), routed], dim=1)
-        return SeqBatch(
-            input_ids=left(self.input_ids),
-            attention_mask=left(self.attention_mask),
-            position_ids=left(self.position_ids),
-            response_mask=self.response_mask,
-            prompt_width=self.prompt_width + extra,
-            routed_experts=routed,
-        )
+        left, right = (-self.prompt_width) % multiple, (-self.response_width) % multiple
+        out = _left_columns(self, left) if left else self
+        return _right_columns(out, right) if right else out
 
     def to(self, device: Any) -> SeqBatch:
         return SeqBatch(
@@ -177,6 +174,47 @@ class SeqBatch:
             else None
         )
         return cls(ids, mask, positions, mask[:, width_p:].to(torch.float32), width_p, routed)
+
+
+def _left_columns(batch: SeqBatch, extra: int) -> SeqBatch:
+    """`extra` masked columns before the prompts (SeqBatch.width_rounded)."""
+
+    def left(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros((x.shape[0], extra, *x.shape[2:])), x], dim=1)
+
+    routed = batch.routed_experts
+    if routed is not None:  # masked columns route like the first one (never scored)
+        routed = torch.cat([routed[:, :1].expand(-1, extra, *routed.shape[2:]), routed], dim=1)
+    return SeqBatch(
+        input_ids=left(batch.input_ids),
+        attention_mask=left(batch.attention_mask),
+        position_ids=left(batch.position_ids),
+        response_mask=batch.response_mask,
+        prompt_width=batch.prompt_width + extra,
+        routed_experts=routed,
+    )
+
+
+def _right_columns(batch: SeqBatch, extra: int) -> SeqBatch:
+    """`extra` masked columns after the responses (SeqBatch.sides_rounded)."""
+
+    def right(x: torch.Tensor, last: bool = False) -> torch.Tensor:
+        tail = (
+            x[:, -1:].expand(-1, extra, *x.shape[2:])
+            if last
+            else x.new_zeros((x.shape[0], extra, *x.shape[2:]))
+        )
+        return torch.cat([x, tail], dim=1)
+
+    routed = batch.routed_experts
+    return SeqBatch(
+        input_ids=right(batch.input_ids),
+        attention_mask=right(batch.attention_mask),
+        position_ids=right(batch.position_ids, last=True),
+        response_mask=right(batch.response_mask),
+        prompt_width=batch.prompt_width,
+        routed_experts=None if routed is None else right(routed, last=True),
+    )
 
 
 def _routed_columns(

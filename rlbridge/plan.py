@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from rlbridge.model.info import ModelInfo
-from rlbridge.recipe.schema import Recipe, round_width
+from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_width
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -221,6 +221,8 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     local_trainable = trainable / (p.tensor * p.pipeline) if r.lora.enabled else stage_params
     weights, grads, opt = trainer_gib(local_trainable)
     act = _activations(r, m, b) / GIB
+    if r.trainer.cuda_graphs:  # engines/graphs.py: the pool's pass and each recorded shape's gradients
+        act += (_activations(r, m, b, cap=MAX_PASS_TOKENS) + MAX_GRAPHS * 4 * local_trainable) / GIB
     rollout_w = total * wbytes / r.rollout.tensor_parallel / GIB
     capacity = r.cluster.gpu_memory_gib
     if r.cluster.device == "cpu":  # vLLM-CPU: KV cache of a fixed size in host memory
@@ -298,7 +300,7 @@ def _critic_gib(
     return weights + state(lora_params(r, m) * local_share + head), full
 
 
-def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
+def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) -> float:
     """Bytes one training pass holds for its backward, per device: the layers' saved tensors plus the loss's.
 
     Per token and layer, in 16-bit bytes (h hidden, I the MLP width a token spans, kv = kv_heads x head_dim):
@@ -317,13 +319,15 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches) -> float:
     A pass holds micro_batch_size full-length sequences (rounded up to trainer.pass_width_multiple), or with
     trainer.max_tokens_per_micro_batch (either engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
     upper bounds. Measured against this on an H200: bench/results/plan_memory-2026-12-02b.md and
-    growth-gpu-2026-12-02.md."""
+    growth-gpu-2026-12-02.md. `cap`: passes of at most that many positions (trainer.cuda_graphs' memory pool)."""
     p = r.trainer.parallel
     longest = round_width(b.max_sequence_tokens, r.trainer.width_multiple(r.cluster.device))
     s, h = longest / p.context, m.hidden
     budget = r.trainer.max_tokens_per_micro_batch
     tokens = s * r.trainer.micro_batch_size if budget is None else max(budget / p.context, s)
     tokens = min(tokens, s * b.sequences_per_dp_rank)  # a pass holds at most the rank's whole mini-batch
+    if cap is not None:  # a pass of at most `cap` positions (trainer.cuda_graphs records no larger one)
+        tokens = min(tokens, cap)
     hf = r.trainer.engine == "hf"
     unit = DTYPE_BYTES[r.model.dtype] / 2
     width = m.mlp_width_per_token()

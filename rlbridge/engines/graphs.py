@@ -23,10 +23,15 @@ a parameter whose storage moved (data_ptr changed, e.g. a load that swapped `.da
 are then recorded again. A capture that fails (a host synchronization inside the forward, an unsupported
 kernel) turns the graphs off for the run with one warning; the passes run eagerly as before.
 
-Memory: each recorded shape keeps its forward's saved activations (what one eager pass holds between its forward
-and backward) for as long as the graph lives. Hence only passes of at most MAX_PASS_TOKENS positions are recorded
-(larger ones are compute-bound: a graph buys little there) and at most MAX_GRAPHS shapes are kept (the least
-recently used one is dropped); `rlbridge plan` counts the graphs' memory (plan.py).
+Memory: all shapes record into one memory pool. What a shape keeps for itself is what outlives its recording:
+its static inputs, outputs and parameter gradients (4 bytes per trainable parameter: 18 MB for SmolLM2 with LoRA
+r16). Its forward's saved activations are freed at the end of its backward's recording, so the next shape's
+recording reuses that memory: every shape's graphs write and read the same blocks, which is safe because a pass
+replays its forward and its backward before any other pass replays anything (one pass at a time, in order). So the
+pool holds about one pass's activations, next to the allocator's own for the eager passes: `rlbridge plan` counts
+one more pass (of at most MAX_PASS_TOKENS positions) and MAX_GRAPHS sets of gradients (plan.py). Only passes of at
+most MAX_PASS_TOKENS positions are recorded (larger ones are compute-bound: a graph buys little there), and at
+most MAX_GRAPHS shapes are kept (the least recently used one is dropped).
 """
 
 from __future__ import annotations
@@ -43,13 +48,10 @@ import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch
+from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS
 
 log = logging.getLogger(__name__)
 
-MAX_PASS_TOKENS = 8192
-"""Largest pass (rows x width) that gets a graph."""
-MAX_GRAPHS = 16
-"""Pass shapes kept recorded at once (least recently used dropped beyond)."""
 
 Key = tuple[int, int, int, bool]
 Stats = Callable[[SeqBatch], tuple[Tensor, Tensor]]
@@ -188,8 +190,10 @@ class PassGraphs:
             grad_outputs = [grad_logp] if grad_entropy is None else [grad_logp, grad_entropy]
             backward.capture_begin(pool=self.pool)
             try:
+                # no retain_graph: the forward's saved tensors go back to the pool once recorded, for the next
+                # shape's recording to reuse (module docstring, Memory)
                 grads = torch.autograd.grad(
-                    outputs, self.params, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+                    outputs, self.params, grad_outputs=grad_outputs, allow_unused=True
                 )
             finally:
                 backward.capture_end()

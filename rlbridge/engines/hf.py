@@ -141,6 +141,12 @@ def _weight(module: nn.Module) -> Tensor:
     return weight
 
 
+def _fit(x_br: Tensor, width: int) -> Tensor:
+    """[b, width]: per-token results of a pass brought to the batch's response width: trimmed columns back as 0
+    (pad_columns), masked columns added beyond it (SeqBatch.sides_rounded) cut off."""
+    return x_br[:, :width] if x_br.shape[1] > width else pad_columns(x_br, width)
+
+
 def _masked(x_br: Tensor, mask_br: Tensor) -> Tensor:
     return torch.where(mask_br > 0, x_br, torch.zeros((), dtype=x_br.dtype, device=x_br.device))
 
@@ -215,6 +221,10 @@ class HFTrainEngine:
         )
         self._graphs: PassGraphs | None = self._pass_graphs() if recipe.trainer.cuda_graphs else None
         """trainer.cuda_graphs: the recorded training passes (engines/graphs.py)."""
+        self.sides = self._graphs is not None
+        """Training passes with prompt and response widths each rounded up to trainer.pass_width_multiple
+        (SeqBatch.sides_rounded): the few shapes recorded passes need. True under trainer.cuda_graphs (tests set
+        it on a CPU: the layout is exact on its own)."""
 
     # -------------------------------------------------------------------------------- set-up
     def _apply_lora(self, base: PreTrainedModel) -> PeftModel:
@@ -350,6 +360,7 @@ class HFTrainEngine:
             by_length=self.padding_free,
             max_tokens=self._max_tokens,
             width_multiple=self._width(False),
+            sides=self.sides,
         )
         groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
         self.model.train()
@@ -360,7 +371,12 @@ class HFTrainEngine:
         with graphs.on_stream() if graphs is not None else contextlib.nullcontext():
             for rows in groups:
                 sub = forward_batch(
-                    batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
+                    batch,
+                    rows,
+                    self.device,
+                    trim=self.padding_free,
+                    width_multiple=self._width(shared),
+                    sides=self.sides and not shared,
                 )
                 # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
                 with replay_routing(self.model, sub.routed_experts):
@@ -388,10 +404,8 @@ class HFTrainEngine:
         logp = _masked(logp, sub.response_mask)
         if not self._entropy_grad:  # a metric only: no gradient pass for it
             entropy = entropy.detach()
-        # the closure indexes [b, R] tensors: trimmed columns come back as 0
-        return loss_fn(
-            pad_columns(logp, width), pad_columns(_masked(entropy, sub.response_mask), width), rows
-        )
+        # the closure indexes [b, R] tensors: trimmed columns come back as 0, masked ones added beyond R go
+        return loss_fn(_fit(logp, width), _fit(_masked(entropy, sub.response_mask), width), rows)
 
     def _layout(
         self, batch: SeqBatch, plain: list[Tensor], num_groups: int, max_tokens: int | None

@@ -49,29 +49,39 @@ def micro_batch_rows(
     by_length: bool = True,
     max_tokens: int | None = None,
     width_multiple: int = 1,
+    sides: bool = False,
 ) -> list[Tensor]:
     """Row indices of each micro-batch: `num_micro_batches` groups of near-equal size, of rows of similar
     length (by_length) or contiguous in index order (by_length=False: the former layout). With `max_tokens`
     (by_length only), as many groups as the token budget needs instead (`budget_rows`, with the passes' widths
-    rounded up to `width_multiple`)."""
+    rounded up to `width_multiple`, prompt and response each with `sides`)."""
     if not 1 <= num_micro_batches <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
     if max_tokens is not None and by_length:
-        return budget_rows(batch, max_tokens, width_multiple)
+        return budget_rows(batch, max_tokens, width_multiple, sides)
     rows = length_order(batch) if by_length else torch.arange(batch.size)
     return list(rows.tensor_split(num_micro_batches))
 
 
-def budget_rows(batch: SeqBatch, max_tokens: int, width_multiple: int = 1) -> list[Tensor]:
+def budget_rows(
+    batch: SeqBatch, max_tokens: int, width_multiple: int = 1, sides: bool = False
+) -> list[Tensor]:
     """Rows in length order, cut greedily into groups whose trimmed size, rows x (longest prompt + longest
-    response in the group, rounded up to a multiple of `width_multiple`: trainer.pass_width_multiple), stays
-    within `max_tokens`; a row longer than the budget forms a group alone."""
+    response in the group, rounded up to a multiple of `width_multiple`: trainer.pass_width_multiple; with
+    `sides` each of the two rounded up: SeqBatch.sides_rounded), stays within `max_tokens`; a row longer than
+    the budget forms a group alone."""
     prompt_b, response_b = (lengths.tolist() for lengths in real_lengths(batch))
     groups: list[list[int]] = []
     widest_p = widest_r = 0
+
+    def width(p: int, r: int) -> int:
+        if sides:
+            return round_width(p, width_multiple) + round_width(r, width_multiple)
+        return round_width(p + r, width_multiple)
+
     for row in length_order(batch).tolist():
         p, r = max(widest_p, prompt_b[row]), max(widest_r, response_b[row])
-        if groups and (len(groups[-1]) + 1) * round_width(p + r, width_multiple) <= max_tokens:
+        if groups and (len(groups[-1]) + 1) * width(p, r) <= max_tokens:
             groups[-1].append(row)
             widest_p, widest_r = p, r
         else:
@@ -113,10 +123,18 @@ def scoring_passes(num_rows: int, chunk_size: int | None, micro_batch_size: int)
 
 
 def forward_batch(
-    batch: SeqBatch, rows: Tensor, device: torch.device, *, trim: bool = True, width_multiple: int = 1
+    batch: SeqBatch,
+    rows: Tensor,
+    device: torch.device,
+    *,
+    trim: bool = True,
+    width_multiple: int = 1,
+    sides: bool = False,
 ) -> SeqBatch:
     """The rows' sub-batch on `device`, trimmed to its own widths (trim) or at the full batch width, then with
     masked prompt columns added up to a width that is a multiple of `width_multiple`
-    (trainer.pass_width_multiple: SeqBatch.width_rounded)."""
+    (trainer.pass_width_multiple: SeqBatch.width_rounded), or with `sides` masked columns on both sides up to a
+    prompt width and a response width that are each a multiple (trainer.cuda_graphs: SeqBatch.sides_rounded)."""
     sub = batch.select(rows)
-    return (sub.trimmed() if trim else sub).width_rounded(width_multiple).to(device)
+    sub = sub.trimmed() if trim else sub
+    return (sub.sides_rounded(width_multiple) if sides else sub.width_rounded(width_multiple)).to(device)

@@ -100,6 +100,12 @@ costs up to ~1.6 s more with cuDNN attention; at multiples of 16 a quickstart ru
 (bench/results/pass_widths-gpu-2026-12-04.md)."""
 
 
+MAX_PASS_TOKENS = 8192
+"""trainer.cuda_graphs: the largest pass (rows x width) recorded (engines/graphs.py)."""
+MAX_GRAPHS = 32
+"""trainer.cuda_graphs: pass shapes kept recorded at once (the least recently used dropped beyond)."""
+
+
 def round_width(width: int, multiple: int) -> int:
     """The width a pass of `width` columns runs at under trainer.pass_width_multiple `multiple` (resolved:
     TrainerCfg.width_multiple): the next multiple."""
@@ -134,14 +140,16 @@ class TrainerCfg(Section):
     widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured yet). Not
     applied to trainer.shared_prompts' passes."""
     cuda_graphs: bool = False
-    """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape
-    (rows x width; passes of up to 8192 positions, at most 16 shapes kept), and replay them for later passes of
-    that shape: one launch instead of tens of thousands of host-side calls, for updates that are host-bound (small
-    models, small passes: the GPU quickstart). The first pass of each shape runs eagerly and is then recorded (about
-    one more pass of host time); each recorded shape keeps one pass's activations in GPU memory, which `rlbridge
-    plan` counts. Exact: a replay computes what the eager pass computes (docs/engines/hf.md). Needs
-    trainer.engine hf, cluster.device cuda, trainer.recompute.granularity none, no rollout.routing_replay, and
-    trainable parameters in float32 (LoRA, or full fine-tuning of a float32 model)."""
+    """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape,
+    and replay them for later passes of that shape: one launch instead of tens of thousands of host-side calls,
+    for updates that are host-bound (small models, small passes: the GPU quickstart's update 3-4x faster on an
+    H200, docs/engines/hf.md). Each pass's prompt and response widths are each rounded up to
+    trainer.pass_width_multiple (masked columns), so a run meets few shapes; passes of up to 8192 positions are
+    recorded, at most 32 shapes kept. The first pass of each shape runs eagerly and is then recorded (about one
+    more pass of host time). Memory: one more pass's activations and a set of gradients per shape, which `rlbridge
+    plan` counts. Exact: a replay computes what the eager pass computes. Needs trainer.engine hf, cluster.device
+    cuda, trainer.recompute.granularity none, no rollout.routing_replay, and float32 trainable parameters (LoRA, or
+    full fine-tuning of a float32 model)."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
 

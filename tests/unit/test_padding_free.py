@@ -30,7 +30,7 @@ from rlbridge.engines.hf_critic import HFCritic
 from rlbridge.engines.micro import budget_rows, chunk_rows, micro_batch_rows, scoring_passes, scoring_rows
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
-from rlbridge.recipe.schema import AUTO_WIDTH_MULTIPLE, Recipe
+from rlbridge.recipe.schema import AUTO_WIDTH_MULTIPLE, MAX_GRAPHS, MAX_PASS_TOKENS, Recipe
 from tests.fixtures.spread import spread_lists
 from tests.fixtures.tiny_llama import build_tiny_llama
 
@@ -417,3 +417,95 @@ def test_trimming_keeps_replayed_experts_on_their_columns() -> None:
         sub = batch.select(rows).trimmed()
         assert sub.routed_experts is not None and sub.input_ids.shape[1] < batch.input_ids.shape[1]
         assert torch.equal(sub.routed_experts[:, :, 1, 0], sub.input_ids.to(torch.int16))
+
+
+def test_rounded_sides_add_masked_columns_on_both_sides() -> None:
+    """SeqBatch.sides_rounded (trainer.cuda_graphs' pass shapes): P and R each up to a multiple, masked columns left of
+    the prompts (as width_rounded) and right of the responses (id 0, mask 0, the row's last position, response mask
+    0); the original columns unchanged."""
+    full = spread_batch()
+    for rows in ([0, 3, 5], [1], [2, 6], list(range(8))):
+        sub = full.select(torch.tensor(rows)).trimmed()
+        for multiple in (1, 8, 16):
+            got = sub.sides_rounded(multiple)
+            left = got.prompt_width - sub.prompt_width
+            right = got.response_width - sub.response_width
+            assert got.prompt_width % multiple == 0 and got.response_width % multiple == 0
+            assert 0 <= left < multiple and 0 <= right < multiple
+            end = got.input_ids.shape[1] - right
+            for field in ("input_ids", "attention_mask", "position_ids"):
+                assert torch.equal(getattr(got, field)[:, left:end], getattr(sub, field)), field
+            assert not bool(got.attention_mask[:, :left].any()) and not bool(
+                got.attention_mask[:, end:].any()
+            )
+            assert torch.equal(got.position_ids[:, end:], sub.position_ids[:, -1:].expand(-1, right))
+            assert torch.equal(got.response_mask[:, : sub.response_width], sub.response_mask)
+            assert not bool(got.response_mask[:, sub.response_width :].any())
+            assert (got is sub) == (left == right == 0)
+
+
+def test_rounded_sides_give_the_padded_gradient(model_dir: Path) -> None:
+    """The engine's training passes with both sides rounded to 16 (the layout trainer.cuda_graphs records; set here
+    on a CPU without the graphs): GRPO's loss and gradient as the padded index-order layout, float32 then
+    float64 (the tolerances of the test above); every pass's P and R multiples of 16; the budget counts the
+    rounded sides."""
+    r = recipe(model_dir, {"name": "grpo", "entropy_coef": 0.01}, max_tokens=64, width_multiple=16)
+    engine = HFTrainEngine(r, model_dir)
+    engine.sides = True
+    perturb_lora_b(engine.trainable_state(), engine.load_trainable_state)
+    batch = spread_batch()
+    shapes: list[tuple[int, int, int]] = []
+    stats = engine._token_stats
+
+    def spy(model: Any, sub: SeqBatch, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        shapes.append((sub.size, sub.prompt_width, sub.response_width))
+        return stats(model, sub, shared)
+
+    engine._token_stats = spy  # type: ignore[method-assign]  # records the passes' shapes
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask
+    fn = make_loss_fn(r.algorithm, LossInputs(adv, batch.response_mask, None, None, None), norm_constant=32.0,
+                      micro_scale=float(NUM_MICRO))  # fmt: skip
+    for tol in (1e-5, 1e-6):
+        if tol < 1e-5:
+            engine.model.double()
+        losses = [[0.0], [0.0]]
+        with padded(engine):
+            engine.sides = False
+            want = engine.gradients(batch, summed(fn, losses[0]), num_micro_batches=NUM_MICRO)
+            engine.sides = True
+        shapes.clear()
+        got = engine.gradients(batch, summed(fn, losses[1]), num_micro_batches=NUM_MICRO)
+        assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6, abs=1e-6) and losses[0][0] != 0.0
+        assert_grads_close(got, want, tol)
+        assert shapes and all(p % 16 == 0 and w % 16 == 0 for _, p, w in shapes), shapes
+        assert all(b * (p + w) <= 64 or b == 1 for b, p, w in shapes), shapes
+
+
+def test_plan_counts_the_recorded_passes_memory() -> None:
+    """trainer.cuda_graphs: one more pass of at most MAX_PASS_TOKENS positions (the graphs' pool) and MAX_GRAPHS sets of
+    float32 gradients of the trainable parameters."""
+    info = ModelInfo(
+        architecture="LlamaForCausalLM", model_type="llama", hidden=576, intermediate=1536, layers=30, heads=9,
+        kv_heads=3, head_dim=64, vocab=49152, max_positions=8192, tied_embeddings=True,
+    )  # fmt: skip
+
+    def memory(graphs: bool, budget: int) -> Any:
+        raw = {
+            "name": "t",
+            "model": {"path": "x", "dtype": "bfloat16"},
+            "lora": {"rank": 16, "alpha": 32, "targets": ["all-linear"]},
+            "trainer": {"engine": "hf", "max_tokens_per_micro_batch": budget, "cuda_graphs": graphs},
+            "rollout": {"n": 4, "max_prompt_tokens": 128, "max_response_tokens": 48},
+            "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 64},
+            "cluster": {"device": "cuda", "gpus_per_node": 1, "gpu_memory_gib": 139},
+        }
+        mem = make_plan(Recipe.model_validate(raw), info).memory
+        assert mem is not None
+        return mem
+
+    grads = MAX_GRAPHS * 4 * memory(False, 4096).trainable_params / 2**30
+    small, large = memory(False, 4096), memory(False, 32768)
+    assert memory(True, 4096).activations == pytest.approx(2 * small.activations + grads, abs=2e-3)
+    capped = memory(False, MAX_PASS_TOKENS).activations  # the pool holds a pass of at most MAX_PASS_TOKENS
+    assert memory(True, 32768).activations == pytest.approx(large.activations + capped + grads, abs=2e-3)
