@@ -3,7 +3,9 @@ against one that runs every pass eagerly, in lockstep over optimizer steps (CUDA
 
 SmolLM2-135M-Instruct with LoRA rank 8 on all linear layers (B ~ N(0, 0.05), so the adapters matter from the
 first pass), GRPO's loss on random advantages, 8 steps over batches of 3 shapes met again and again (A B A A C B
-A C: each shape's first pass is eager and recorded, the later ones replayed), 2 passes per step (a token budget).
+A C: each shape's first pass is eager and recorded, the later ones replayed), 2 passes per step (a token budget);
+the eager engine runs the same pass layout (prompt and response widths rounded to 16 each), so only the graphs
+differ.
 After every step both engines' eager no-gradient log-probs of a fixed batch are compared: a trainer whose
 graphs kept computing with the weights of their recording (as compiled layers did: bench/results/
 compile_loop-gpu-2026-12-03.md) would fall behind here step by step. Bounds: float32: the same kernels on the same
@@ -79,6 +81,7 @@ def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) ->
         return abs(got - want) / max(abs(want), 1e-12)
 
     eager, graphed = engine(False), engine(True)
+    eager.sides = True  # the recorded passes' layout (SeqBatch.sides_rounded, exact on its own: test_padding_free)
     initial = graphed.trainable_state()
     rows: list[dict[str, float]] = []
     for step, (batch, adv) in enumerate(zip(batches, advs, strict=True)):
