@@ -81,7 +81,9 @@ def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) ->
         return abs(got - want) / max(abs(want), 1e-12)
 
     eager, graphed = engine(False), engine(True)
-    eager.sides = True  # the recorded passes' layout (SeqBatch.sides_rounded, exact on its own: test_padding_free)
+    eager.sides = (
+        True  # the recorded passes' layout (SeqBatch.sides_rounded, exact on its own: test_padding_free)
+    )
     initial = graphed.trainable_state()
     rows: list[dict[str, float]] = []
     for step, (batch, adv) in enumerate(zip(batches, advs, strict=True)):
@@ -99,6 +101,7 @@ def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) ->
         rows.append({
             "step": step, "shape": SHAPES[step], "replayed": out["graphed"].get("cuda_graph_passes", 0.0),
             "grad_norm": out["eager"]["grad_norm"], "skipped": out["eager"]["skipped"] + out["graphed"]["skipped"],
+            "nonfinite": len(out["eager"].get("nonfinite", [])), "nonfinite_first": out["eager"].get("nonfinite", [])[:2],
             "grad_norm_rel": rel(out["graphed"]["grad_norm"], out["eager"]["grad_norm"]),
             "adapter_diff_max": max(float((state_g[k] - v).abs().max()) for k, v in state_e.items()),
             "logp_diff_mean": float((out["graphed"]["logp"] - out["eager"]["logp"]).abs()[real].mean()),
