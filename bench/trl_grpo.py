@@ -28,7 +28,7 @@ overrides of rlbridge alone (e.g. its token budget); the differences that remain
 overrides (tools rlbridge-async, rlbridge-NAME) to each round, with their own medians, means and ratios; a KEY
 that starts with RLBRIDGE_ is set in that run's environment instead (e.g. `nocudnn:RLBRIDGE_CUDNN_ATTENTION=0`).
 `--no-plain` leaves out the plain rlbridge run (TRL and the --also runs only). Each rlbridge run's metrics.jsonl
-is copied to WORK/<tool>-<round>.metrics.jsonl.
+is copied to WORK/<tool>-<round>.metrics.jsonl, its workers' logs to WORK/<tool>-<round>.metrics.<worker>.log.
 """
 
 from __future__ import annotations
@@ -346,6 +346,10 @@ def run_rlbridge(
     m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl", env=env)
     if keep is not None and (run_dir / "metrics.jsonl").exists():
         shutil.copyfile(run_dir / "metrics.jsonl", keep)
+        for log_file in sorted(
+            (run_dir / "logs").glob("*.log")
+        ):  # the workers' logs: load and generate times
+            shutil.copyfile(log_file, keep.with_suffix(f".{log_file.name}"))
     if m["rc"] != 0:
         raise SystemExit(f"rlbridge failed (rc {m['rc']}); log: {work / 'rlbridge.log'}")
     records = [(t, json.loads(line)) for t, line in m["arrivals"]]

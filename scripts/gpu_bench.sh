@@ -198,7 +198,7 @@ PYEOF
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
         > "$OUT/$part/log.txt" 2>&1
-      find "$OUT/$part/work" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +  # run dirs: too deep to come back
+      cp "$OUT/$part"/work/*.metrics.* "$OUT/$part/" 2>/dev/null; rm -rf "$OUT/$part/work"  # run dirs: too deep to come back
       grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20 ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
