@@ -20,6 +20,8 @@
 #   bash scripts/gpu_check.sh ipc    # issue 16 goal 3: merged sync by CUDA IPC (rollout.weight_transport cuda_ipc) vs
 #                                    # files, trainer and vLLM in two processes on one GPU, 3 sleep/wake/IPC cycles
 #                                    # (151 s, passed 2026-12-02: gpu_check-2026-12-02d)
+#   bash scripts/gpu_check.sh graphs # trainer.cuda_graphs: replayed vs eager training passes in lockstep, float32 and
+#                                    # bfloat16 (passed 2026-12-04 in 64 s: bench/results/cuda_graphs-gpu-2026-12-04.md)
 #   bash scripts/gpu_check.sh 3 4    # several parts, in that order, under one budget
 #   bash scripts/gpu_check.sh all    # parts 1-4's five files in that order; more than one 540 s call on one GPU: the
 #                                    # deadline cuts the last ones (kill/resume/export first)
