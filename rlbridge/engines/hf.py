@@ -298,8 +298,13 @@ class HFTrainEngine:
         """[b, R] float32 log-probs of the response tokens (0 on padding), `trainer.logprob_chunk_size`
         rows per forward pass; returned on the batch's device."""
         out = torch.zeros(batch.size, batch.response_width, device=batch.input_ids.device)
+        # in the training passes' layout (sides: trainer.cuda_graphs), so old log-probs match the training forward's
         plain = scoring_rows(
-            batch, self.recipe.trainer, by_length=self.padding_free, width_multiple=self._width(False)
+            batch,
+            self.recipe.trainer,
+            by_length=self.padding_free,
+            width_multiple=self._width(False),
+            sides=self.sides,
         )
         budget = None if self.recipe.trainer.logprob_chunk_size else self._max_tokens
         groups, shared = self._layout(batch, plain, len(plain), budget)
@@ -307,13 +312,18 @@ class HFTrainEngine:
             model.eval()
             for rows in groups:
                 sub = forward_batch(
-                    batch, rows, self.device, trim=self.padding_free, width_multiple=self._width(shared)
+                    batch,
+                    rows,
+                    self.device,
+                    trim=self.padding_free,
+                    width_multiple=self._width(shared),
+                    sides=self.sides and not shared,
                 )
                 with replay_routing(model, sub.routed_experts):
                     logp, _ = self._token_stats(model, sub, shared)
-                out[rows.to(out.device)] = pad_columns(
-                    _masked(logp, sub.response_mask), batch.response_width
-                ).to(out.device)
+                out[rows.to(out.device)] = _fit(_masked(logp, sub.response_mask), batch.response_width).to(
+                    out.device
+                )
         return out
 
     @contextlib.contextmanager

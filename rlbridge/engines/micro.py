@@ -97,11 +97,16 @@ def chunk_rows(batch: SeqBatch, chunk_size: int, *, by_length: bool = True) -> l
 
 
 def scoring_rows(
-    batch: SeqBatch, trainer: TrainerCfg, *, by_length: bool = True, width_multiple: int = 1
+    batch: SeqBatch,
+    trainer: TrainerCfg,
+    *,
+    by_length: bool = True,
+    width_multiple: int = 1,
+    sides: bool = False,
 ) -> list[Tensor]:
     """Row indices of the no-gradient passes (log-probs, values): trainer.logprob_chunk_size rows each, or
     (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget
-    (at passes' widths rounded up to `width_multiple`)."""
+    (at passes' widths rounded up to `width_multiple`, each side with `sides`)."""
     if trainer.logprob_chunk_size is not None:
         return chunk_rows(batch, trainer.logprob_chunk_size, by_length=by_length)
     num, _ = scoring_passes(batch.size, None, trainer.micro_batch_size)
@@ -111,6 +116,7 @@ def scoring_rows(
         by_length=by_length,
         max_tokens=trainer.max_tokens_per_micro_batch,
         width_multiple=width_multiple,
+        sides=sides,
     )
 
 

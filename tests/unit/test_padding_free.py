@@ -462,6 +462,14 @@ def test_rounded_sides_give_the_padded_gradient(model_dir: Path) -> None:
         return stats(model, sub, shared)
 
     engine._token_stats = spy  # type: ignore[method-assign]  # records the passes' shapes
+    sided = engine.logprobs(
+        batch
+    )  # the no-gradient passes in the same layout (old log-probs = the training forward's)
+    assert shapes and all(p % 16 == 0 and w % 16 == 0 for _, p, w in shapes), shapes
+    with padded(engine):
+        engine.sides = False
+        torch.testing.assert_close(sided, engine.logprobs(batch), atol=1e-5, rtol=0)
+        engine.sides = True
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask
     fn = make_loss_fn(r.algorithm, LossInputs(adv, batch.response_mask, None, None, None), norm_constant=32.0,
