@@ -3,21 +3,24 @@
 Why: at small passes the update is host-bound. The GPU quickstart's step trains 32 rows of <= 176 columns in one
 pass; its forward and backward through peft's LoRA layers are ~39k aten calls, 0.25-0.35 s of host time on an
 H200 (bench/results/pass_widths-gpu-2026-12-04.md) for a few tens of milliseconds of GPU work. A CUDA graph replays
-the recorded kernels without the Python, the dispatcher or the launches.
+the recorded kernels without the Python, the dispatcher or the launches: 0.08 s per update instead of 0.22-0.42 s
+(bench/results/cuda_graphs-gpu-2026-12-04.md).
 
-How, per pass shape (rows, prompt width, response width, whether the entropy gets a gradient):
+How, per pass shape (rows, prompt width, response width, whether the entropy gets a gradient; the engine rounds
+both widths up to trainer.pass_width_multiple, SeqBatch.sides_rounded, so a run meets few shapes):
 - the first pass of a shape runs eagerly on the engine's side stream (the warm-up a capture needs: cuBLAS and
   cuDNN plans, workspaces, the allocator's blocks) and is then recorded as two graphs in one memory pool shared
   by all shapes: the forward from the static inputs (ids, attention mask, positions) to the response tokens'
   log-probs and entropies (`stats`: the engine's own function), and the backward from their gradients to every
-  trainable parameter's gradient (torch.autograd.grad over the forward's autograd graph, kept alive);
+  trainable parameter's gradient (torch.autograd.grad over the forward's autograd graph);
 - every later pass of that shape copies its inputs into the static ones, replays the forward, and hands the loss
   closure (run eagerly, as ever: it is the algorithm's, and cheap) the log-probs through an autograd Function
   whose backward copies the closure's gradients in, replays the backward graph and adds the parameters'
   gradients into `.grad` (summed over the passes of a step, as eager accumulation does).
 
 Exact: a replay runs the kernels the capture recorded on the same shapes, so a graphed pass computes what the
-eager pass of that shape computes (tests/gpu/test_cuda_graphs.py compares both after several optimizer steps).
+eager pass of that shape computes (tests/gpu/test_gpu_cuda_graphs.py: bitwise equal on an H200, float32 and bfloat16,
+over 8 optimizer steps).
 Graphs read every parameter at its address: AdamW updates the trainable ones in place, which the replays see;
 a parameter whose storage moved (data_ptr changed, e.g. a load that swapped `.data`) drops every graph, which
 are then recorded again. A capture that fails (a host synchronization inside the forward, an unsupported
