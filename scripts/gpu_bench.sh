@@ -51,6 +51,8 @@
 #   bash scripts/gpu_bench.sh graphs    # issue 16 goal 4: bench/sdpa_shapes.py at width multiple 16, eager then
 #                                       # trainer.cuda_graphs (no cProfile): the update with recorded passes (~2 min)
 #   bash scripts/gpu_bench.sh trlgraphs # TRL, rlbridge async, rlbridge async with trainer.cuda_graphs (TRL_STEPS as trl)
+#   bash scripts/gpu_bench.sh rolloutstep  # bench/rollout_step.py: the rollout's share of an async quickstart step alone,
+#                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -191,6 +193,10 @@ PYEOF
           > "$OUT/$part/log${g:+-graphs}.txt" 2>&1
         grep -E "^update|_s\"|Error" "$OUT/$part/log${g:+-graphs}.txt" | tail -22
       done ;;
+    rolloutstep)
+      timeout "$(left)" "$PY" bench/rollout_step.py --recipe recipes/quickstart-gpu.yaml --steps 20 --no-save \
+        > "$OUT/$part/log.txt" 2>&1
+      grep -E "_median|_max|Error" "$OUT/$part/log.txt" | tail -12 ;;
     trlgraphs)
       async=(rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token)
       also=(--also-async)
