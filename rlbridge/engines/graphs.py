@@ -151,9 +151,6 @@ class PassGraphs:
                 "trainer.cuda_graphs: recording a pass failed, training eagerly from here (%s)", self.off
             )
 
-    def metrics(self) -> dict[str, float]:
-        return {"cuda_graph_captures": float(self.captures), "cuda_graph_replays": float(self.replays)}
-
     # ------------------------------------------------------------------------------------------- internals
     def _capture(self, sub: SeqBatch, entropy_grad: bool) -> _Recorded:
         inputs = SeqBatch(
