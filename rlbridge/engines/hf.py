@@ -12,6 +12,9 @@ What it takes care of, so the loop does not have to:
 - No compute on padding: micro-batches (and log-prob chunks) take rows of similar length and each forward
   runs at its own rows' widths, not the whole batch's (rlbridge/engines/micro.py); per-token results are
   padded back to the batch's R before the loss closure sees them, so the closure is unchanged.
+- trainer.cuda_graphs on a GPU: each training pass shape's forward and backward recorded once as CUDA graphs and
+  replayed (rlbridge/engines/graphs.py), the passes' prompt and response widths each rounded up to
+  trainer.pass_width_multiple (SeqBatch.sides_rounded) so that a run meets few shapes.
 - Reference log-probs from the same model with adapters disabled under LoRA; under full fine-tuning a
   frozen copy of the initial weights is kept, but only when algorithm.kl.coef > 0 (it doubles the weight
   memory: one more copy of every parameter in model.dtype, e.g. 540 MB for SmolLM2-135M in float32).
