@@ -160,24 +160,18 @@ class PassGraphs:
             response_mask=sub.response_mask,
             prompt_width=sub.prompt_width,
         )
-        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.stream.synchronize()
         # no garbage collection while recording: a collected tensor's free would land inside the capture
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return self._record_pair(inputs, forward, backward, entropy_grad)
+            return self._record_pair(inputs, entropy_grad)
         finally:
             if collecting:
                 gc.enable()
 
-    def _record_pair(
-        self,
-        inputs: SeqBatch,
-        forward: torch.cuda.CUDAGraph,
-        backward: torch.cuda.CUDAGraph,
-        entropy_grad: bool,
-    ) -> _Recorded:
+    def _record_pair(self, inputs: SeqBatch, entropy_grad: bool) -> _Recorded:
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.enable_grad():
             forward.capture_begin(pool=self.pool)
             try:

@@ -314,14 +314,7 @@ class HFTrainEngine:
         with self._scoring_model(reference) as model:
             model.eval()
             for rows in groups:
-                sub = forward_batch(
-                    batch,
-                    rows,
-                    self.device,
-                    trim=self.padding_free,
-                    width_multiple=self._width(shared),
-                    sides=self.sides and not shared,
-                )
+                sub = self._pass_batch(batch, rows, shared)
                 with replay_routing(model, sub.routed_experts):
                     logp, _ = self._token_stats(model, sub, shared)
                 out[rows.to(out.device)] = _fit(_masked(logp, sub.response_mask), batch.response_width).to(
@@ -383,14 +376,7 @@ class HFTrainEngine:
         graphs = None if shared else self._graphs
         with graphs.on_stream() if graphs is not None else contextlib.nullcontext():
             for rows in groups:
-                sub = forward_batch(
-                    batch,
-                    rows,
-                    self.device,
-                    trim=self.padding_free,
-                    width_multiple=self._width(shared),
-                    sides=self.sides and not shared,
-                )
+                sub = self._pass_batch(batch, rows, shared)
                 # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
                 with replay_routing(self.model, sub.routed_experts):
                     loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
@@ -450,6 +436,18 @@ class HFTrainEngine:
                 shape.num_prompts,
             )
         return (shared, True) if use else (plain, False)
+
+    def _pass_batch(self, batch: SeqBatch, rows: Tensor, shared: bool) -> SeqBatch:
+        """The rows' forward batch on the device, in the layout of this engine's passes (trimmed, widths rounded;
+        both sides under trainer.cuda_graphs), for the training and the no-gradient passes alike."""
+        return forward_batch(
+            batch,
+            rows,
+            self.device,
+            trim=self.padding_free,
+            width_multiple=self._width(shared),
+            sides=self.sides and not shared,
+        )
 
     def _width(self, shared: bool) -> int:
         """trainer.pass_width_multiple for the plain passes; the shared-prompt passes keep their own widths."""
