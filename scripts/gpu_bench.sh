@@ -70,6 +70,23 @@ export PYTHONPATH=/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-$(command -v python || command -v python3)}
 deadline=$(( $(date +%s) + ${GPU_BENCH_BUDGET_S:-560} ))
+# --also arguments of bench/trl_grpo.py for an async variant NAME with these overrides besides async's own
+async_variant() {
+  local name=$1; shift
+  for o in rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token "$@"; do
+    echo "--also $name:$o"
+  done
+}
+# TRL, rlbridge async and the variants (--also ...) at the GPU quickstart, TRL_STEPS timed steps; the run dirs are too
+# deep to come back: each run's metrics and worker logs are kept flat in $OUT/PART
+trl_async() {
+  local part=$1; shift
+  timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
+    --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain --also-async "$@" \
+    > "$OUT/$part/log.txt" 2>&1
+  cp "$OUT/$part"/work/*.metrics.* "$OUT/$part/" 2>/dev/null; rm -rf "$OUT/$part/work"
+  grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20
+}
 left() { echo $(( deadline - $(date +%s) )); }
 scale=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set run.eval_every=0)
 for part in "$@"; do
@@ -175,17 +192,9 @@ PYEOF
         echo "-- pass_width_multiple $m"; grep -E "^update|_s\"|distinct" "$OUT/$part/w$m.txt"
       done ;;
     trlwidth)
-      async=(rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token)
-      also=(--also-async)
-      for o in "${async[@]}" trainer.pass_width_multiple=16; do also+=(--also "w16:$o"); done
-      if [ "${TRLWIDTH_NOCUDNN:-0}" = 1 ]; then
-        for o in "${async[@]}" RLBRIDGE_CUDNN_ATTENTION=0; do also+=(--also "nocudnn:$o"); done
-      fi
-      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
-        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
-        > "$OUT/$part/log.txt" 2>&1
-      find "$OUT/$part/work" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +  # run dirs: too deep to come back
-      grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20 ;;
+      also=($(async_variant w16 trainer.pass_width_multiple=16))
+      if [ "${TRLWIDTH_NOCUDNN:-0}" = 1 ]; then also+=($(async_variant nocudnn RLBRIDGE_CUDNN_ATTENTION=0)); fi
+      trl_async "$part" "${also[@]}" ;;
     graphs)
       for g in "" --cuda-graphs; do
         # shellcheck disable=SC2086  # $g: no word, or the one flag
@@ -198,14 +207,7 @@ PYEOF
         > "$OUT/$part/log.txt" 2>&1
       grep -E "_median|_max|Error" "$OUT/$part/log.txt" | tail -12 ;;
     trlgraphs)
-      async=(rollout.mode=async rollout.max_staleness=1 algorithm.rollout_correction.weights=token)
-      also=(--also-async)
-      for o in "${async[@]}" trainer.cuda_graphs=true; do also+=(--also "graphs:$o"); done
-      timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
-        --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain "${also[@]}" \
-        > "$OUT/$part/log.txt" 2>&1
-      cp "$OUT/$part"/work/*.metrics.* "$OUT/$part/" 2>/dev/null; rm -rf "$OUT/$part/work"  # run dirs: too deep to come back
-      grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20 ;;
+      trl_async "$part" $(async_variant graphs trainer.cuda_graphs=true) ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
