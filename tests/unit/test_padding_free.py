@@ -512,8 +512,8 @@ def test_plan_counts_the_recorded_passes_memory() -> None:
         assert mem is not None
         return mem
 
-    grads = MAX_GRAPHS * 4 * memory(False, 4096).trainable_params / 2**30
     small, large = memory(False, 4096), memory(False, 32768)
+    grads = MAX_GRAPHS * 4 * small.trainable_params / 2**30
     assert memory(True, 4096).activations == pytest.approx(2 * small.activations + grads, abs=2e-3)
     capped = memory(False, MAX_PASS_TOKENS).activations  # the pool holds a pass of at most MAX_PASS_TOKENS
     assert memory(True, 32768).activations == pytest.approx(large.activations + capped + grads, abs=2e-3)
