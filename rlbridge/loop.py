@@ -56,6 +56,8 @@ def train(
         source = RolloutSource(s)
         saver = Checkpointer(s, stop, log, source=source)
         if resume is None:
+            if s.loads_initial_adapter():
+                s.sync_weights(version=0)
             saver.eval_before = evaluate(s, step=0)
             first = 1
         else:

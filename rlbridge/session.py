@@ -257,7 +257,7 @@ class Session:
                 log_file=rundir.log_file(self.run_dir, "trainer"),
                 echo=self.echo,
                 args=(trainer_recipe, str(self.model_dir)),
-                kwargs={"num_threads": threads},
+                kwargs={"num_threads": threads, **self._prerecord_kwargs()},
                 node=self._node(place, 0),
             )
             self._announced = [trainer]
@@ -311,6 +311,13 @@ class Session:
             )
             trainer.formed(answers[-len(joins) :], log_plain)
         return Workers(client, rollout, memory)
+
+    def _prerecord_kwargs(self) -> dict[str, Any]:
+        """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make
+        likely while vLLM starts (TrainerRole.prerecord)."""
+        if not self.recipe.trainer.cuda_graphs:
+            return {}
+        return {"prompt_lengths": [len(ids) for ids in self.train_data.ids]}
 
     def _placement(self, num_trainer: int) -> rc.Placement:
         """Where the trainer's devices landed, node by node; printed on a cluster of several nodes, with a warning
@@ -402,6 +409,18 @@ class Session:
             # the load's own error is the one to report
             self.wait_loaded()
             raise
+
+    def loads_initial_adapter(self) -> bool:
+        """Whether a fresh run loads the trainer's initial adapter (LoRA B = 0: the base model's outputs) into vLLM
+        before its first generation: adapter sync with vLLM on GPUs. vLLM's first generation with an adapter
+        takes ~0.6 s longer than later ones on an H200 (0.93 s against 0.25-0.30 s for the GPU quickstart's
+        32 x 48 tokens: bench/results/cuda_graphs-gpu-2026-12-04-diag.rollout.txt), which otherwise lands in step 3
+        (the first with trained weights); loaded at the start it lands in the warm-up. An adapter vLLM cannot
+        load then also fails before any training."""
+        r = self.recipe
+        return (
+            r.rollout.engine == "vllm" and r.rollout.weight_sync == "adapter" and r.cluster.device == "cuda"
+        )
 
     def loads_in_background(self) -> bool:
         """Whether `sync_weights(background=True)` sends the load without waiting: vLLM resident (no sleep or

@@ -50,7 +50,8 @@
 #                                       # TRLWIDTH_NOCUDNN=1 adds async with RLBRIDGE_CUDNN_ATTENTION=0; TRL_STEPS as trl)
 #   bash scripts/gpu_bench.sh graphs    # issue 16 goal 4: bench/sdpa_shapes.py at width multiple 16, eager then
 #                                       # trainer.cuda_graphs (no cProfile): the update with recorded passes (~2 min)
-#   bash scripts/gpu_bench.sh trlgraphs # TRL, rlbridge async, rlbridge async with trainer.cuda_graphs (TRL_STEPS as trl)
+#   bash scripts/gpu_bench.sh trlgraphs # TRL, rlbridge async, rlbridge async with trainer.cuda_graphs (TRL_STEPS as trl;
+#                                       # TRL_PLAIN_ASYNC=0: without the plain async run)
 #   bash scripts/gpu_bench.sh rolloutstep  # bench/rollout_step.py: the rollout's share of an async quickstart step alone,
 #                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
@@ -82,7 +83,7 @@ async_variant() {
 trl_async() {
   local part=$1; shift
   timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps "${TRL_STEPS:-10}" --warmup 2 \
-    --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain --also-async "$@" \
+    --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save --no-plain $([ "${TRL_PLAIN_ASYNC:-1}" = 1 ] && echo --also-async) "$@" \
     > "$OUT/$part/log.txt" 2>&1
   cp "$OUT/$part"/work/*.metrics.* "$OUT/$part/" 2>/dev/null; rm -rf "$OUT/$part/work"
   grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20

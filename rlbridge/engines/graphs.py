@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections import OrderedDict
+import math
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,46 @@ log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int, bool]
 Stats = Callable[[SeqBatch], tuple[Tensor, Tensor]]
+
+PRERECORD_MAX = MAX_GRAPHS // 2
+"""The most pass shapes recorded before the first step (PassGraphs.prerecord); the rest of MAX_GRAPHS is left for
+shapes the run meets that the prompt lengths did not foresee."""
+PRERECORD_FLOOR = 0.01
+"""A prompt width is recorded ahead when at least this share of steps is expected to meet it (likely_widths)."""
+
+
+def likely_widths(
+    prompt_lengths: list[int], *, prompts_per_step: int, max_response: int, multiple: int
+) -> list[tuple[int, int]]:
+    """The (prompt width, response width) pairs of the passes a run's steps are likely to meet, most likely first:
+    a step's pass is as wide as its longest prompt and its longest response, each rounded up to `multiple`
+    (SeqBatch.sides_rounded). Prompts are drawn uniformly, so a step of B prompts meets prompt width w with
+    probability F(w)^B - F(w - multiple)^B, F the share of prompts of width <= w; widths below PRERECORD_FLOOR are
+    left out. Responses may end anywhere up to max_response: every multiple, the longest first (early steps sample
+    to the limit)."""
+    if not prompt_lengths or prompts_per_step < 1 or max_response < 1 or multiple < 1:
+        return []
+    counts = Counter(math.ceil(max(n, 1) / multiple) * multiple for n in prompt_lengths)
+    total, below, chance = len(prompt_lengths), 0, {}
+    for width in sorted(counts):
+        share = (below + counts[width]) / total
+        chance[width] = share**prompts_per_step - (below / total) ** prompts_per_step
+        below += counts[width]
+    prompts = sorted((w for w, p in chance.items() if p >= PRERECORD_FLOOR), key=lambda w: (-chance[w], w))
+    responses = range(math.ceil(max_response / multiple) * multiple, 0, -multiple)
+    return [(p, r) for r in responses for p in prompts]
+
+
+def shape_batch(rows: int, prompt_width: int, response_width: int, vocab: int) -> SeqBatch:
+    """A batch of `rows` rows whose pass has the given widths (PassGraphs.prerecord): token ids are placeholders, and
+    one row's prompt and another's response are a token short, so that the mask pads on both sides as real batches'
+    do (an unpadded batch takes attention's unmasked path in the eager warm-up)."""
+    ids = torch.arange(rows * (prompt_width + response_width)).remainder(vocab).view(rows, -1).tolist()
+    prompts = [row[:prompt_width] for row in ids]
+    responses = [row[prompt_width:] for row in ids]
+    if rows > 1 and prompt_width > 1 and response_width > 1:
+        prompts[0], responses[-1] = prompts[0][1:], responses[-1][:-1]
+    return SeqBatch.from_token_lists(prompts, responses, pad_id=0)
 
 
 @dataclass
@@ -150,6 +191,23 @@ class PassGraphs:
             log.warning(
                 "trainer.cuda_graphs: recording a pass failed, training eagerly from here (%s)", self.off
             )
+
+    def prerecord(self, sub: SeqBatch, entropy_grad: bool) -> bool:
+        """Record `sub`'s shape before a step meets it: an eager forward and backward as the warm-up (its
+        gradients dropped: no `.grad`, parameter or optimizer state changes), then the recording. True when the
+        shape is now recorded and was not before. Call inside `on_stream`."""
+        key = self.key(sub, entropy_grad)
+        if self.off is not None or key is None or key in self.recorded:
+            return False
+        with torch.enable_grad():
+            logp, entropy = self.stats(sub)
+            outputs = [logp, entropy] if entropy_grad else [logp]
+            torch.autograd.grad(
+                outputs, self.params, [torch.ones_like(x) for x in outputs], allow_unused=True
+            )
+        del logp, entropy, outputs
+        self.record(sub, entropy_grad)
+        return key in self.recorded
 
     # ------------------------------------------------------------------------------------------- internals
     def _capture(self, sub: SeqBatch, entropy_grad: bool) -> _Recorded:

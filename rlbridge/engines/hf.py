@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
-from rlbridge.engines.graphs import PassGraphs
+from rlbridge.engines.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
 from rlbridge.engines.master import LOW_PRECISION, MasterWeights
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
@@ -350,6 +350,47 @@ class HFTrainEngine:
         if self._graphs is not None:  # passes of this step replayed from their recorded graphs
             metrics["cuda_graph_passes"] = float(self._graphs.replays - replays)
         return metrics
+
+    def prerecord(self, prompt_lengths: list[int], passes: list[tuple[int, int]]) -> int:
+        """trainer.cuda_graphs: record, before the first step, the pass shapes its steps are likely to meet
+        (graphs.likely_widths from the training prompts' token counts) for each (rows, micro-batches) in `passes`
+        (the role's mini-batch shards), at most graphs.PRERECORD_MAX. Without it a step that meets a new shape
+        runs it eagerly and records it (0.5-1.4 s on an H200 for the GPU quickstart, in the middle of a run).
+        Nothing a step reads changes: no gradient is kept, no parameter or optimizer state is touched, and the
+        random generators are put back. Returns the shapes recorded."""
+        graphs = self._graphs
+        if graphs is None or self.recipe.trainer.shared_prompts == "always":
+            return 0
+        r = self.recipe
+        widths = likely_widths(
+            prompt_lengths,
+            prompts_per_step=r.data.batch_size,
+            max_response=r.rollout.max_response_tokens,
+            multiple=self._width(False),
+        )
+        vocab = int(self.hf_model.config.vocab_size)
+        recorded = 0
+        self.model.train()
+        with torch.random.fork_rng(devices=[self.device]), graphs.on_stream():
+            for prompt_width, response_width in widths:
+                for rows, num_micro in passes:
+                    batch = shape_batch(rows, prompt_width, response_width, vocab)
+                    plain = micro_batch_rows(
+                        batch,
+                        num_micro,
+                        by_length=self.padding_free,
+                        max_tokens=self._max_tokens,
+                        width_multiple=self._width(False),
+                        sides=self.sides,
+                    )
+                    for group in plain:
+                        if recorded >= PRERECORD_MAX:
+                            return recorded
+                        sub = self._pass_batch(batch, group, False)
+                        recorded += graphs.prerecord(sub, self._entropy_grad)
+                    if graphs.off is not None:
+                        return recorded
+        return recorded
 
     def gradients(self, batch: SeqBatch, loss_fn: LossFn, *, num_micro_batches: int) -> dict[str, Tensor]:
         """The accumulated gradient train_step would clip and apply, without stepping (tests, diagnostics)."""

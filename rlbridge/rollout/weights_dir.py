@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rlbridge.engines.base import WeightExport
-from rlbridge.engines.weights import MERGED_FILE, save_hf
+from rlbridge.engines.weights import MERGED_FILE, SAFETENSORS_DTYPES, save_hf
 from rlbridge.run.process import pid_alive
 
 
@@ -98,13 +98,6 @@ def _in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
-
-
 def overwrite_merged(weights: WeightExport, out_dir: Path, *, dtype: torch.dtype) -> bool:
     """Write a 'merged' export into out_dir's existing model.safetensors in place, when its header lists exactly
     these names, dtypes (after the cast to `dtype`) and shapes; False (nothing written) otherwise. The file keeps
@@ -123,7 +116,7 @@ def overwrite_merged(weights: WeightExport, out_dir: Path, *, dtype: torch.dtype
     if set(header) != set(cast):
         return False
     for name, t in cast.items():
-        layout = (_SAFETENSORS_DTYPES.get(t.dtype), list(t.shape))
+        layout = (SAFETENSORS_DTYPES.get(t.dtype), list(t.shape))
         if (header[name].get("dtype"), list(header[name].get("shape", []))) != layout:
             return False
     with path.open("r+b") as out, mmap.mmap(out.fileno(), 0) as mm:

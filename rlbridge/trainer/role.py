@@ -74,7 +74,10 @@ class TrainerRole:
         *,
         num_threads: int | None = None,
         engine_factory: Callable[[], TrainEngine] | None = None,
+        prompt_lengths: list[int] | None = None,
     ) -> None:
+        """prompt_lengths: the training prompts' token counts; under trainer.cuda_graphs the passes they make
+        likely are recorded before the first step (`prerecord`), while the rollout engine starts beside."""
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
@@ -98,7 +101,30 @@ class TrainerRole:
         self._gate_done = not recipe.run.health.first_step
         self._routed: dict[ExpertId, int] = {}
         """Tokens routed per expert in the training forwards since the gate started (MoE models)."""
+        if prompt_lengths:
+            self.prerecord(prompt_lengths)
         device_memory_peaks()  # the first step's peak then starts from the built model, not from its load
+
+    def prerecord(self, prompt_lengths: list[int]) -> int:
+        """trainer.cuda_graphs: the engine records the pass shapes of a full step's mini-batches (this rank's
+        shards of them) that the prompt lengths make likely (HFTrainEngine.prerecord); 0 without the option."""
+        record = getattr(self.engine, "prerecord", None)
+        r = self.recipe
+        if record is None or not r.trainer.cuda_graphs:
+            return 0
+        start = time.perf_counter()
+        size = r.data.batch_size * r.rollout.n
+        shards = {
+            len(self._shard(rows)) for rows in torch.arange(size).tensor_split(num_mini_batches(r, size))
+        }
+        passes = [(rows, num_micro_batches(r, rows)) for rows in sorted(shards, reverse=True) if rows]
+        recorded = int(record(prompt_lengths, passes))
+        log.info(
+            "trainer.cuda_graphs: %d pass shapes recorded before the first step in %.1f s",
+            recorded,
+            time.perf_counter() - start,
+        )
+        return recorded
 
     # ---------------------------------------------------------------- passthroughs
     def _shard(self, rows: torch.Tensor) -> torch.Tensor:

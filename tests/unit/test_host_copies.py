@@ -53,3 +53,38 @@ def test_joined_copies_share_one_buffer_and_save_as_separate_tensors(tmp_path: P
     path = save_hf(tmp_path / "adapter", WeightExport("adapter", out, config)) / ADAPTER_FILE
     loaded = load_file(str(path))
     assert list(loaded) == sorted(live) and all(torch.equal(loaded[n], live[n]) for n in live)
+
+
+def test_write_safetensors_reads_back_as_save_file_writes(tmp_path: Path) -> None:
+    """write_safetensors against safetensors' own reader and writer: every dtype it names, views of one buffer,
+    a tensor written twice under two names, empty, scalar and strided tensors; the tensors and metadata read
+    back equal (bitwise), as do those of save_file's file of the same tensors (the header's layout may differ)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rlbridge.engines.weights import SAFETENSORS_DTYPES, write_safetensors
+
+    tensors = _tensors()
+    tensors["alias"] = tensors["a.lora_A.weight"]  # shares storage: save_file refuses this
+    joined = host_copies({"x": torch.ones(3), "y": torch.full((2, 2), 3.0)})  # views of one buffer
+    tensors.update({f"joined.{k}": v for k, v in joined.items()})
+    for dtype in SAFETENSORS_DTYPES:
+        tensors[f"dtype.{dtype}"] = torch.arange(5).to(dtype)
+    path = tmp_path / "w.safetensors"
+    size = write_safetensors(tensors, path, metadata={"format": "pt"})
+    assert size == path.stat().st_size
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  # safe_open is not a mapping
+    assert set(got) == set(tensors)
+    for name, want in tensors.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert torch.equal(
+            got[name].view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+        ), name
+    plain = {k: v.clone().contiguous() for k, v in tensors.items()}
+    save_file(plain, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    ref = load_file(str(tmp_path / "ref.safetensors"))
+    assert all(torch.equal(ref[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)) for k in ref)
+    with pytest.raises(ValueError, match="not the CPU"):
+        write_safetensors({"m": torch.zeros(1, device="meta")}, tmp_path / "x.safetensors")

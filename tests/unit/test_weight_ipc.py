@@ -158,3 +158,20 @@ def test_files_transport_hands_over_a_directory_and_releases_nothing(tmp_path: P
     s, calls, _ = session(tmp_path, "files")
     s.sync_weights()
     assert calls[0] == ("export", "merged", True, False) and ("release_export",) not in calls
+
+
+@pytest.mark.parametrize(
+    ("engine", "sync", "device", "loads"),
+    [("vllm", "adapter", "cuda", True), ("vllm", "adapter", "cpu", False), ("vllm", "merged", "cuda", False),
+     ("hf", "adapter", "cuda", False)],
+)  # fmt: skip
+def test_a_fresh_gpu_run_loads_the_initial_adapter_before_generating(
+    tmp_path: Path, engine: str, sync: str, device: str, loads: bool
+) -> None:
+    """Session.loads_initial_adapter: adapter sync into vLLM on GPUs (its first generation with an adapter is slow:
+    better in the warm-up than in step 3); loop.train then syncs version 0 before the first evaluation."""
+    recipe = Recipe.model_validate({
+        "name": "first", "model": {"path": "unused", "dtype": "bfloat16"}, "data": {"train": {"path": "unused.jsonl"}},
+        "lora": {"rank": 4}, "rollout": {"engine": engine, "weight_sync": sync}, "cluster": {"device": device},
+    })  # fmt: skip
+    assert Session(recipe, None, tmp_path, tmp_path).loads_initial_adapter() is loads  # type: ignore[arg-type]
