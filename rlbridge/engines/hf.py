@@ -144,6 +144,14 @@ def _weight(module: nn.Module) -> Tensor:
     return weight
 
 
+def _set_training(model: nn.Module, on: bool) -> None:
+    """model.train(on) unless the model is already in that mode: the call walks every module (2.5k for SmolLM2
+    with LoRA: ~4.5 ms of host time per step on a CPU core). The engine only switches the mode of whole models, so
+    the root's flag is the model's."""
+    if model.training != on:
+        model.train(on)
+
+
 def _fit(x_br: Tensor, width: int) -> Tensor:
     """[b, width]: per-token results of a pass brought to the batch's response width: trimmed columns back as 0
     (pad_columns), masked columns added beyond it (SeqBatch.sides_rounded) cut off."""
@@ -222,6 +230,7 @@ class HFTrainEngine:
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
+        self.model.eval()  # one mode for every module (peft and checkpointing leave them mixed): _set_training
         self._graphs: PassGraphs | None = self._pass_graphs() if recipe.trainer.cuda_graphs else None
         """trainer.cuda_graphs: the recorded training passes (engines/graphs.py)."""
         self.sides = self._graphs is not None
@@ -312,7 +321,7 @@ class HFTrainEngine:
         budget = None if self.recipe.trainer.logprob_chunk_size else self._max_tokens
         groups, shared = self._layout(batch, plain, len(plain), budget)
         with self._scoring_model(reference) as model:
-            model.eval()
+            _set_training(model, False)
             for rows in groups:
                 sub = self._pass_batch(batch, rows, shared)
                 with replay_routing(model, sub.routed_experts):
@@ -370,7 +379,7 @@ class HFTrainEngine:
         )
         vocab = int(self.hf_model.config.vocab_size)
         recorded = 0
-        self.model.train()
+        _set_training(self.model, True)
         with torch.random.fork_rng(devices=[self.device]), graphs.on_stream():
             for prompt_width, response_width in widths:
                 for rows, num_micro in passes:
@@ -410,7 +419,7 @@ class HFTrainEngine:
             sides=self.sides,
         )
         groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
-        self.model.train()
+        _set_training(self.model, True)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         done = 0
