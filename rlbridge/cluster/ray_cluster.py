@@ -30,7 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlbridge.cluster import logs
+from rlbridge.cluster import gc_pauses, logs
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import Plan
 from rlbridge.recipe.schema import ClusterCfg
@@ -431,7 +431,9 @@ def _logged(cls: Any) -> type:
         start = time.monotonic()
         self._rlbridge_log = (Path(rlbridge_log), logs.redirect_output(Path(rlbridge_log)))
         logs.worker_logging()
+        gc_pauses.watch()
         cls.__init__(self, *args, **kwargs)
+        gc_pauses.freeze_startup_heap()  # what the constructor built lives for the run: out of every collection
         self._rlbridge_startup_s = time.monotonic() - start
 
     def rlbridge_started(self: Any) -> dict[str, Any]:

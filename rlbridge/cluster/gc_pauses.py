@@ -1,0 +1,54 @@
+"""Python's garbage collector in the trainer and rollout workers: the start-up heap frozen, long pauses logged.
+
+A full collection (generation 2) walks every container object the process tracks. A worker's start-up builds
+most of what it will ever hold (the model and its modules, vLLM's engine, every imported module), and all of it
+lives for the whole run; after the constructor it is frozen (`gc.freeze`: collections leave it out), as vLLM
+does with its own engine's start-up heap. Collections are then cheap, and any that still takes PAUSE_S or
+longer is logged with its generation and duration, so that a slow step in a worker's log names it.
+
+Why: in the async GPU quickstart the same generation (the 21st) took 0.7-1.1 s against ~0.35 s on two machines
+(bench/results/cuda_graphs-gpu-2026-12-04-run2.metrics.jsonl, prerecord-gpu-2026-12-04.md): a pause at a fixed
+allocation count, as a collection is.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PAUSE_S = 0.05
+"""Collections at least this long are logged."""
+
+_began: list[float] = [0.0]
+
+
+def _timed(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _began[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _began[0]
+    if took >= PAUSE_S:
+        log.info(
+            "python gc: a generation %d collection took %.3f s (%d objects freed, %d frozen before)",
+            info.get("generation", -1),
+            took,
+            info.get("collected", 0),
+            gc.get_freeze_count(),
+        )
+
+
+def watch() -> None:
+    """Log collections of PAUSE_S or longer (once per process, however often called)."""
+    if _timed not in gc.callbacks:
+        gc.callbacks.append(_timed)
+
+
+def freeze_startup_heap() -> int:
+    """Collect what start-up left as garbage, then freeze everything still alive; returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -1,0 +1,41 @@
+"""cluster/gc_pauses: a worker's collections of PAUSE_S or longer are logged; its start-up heap is frozen."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+
+from rlbridge.cluster import gc_pauses
+
+
+def test_a_long_collection_is_logged_with_its_generation(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(gc_pauses, "PAUSE_S", 0.0)  # every collection counts as long
+    gc_pauses.watch()
+    gc_pauses.watch()  # once per process
+    try:
+        assert gc.callbacks.count(gc_pauses._timed) == 1
+        with caplog.at_level(logging.INFO, logger=gc_pauses.__name__):
+            gc.collect()
+        assert any("python gc: a generation 2 collection took" in r.getMessage() for r in caplog.records)
+    finally:
+        gc.callbacks.remove(gc_pauses._timed)
+
+
+def test_the_startup_heap_is_frozen_and_garbage_collected_first() -> None:
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    gone = weakref.ref(Cycle())  # garbage only a collection frees
+    assert gone() is not None
+    try:
+        frozen = gc_pauses.freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > 0
+        assert gone() is None  # collected before the freeze, not frozen
+    finally:
+        gc.unfreeze()
