@@ -80,7 +80,7 @@ def complete(words: str, cword: int) -> list[str]:
 
 def test_shell_completion_of_commands_and_recipe_names() -> None:
     assert "recipes" in complete("rlbridge rec", 1) and "report" in complete("rlbridge rep", 1)
-    assert complete("rlbridge recipes show qu", 3) == ["quickstart", "quickstart-gpu"]
+    assert complete("rlbridge recipes show qu", 3) == ["quickstart", "quickstart-gpu", "quickstart-gpu-fast"]
     assert complete("rlbridge recipes show ppo-m", 3) == ["ppo-megatron-smoke-cpu"]
     # in a fresh interpreter, as a shell runs it: in-process (CliRunner) it once exited 1 inside the whole suite
     # and passed alone (order-dependent global state of click/typer's completion), a flake a CI landing can hit
