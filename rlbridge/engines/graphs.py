@@ -13,6 +13,8 @@ both widths up to trainer.pass_width_multiple, SeqBatch.sides_rounded, so a run 
   by all shapes: the forward from the static inputs (ids, attention mask, positions) to the response tokens'
   log-probs and entropies (`stats`: the engine's own function), and the backward from their gradients to every
   trainable parameter's gradient (torch.autograd.grad over the forward's autograd graph);
+- before the first step the trainer records the shapes the training prompts make likely the same way, from
+  placeholder batches of those shapes (`prerecord`, `likely_widths`, `shape_batch`; TrainerRole.prerecord);
 - every later pass of that shape copies its inputs into the static ones, replays the forward, and hands the loss
   closure (run eagerly, as ever: it is the algorithm's, and cheap) the log-probs through an autograd Function
   whose backward copies the closure's gradients in, replays the backward graph and adds the parameters'
