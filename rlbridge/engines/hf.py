@@ -384,15 +384,7 @@ class HFTrainEngine:
             for prompt_width, response_width in widths:
                 for rows, num_micro in passes:
                     batch = shape_batch(rows, prompt_width, response_width, vocab)
-                    plain = micro_batch_rows(
-                        batch,
-                        num_micro,
-                        by_length=self.padding_free,
-                        max_tokens=self._max_tokens,
-                        width_multiple=self._width(False),
-                        sides=self.sides,
-                    )
-                    for group in plain:
+                    for group in self._plain_passes(batch, num_micro):
                         if recorded >= PRERECORD_MAX:
                             return recorded
                         sub = self._pass_batch(batch, group, False)
@@ -410,14 +402,7 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        plain = micro_batch_rows(
-            batch,
-            num_micro_batches,
-            by_length=self.padding_free,
-            max_tokens=self._max_tokens,
-            width_multiple=self._width(False),
-            sides=self.sides,
-        )
+        plain = self._plain_passes(batch, num_micro_batches)
         groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
         _set_training(self.model, True)
         self.optimizer.zero_grad(set_to_none=True)
@@ -455,6 +440,17 @@ class HFTrainEngine:
             entropy = entropy.detach()
         # the closure indexes [b, R] tensors: trimmed columns come back as 0, masked ones added beyond R go
         return loss_fn(_fit(logp, width), _fit(_masked(entropy, sub.response_mask), width), rows)
+
+    def _plain_passes(self, batch: SeqBatch, num_micro_batches: int) -> list[Tensor]:
+        """The rows of each training pass over `batch` in the plain layout (engines/micro.py micro_batch_rows)."""
+        return micro_batch_rows(
+            batch,
+            num_micro_batches,
+            by_length=self.padding_free,
+            max_tokens=self._max_tokens,
+            width_multiple=self._width(False),
+            sides=self.sides,
+        )
 
     def _layout(
         self, batch: SeqBatch, plain: list[Tensor], num_groups: int, max_tokens: int | None

@@ -113,10 +113,7 @@ class TrainerRole:
         if record is None or not r.trainer.cuda_graphs:
             return 0
         start = time.perf_counter()
-        size = r.data.batch_size * r.rollout.n
-        shards = {
-            len(self._shard(rows)) for rows in torch.arange(size).tensor_split(num_mini_batches(r, size))
-        }
+        shards = {len(self._shard(rows)) for rows in self._mini_batches(r.data.batch_size * r.rollout.n)}
         passes = [(rows, num_micro_batches(r, rows)) for rows in sorted(shards, reverse=True) if rows]
         recorded = int(record(prompt_lengths, passes))
         log.info(
@@ -127,6 +124,11 @@ class TrainerRole:
         return recorded
 
     # ---------------------------------------------------------------- passthroughs
+    def _mini_batches(self, num_rows: int) -> list[torch.Tensor]:
+        """The rows of each mini-batch of a step of `num_rows` rollouts: contiguous near-equal slices (a DAPO step
+        can come up short of batch_size x n)."""
+        return list(torch.arange(num_rows).tensor_split(num_mini_batches(self.recipe, num_rows)))
+
     def _shard(self, rows: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's contiguous share of `rows` (all of them without data parallelism)."""
         return rows.tensor_split(self.dp_size)[self.dp_rank] if self.dp_size > 1 else rows
@@ -190,9 +192,8 @@ class TrainerRole:
                 raise RlbridgeError("the PPO update needs the critic's old values and the returns")
             critic = (old_values_bt, returns_bt)
         r = self.recipe
-        num_minis = num_mini_batches(r, batch.size)  # DAPO can come up short: contiguous near-equal slices
-        on_policy = num_minis == 1 and r.trainer.ppo_epochs == 1
-        minis = list(torch.arange(batch.size).tensor_split(num_minis))
+        minis = self._mini_batches(batch.size)
+        on_policy = len(minis) == 1 and r.trainer.ppo_epochs == 1
         mine = torch.cat([self._shard(rows) for rows in minis])  # the rows this rank trains on
         rc = r.algorithm.rollout_correction
         old, old_seconds = None, 0.0
