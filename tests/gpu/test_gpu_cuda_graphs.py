@@ -30,6 +30,27 @@ pytestmark = [pytest.mark.timeout(600)]
 SHAPES = "ABAACBAC"
 
 
+def _engine(model_dir: Path, dtype: str, graphs: bool, **trainer: Any) -> Any:
+    """An hf engine on CUDA, LoRA rank 8 on all linear layers with B ~ N(0, 0.05) (the adapters matter from the
+    first pass); trainer.cuda_graphs as `graphs`, `trainer` added to the trainer section."""
+    import torch
+
+    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.recipe.schema import Recipe
+
+    raw = {"name": "t", "model": {"path": str(model_dir), "dtype": dtype},
+           "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
+           "trainer": {"cuda_graphs": graphs, "optim": {"lr": 1e-3}, **trainer},
+           "rollout": {"n": 4, "max_response_tokens": 40},
+           "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+           "cluster": {"device": "cuda"}}  # fmt: skip
+    eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device="cuda")
+    b_init = torch.Generator().manual_seed(1)
+    eng.load_trainable_state({n: torch.randn(t.shape, generator=b_init) * 0.05 if "lora_B" in n else t
+                              for n, t in eng.trainable_state().items()})  # fmt: skip
+    return eng
+
+
 @pytest.mark.skipif(DRY_RUN, reason="CUDA graphs need CUDA: no CPU dry run")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) -> None:
@@ -37,9 +58,7 @@ def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) ->
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.model.hf import AutoTokenizer
-    from rlbridge.recipe.schema import Recipe
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     gen = torch.Generator().manual_seed(0)
@@ -62,17 +81,7 @@ def test_replayed_passes_train_as_the_eager_ones(dtype: str, model_dir: Path) ->
     ]
 
     def engine(graphs: bool) -> Any:
-        raw = {"name": "t", "model": {"path": str(model_dir), "dtype": dtype},
-               "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-               "trainer": {"cuda_graphs": graphs, "max_tokens_per_micro_batch": 8 * 96, "optim": {"lr": 1e-3}},
-               "rollout": {"n": 4, "max_response_tokens": 40},
-               "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
-               "cluster": {"device": "cuda"}}  # fmt: skip
-        eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device="cuda")
-        b_init = torch.Generator().manual_seed(1)
-        eng.load_trainable_state({n: torch.randn(t.shape, generator=b_init) * 0.05 if "lora_B" in n else t
-                                  for n, t in eng.trainable_state().items()})  # fmt: skip
-        return eng
+        return _engine(model_dir, dtype, graphs, max_tokens_per_micro_batch=8 * 96)
 
     def rel(got: float, want: float) -> float:
         """|got - want| / |want|; 0 where both are the same number, or both not finite (a step both skipped)."""
@@ -132,9 +141,7 @@ def test_prerecorded_passes_change_nothing_and_replay_from_the_first_step(model_
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.model.hf import AutoTokenizer
-    from rlbridge.recipe.schema import Recipe
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [chat_prompt_ids(tok, q) for q, _ in TEXTS[:4]]
@@ -144,16 +151,7 @@ def test_prerecorded_passes_change_nothing_and_replay_from_the_first_step(model_
     adv = torch.randn(16, 1, generator=g).expand(-1, batch.response_width) * batch.response_mask
 
     def engine(graphs: bool) -> Any:
-        raw = {"name": "t", "model": {"path": str(model_dir), "dtype": "float32"},
-               "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-               "trainer": {"cuda_graphs": graphs, "optim": {"lr": 1e-3}},
-               "rollout": {"n": 4, "max_response_tokens": 40},
-               "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
-               "cluster": {"device": "cuda"}}  # fmt: skip
-        eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device="cuda")
-        b_init = torch.Generator().manual_seed(1)
-        eng.load_trainable_state({n: torch.randn(t.shape, generator=b_init) * 0.05 if "lora_B" in n else t
-                                  for n, t in eng.trainable_state().items()})  # fmt: skip
+        eng = _engine(model_dir, "float32", graphs)
         eng.sides = True
         return eng
 
