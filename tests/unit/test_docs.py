@@ -1,7 +1,7 @@
 """The docs cannot rot: the recipe reference is regenerated and compared, runnable command blocks are run,
 and every `rlbridge ...` line in a bash block names a real command.
 
-Convention (docs/README.md): a ```bash block right after a `<!-- runnable -->` line is executed, one line
+Convention (docs/index.md): a ```bash block right after a `<!-- runnable -->` line is executed, one line
 at a time, in an empty directory holding the checkout's recipes/ and tests/fixtures/ (symlinks); each line
 must exit 0, or the code its trailing `# exit N` comment names.
 """
