@@ -21,9 +21,11 @@ quickstart: setup
 	$(VENV)/bin/rlbridge validate-recipe recipes/quickstart.yaml
 	$(VENV)/bin/rlbridge train recipes/quickstart.yaml
 
-# Regenerate the recipe reference from the schema (tests/unit/test_docs.py fails while it is stale).
+# Regenerate the recipe reference from the schema (tests/unit/test_docs.py fails while it is stale), then build
+# the docs site into site/ as the test does (mkdocs.yml; `mkdocs serve` to read it).
 docs: setup
 	$(PY) -m rlbridge.recipe.docs > docs/recipe-reference.md
+	$(PY) -m mkdocs build --strict
 
 lint: setup
 	$(VENV)/bin/ruff check rlbridge tests bench

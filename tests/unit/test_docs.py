@@ -106,6 +106,31 @@ def test_every_documented_command_exists() -> None:
                 )
 
 
+def test_docs_build_strict(tmp_path: Path) -> None:
+    """mkdocs.yml builds the docs without a warning: every page in the nav, every link and anchor found (links into
+    bench/results/ and recipes/ included, through scripts/mkdocs_hooks.py)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    warnings = [x for x in res.stderr.splitlines() if not x.startswith("INFO")]
+    assert res.returncode == 0 and not warnings, "mkdocs build --strict:\n" + "\n".join(
+        warnings or [res.stderr[-3000:]]
+    )
+
+
+def test_index_lists_every_page() -> None:
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = [
+        p.relative_to(ROOT / "docs").as_posix() for p in PAGES if p.parent != ROOT and p.name != "index.md"
+    ]
+    missing = [p for p in pages if f"]({p})" not in index]
+    assert not missing, f"docs/index.md lists no line for {missing}"
+
+
 def test_readme_lists_every_shipped_recipe() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "recipes").glob("*.yaml")) if f"`{p.name}`" not in readme]
