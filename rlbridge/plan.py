@@ -17,9 +17,8 @@ from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_wi
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ALLOCATOR_RESERVE = 1.15
-"""On a GPU, what torch's caching allocator holds on the device over the trainer's allocated peak: the device peak
-(nvidia-smi) was 1.06-1.15x the trainer's allocated peak plus ~1 GiB in the growth runs on an H200
-(bench/results/growth-gpu-2026-12-02.md; fitted there, so those runs show consistency, not independence)."""
+"""On a GPU, what torch's caching allocator holds on the device over the trainer's allocated peak (fitted to
+measured device peaks: docs/defaults.md#plan-memory)."""
 CONTEXT_GIB = 0.5
 """A CUDA context and its libraries, per process on the device (the trainer's, vLLM's)."""
 RESIDENT_SHARE = 0.9
@@ -310,16 +309,16 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
     copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
     per scored position and vocabulary entry ~8 bytes in the hf engine (float32 logits and their gradient:
-    engines/token_stats.py keeps no vocabulary-sized temporary; 0.93-1.08 of four H200 peaks of 2026-12-03,
-    bench/results/update_padding-gpu-2026-12-03.md; 12 before that function) and ~20 in megatron (float32 logits and their transposed copy besides; fitted to six H200 peaks of
-    2026-12-02, bench/results/plan_memory-2026-12-02c.md: 0.99-1.02 of each). Both score the response positions
+    engines/token_stats.py keeps no vocabulary-sized temporary) and ~20 in megatron (float32 logits and their
+    transposed copy besides); both fitted to measured peaks (docs/defaults.md#plan-memory). Both score the response
+    positions
     only (hf: logits_to_keep; megatron: forward.response_head), megatron every position under sequence or context
     parallelism, where its output layer sees a shard of the sequence (that case is not measured).
 
     A pass holds micro_batch_size full-length sequences (rounded up to trainer.pass_width_multiple), or with
     trainer.max_tokens_per_micro_batch (either engine) at most max(budget, one longest sequence) tokens, and never more than the rank's whole mini-batch:
-    upper bounds. Measured against this on an H200: bench/results/plan_memory-2026-12-02b.md and
-    growth-gpu-2026-12-02.md. `cap`: passes of at most that many positions (trainer.cuda_graphs' memory pool)."""
+    upper bounds, checked against measured peaks (docs/defaults.md#plan-memory). `cap`: passes of
+    at most that many positions (trainer.cuda_graphs' memory pool)."""
     p = r.trainer.parallel
     longest = round_width(b.max_sequence_tokens, r.trainer.width_multiple(r.cluster.device))
     s, h = longest / p.context, m.hidden
@@ -364,8 +363,8 @@ MANY_PASSES = 16
 def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> str | None:
     """On a GPU each training pass costs host time whatever its size (peft's per-module LoRA calls, kernel
     launches): many small passes make the update host-bound. The largest token budget whose trainer fits in
-    60 % of the device (beside a resident vLLM in async colocated mode), by this plan: torch's allocator reserved
-    1.25x the allocated peak at 32768 tokens on an H200, and the plan is good to ~15 %. None if none helps."""
+    60 % of the device (beside a resident vLLM in async colocated mode), by this plan: room for the allocator's
+    reserve and the plan's error (docs/defaults.md#token-budget). None if none helps."""
     t = r.trainer
     if r.cluster.device != "cuda" or t.max_tokens_per_micro_batch is not None:
         return None
@@ -386,18 +385,17 @@ def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> s
             return (
                 f"the update runs {b.micro_batches_per_mini_batch} passes of {t.micro_batch_size} sequences per "
                 f"optimizer step, host-bound on a GPU: trainer.max_tokens_per_micro_batch: {budget} runs at most "
-                f"{passes} (trainer ~{gib:.1f} GiB by this plan; 512 rollouts of SmolLM2 on an H200: update "
-                "16.6 s -> 1.5 s, bench/results/inloop-gpu-2026-12-02.md)"
+                f"{passes} (trainer ~{gib:.1f} GiB by this plan; 512 rollouts of SmolLM2: update "
+                "16.6 s -> 1.5 s, docs/defaults.md#token-budget)"
             )
     return None
 
 
 SHARED_PEAK = 1.2
-"""The trainer's peak with trainer.shared_prompts always against the plain passes, on a GPU: 1.12x (SmolLM2-135M)
-and 1.18x (Qwen2.5-0.5B shape), 64 prompts x 8 at a 32768-token budget on an H200 (2026-12-03,
-bench/results/shared_prompts-gpu-2026-12-03.md): each layer's prompt keys and values gathered per row and
-concatenated with the responses' (two copies kept for the backward). Not modeled term by term: a note, not the
-estimate."""
+"""The trainer's peak with trainer.shared_prompts always against the plain passes, on a GPU (an upper bound of the
+measured ratios: docs/defaults.md#shared-prompts): each layer's prompt keys and values gathered
+per row and concatenated with the responses' (two copies kept for the backward). Not modeled term by term: a note,
+not the estimate."""
 
 
 def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
@@ -477,7 +475,7 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         notes.append(
             f"trainer.shared_prompts always on a GPU: these figures are the plain passes'; with shared prompts "
             f"the trainer's measured peak was 1.12-1.18x theirs (expect up to ~{SHARED_PEAK * mem.trainer_total:.1f}"
-            f" GiB) and the update slower (0.47-0.90x; bench/results/shared_prompts-gpu-2026-12-03.md)"
+            f" GiB) and the update slower (0.47-0.90x; docs/defaults.md#shared-prompts)"
         )
     return Plan(
         world_size=world,

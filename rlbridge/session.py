@@ -412,10 +412,9 @@ class Session:
 
     def loads_initial_adapter(self) -> bool:
         """Whether a fresh run loads the trainer's initial adapter (LoRA B = 0: the base model's outputs) into vLLM
-        before its first generation: adapter sync with vLLM on GPUs. vLLM's first generation with an adapter
-        takes ~0.6 s longer than later ones on an H200 (0.93 s against 0.25-0.30 s for the GPU quickstart's
-        32 x 48 tokens: bench/results/cuda_graphs-gpu-2026-12-04-diag.rollout.txt), which otherwise lands in step 3
-        (the first with trained weights); loaded at the start it lands in the warm-up. An adapter vLLM cannot
+        before its first generation: adapter sync with vLLM on GPUs. vLLM's first generation with an adapter is
+        slower than later ones (docs/defaults.md#first-adapter), which otherwise lands in step 3 (the first with
+        trained weights); loaded at the start it lands in the warm-up. An adapter vLLM cannot
         load then also fails before any training."""
         r = self.recipe
         return (

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 DRIFT_STEPS = 3
 """On-policy steps in the baseline (the first ones) and in the window compared with it (the last ones)."""
 DRIFT_FLOOR = 0.01
-"""Nats: a grown gap must also be this far above its baseline. A float32 run's gap (~1e-5) doubles by noise alone;
-bf16 SmolLM2-135M on an H200 sits at 0.026-0.031 over 40 steps (bench/results/gsm8k_gpu-2026-12-01)."""
+"""Nats: a grown gap must also be this far above its baseline. A float32 run's gap (~1e-5) doubles by noise alone,
+while a bf16 run's sits a few hundredths from zero and moves by less than this (docs/defaults.md#drift-floor)."""
 
 
 class DriftWatch:
@@ -20,9 +20,8 @@ class DriftWatch:
     since the run began. Two sides that compute with the same weights differ by their kernels and dtypes, a gap that
     stays put (or shrinks as the policy sharpens) however far training goes; one side that computes with weights the
     other does not have (a sync that did not reach the rollout, vLLM sleep dropping weights, a compiled trainer graph
-    holding the weights of its compilation) differs more as the weights move. Seen: trl#5312 (0.015 -> 0.201),
-    rlbridge's own compiled layers on an H200 (0.026 -> 0.07, bench/results/compile_loop-gpu-2026-12-03.md), neither
-    near the absolute limit run.health.max_logprob_diff (0.5).
+    holding the weights of its compilation) differs more as the weights move, in cases seen far below the absolute
+    limit run.health.max_logprob_diff (0.5) (docs/defaults.md#drift-floor).
 
     Out: the median over the last DRIFT_STEPS on-policy steps is above `growth` times the median over the first
     DRIFT_STEPS, and DRIFT_FLOOR above it. Only on-policy steps count (staleness 0: the samples came from the weights

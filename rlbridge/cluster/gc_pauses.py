@@ -6,10 +6,8 @@ lives for the whole run; after the constructor it is frozen (`gc.freeze`: collec
 does with its own engine's start-up heap. Collections are then cheap, and any that still takes PAUSE_S or
 longer is logged with its generation and duration, so that a slow step in a worker's log names it.
 
-Measured (bench/results/prerecord-gpu-2026-12-04.md, the async GPU quickstart on an H200): before the freeze the
-rollout worker's generation-2 collections took 0.12-0.71 s each (18 during start-up), the trainer's 0.12-0.34 s;
-after it, none of PAUSE_S or more in either worker over 32 steps. (The one slow generation left in those runs, the
-21st, logged no collection: it is not the collector's.)
+Before the freeze a worker's full collections could take a large fraction of a short step; after it none of
+PAUSE_S or more was seen (docs/defaults.md#gc-freeze).
 """
 
 from __future__ import annotations

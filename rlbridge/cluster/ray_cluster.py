@@ -39,10 +39,9 @@ Log = Callable[[str], None]
 CPU_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 """glibc malloc in CPU workers: every allocation from one heap that is never handed back. By default each tensor
 over 32 MiB (logits, their gradients, merged weights) is a fresh mmap whose pages fault in one by one as they
-are first written, and freed memory is returned; on a virtual machine each such fault is expensive (the
-quickstart's update spent 2-3 s of its 14 s per step in the kernel, 250-350k faults). With these: no fault
-after the first step, 14.2 -> 10.5 s per update (bench/results/token_stats_ab-cpu-2026-12-03.md). A variable already
-set in the driver's environment wins."""
+are first written, and freed memory is returned; on a virtual machine each such fault is expensive. With these:
+no fault after the first step, and a faster update (docs/defaults.md#cpu-allocator). A variable
+already set in the driver's environment wins."""
 HEARTBEAT_S = 30.0
 """While workers start: a line per worker still starting, this often."""
 NODE_SETTLE_S = 20.0

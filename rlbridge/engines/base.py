@@ -1,4 +1,4 @@
-"""The trainer protocol every engine implements (hf now, megatron next), driven by loop.py.
+"""The trainer protocol every engine implements (hf, megatron), driven by loop.py.
 
 The loop never sees a model: it hands the engine a SeqBatch and a loss closure, and gets numbers back.
 Log-prob tensors are [b, R], aligned with SeqBatch.response_mask (see rlbridge/batch.py).

@@ -1,10 +1,9 @@
 """CUDA graphs of the hf engine's training passes (trainer.cuda_graphs): one launch per pass instead of ~39k.
 
 Why: at small passes the update is host-bound. The GPU quickstart's step trains 32 rows of <= 176 columns in one
-pass; its forward and backward through peft's LoRA layers are ~39k aten calls, 0.25-0.35 s of host time on an
-H200 (bench/results/pass_widths-gpu-2026-12-04.md) for a few tens of milliseconds of GPU work. A CUDA graph replays
-the recorded kernels without the Python, the dispatcher or the launches: 0.08 s per update instead of 0.22-0.42 s
-(bench/results/cuda_graphs-gpu-2026-12-04.md).
+pass; its forward and backward through peft's LoRA layers are ~39k aten calls, far more host time than GPU work.
+A CUDA graph replays the recorded kernels without the Python, the dispatcher or the launches, several times faster
+(docs/defaults.md#cuda-graphs).
 
 How, per pass shape (rows, prompt width, response width, whether the entropy gets a gradient; the engine rounds
 both widths up to trainer.pass_width_multiple, SeqBatch.sides_rounded, so a run meets few shapes):
@@ -21,7 +20,7 @@ both widths up to trainer.pass_width_multiple, SeqBatch.sides_rounded, so a run 
   gradients into `.grad` (summed over the passes of a step, as eager accumulation does).
 
 Exact: a replay runs the kernels the capture recorded on the same shapes, so a graphed pass computes what the
-eager pass of that shape computes (tests/gpu/test_gpu_cuda_graphs.py: bitwise equal on an H200, float32 and bfloat16,
+eager pass of that shape computes (tests/gpu/test_gpu_cuda_graphs.py: bitwise equal, float32 and bfloat16,
 over 8 optimizer steps).
 Graphs read every parameter at its address: AdamW updates the trainable ones in place, which the replays see;
 a parameter whose storage moved (data_ptr changed, e.g. a load that swapped `.data`) drops every graph, which

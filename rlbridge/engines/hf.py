@@ -364,7 +364,7 @@ class HFTrainEngine:
         """trainer.cuda_graphs: record, before the first step, the pass shapes its steps are likely to meet
         (graphs.likely_widths from the training prompts' token counts) for each (rows, micro-batches) in `passes`
         (the role's mini-batch shards), at most graphs.PRERECORD_MAX. Without it a step that meets a new shape
-        runs it eagerly and records it (0.5-1.4 s on an H200 for the GPU quickstart, in the middle of a run).
+        runs it eagerly and records it, in the middle of a run (docs/defaults.md#cuda-graphs).
         Nothing a step reads changes: no gradient is kept, no parameter or optimizer state is touched, and the
         random generators are put back. Returns the shapes recorded."""
         graphs = self._graphs

@@ -16,11 +16,10 @@ attention of each response token over its prompt's keys (as before), and a secon
 (`cheaper`); it needs a plain DynamicCache (no sliding-window layers), no activation recompute (transformers
 drops the cache of a checkpointed layer) and no routing replay.
 
-Measured (bench/results/shared_prompts-*-2026-12-03.md): on a 2-core CPU at the quickstart's shape (8 prompts x
-4, float32) the update is 1.28-1.34x faster with 1.61x fewer positions. On an H200 (bf16) it is slower: 0.47x at the
-quickstart's shape (one host-bound pass becomes two), 0.68x (SmolLM2) and 0.90x (Qwen2.5-0.5B shape) at 64 x 8
-rollouts with 1.34x fewer positions, and its peak memory is higher (the gathered and concatenated keys and values
-of every layer are kept for the backward). So auto leaves GPUs on the plain passes.
+On a CPU, where the update is compute-bound, fewer positions make a faster update. On a GPU it was slower (a
+host-bound pass becomes two) and its peak memory is higher (the gathered and concatenated keys and values of every
+layer are kept for the backward), so auto leaves GPUs on the plain passes
+(docs/defaults.md#shared-prompts).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from rlbridge.engines.micro import length_order, real_lengths
 from rlbridge.model.hf import DynamicCache, DynamicLayer
 
 AUTO_DEVICES = ("cpu",)
-"""Device types on which trainer.shared_prompts auto may share (module docstring: slower on an H200)."""
+"""Device types on which trainer.shared_prompts auto may share (module docstring: slower on GPUs)."""
 SAVING = 0.8
 """auto shares prompts when the shared layout computes at most this fraction of the plain layout's positions:
 the second set of kernel launches and the cache gather cost something, and on a GPU a small pass is bound by

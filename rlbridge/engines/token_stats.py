@@ -6,7 +6,8 @@ backward: d log p(id) / dz = onehot(id) - p and d H / dz = p * (E_p[z] - z). Aut
 two formulas walks the [positions, vocab] logits 10-15 times and allocates several [positions, vocab]
 temporaries (the log-sum-exp's, the gather's zero-filled gradient, their sum); this one reads a chunk of
 rows while it is in cache (each step a handful of vector ops on it) and writes the logits' gradient once.
-On a 2-core CPU with SmolLM2's 49k vocabulary those vocabulary-wide passes were a quarter of the update.
+With a large vocabulary on a CPU those vocabulary-wide passes are a large share of the update
+(docs/defaults.md#vllm-on-the-cpu).
 
 Exact up to float32 rounding order (tests/unit/test_token_stats.py compares values and gradients with
 autograd's float64 result). Entropy's gradient is computed only where the loss uses it (entropy_coef > 0).

@@ -95,9 +95,8 @@ class OptimCfg(Section):
 
 
 AUTO_WIDTH_MULTIPLE = 16
-"""trainer.pass_width_multiple null for the hf engine on a CUDA device: on an H200 an update at a new, unaligned width
-costs up to ~1.6 s more with cuDNN attention; at multiples of 16 a quickstart run meets 3-4 widths
-(bench/results/pass_widths-gpu-2026-12-04.md)."""
+"""trainer.pass_width_multiple null for the hf engine on a CUDA device: at multiples of 16 a run meets few widths,
+so cuDNN attention rarely builds new plans (docs/defaults.md#pass-widths)."""
 
 
 MAX_PASS_TOKENS = 8192
@@ -134,16 +133,16 @@ class TrainerCfg(Section):
     """Round each forward pass's width (prompt + response columns, after trimming to its rows) up to a multiple
     of this with masked columns (hf engine: left of the prompts; megatron: on the right), so a run meets few
     distinct pass shapes. Why: on a GPU, torch's cuDNN attention builds its plans on the host for every new
-    shape, up to ~1.2 s an update for SmolLM2 on an H200 with the GPU idle (docs/gpu.md). Exact (the added
-    columns are masked); a pass costs up to pass_width_multiple - 1 more positions per row. null: 16 for the hf
-    engine on a GPU (measured there: bench/results/pass_widths-gpu-2026-12-04.md), else 1 (each pass at its own
-    widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured yet). Not
-    applied to trainer.shared_prompts' passes."""
+    shape, about a second of a small model's update with the GPU idle. Exact (the added columns are masked); a pass
+    costs up to pass_width_multiple - 1 more positions per row. null: 16 for the hf engine on a GPU, else 1 (each
+    pass at its own widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured
+    yet). Change it to trade those extra positions against fewer new shapes (docs/defaults.md#pass-widths).
+    Not applied to trainer.shared_prompts' passes."""
     cuda_graphs: bool = False
     """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape,
     and replay them for later passes of that shape: one launch instead of tens of thousands of host-side calls,
-    for updates that are host-bound (small models, small passes: the GPU quickstart's update 3-4x faster on an
-    H200, docs/engines/hf.md). Each pass's prompt and response widths are each rounded up to
+    for updates that are host-bound (small models, small passes: the GPU quickstart's update several times faster,
+    docs/defaults.md#cuda-graphs). Each pass's prompt and response widths are each rounded up to
     trainer.pass_width_multiple (masked columns), so a run meets few shapes; passes of up to 8192 positions are
     recorded, at most 32 shapes kept. The first pass of each shape runs eagerly and is then recorded (about one
     more pass of host time). Memory: one more pass's activations and a set of gradients per shape, which `rlbridge
@@ -164,11 +163,11 @@ class TrainerCfg(Section):
     shared_prompts: Literal["auto", "always", "never"] = "auto"
     """hf engine: run each distinct prompt once per pass, not once per sample, its keys and values shared by
     the responses of its rows (exact: docs/engines/hf.md). auto: on a CPU, where that computes at most 80 % of
-    the positions of the plain passes (GRPO's n > 1 responses per prompt; 1.28-1.34x faster update at the
-    quickstart's shape), plain passes on a GPU (measured slower there); always: whenever the rows share
+    the positions of the plain passes (GRPO's n > 1 responses per prompt), plain passes on a GPU (measured slower
+    there: docs/defaults.md#shared-prompts); always: whenever the rows share
     prompts; never: plain passes only (not `off`: YAML reads it as false). Needs trainer.recompute.granularity none (else the plain passes run); the megatron
     engine always runs the plain passes. With always on a GPU, `rlbridge plan` estimates the plain passes and
-    notes the measured 1.12-1.18x trainer peak of the shared ones."""
+    notes the higher trainer peak measured for the shared ones."""
 
     def width_multiple(self, device: str) -> int:
         """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
@@ -207,8 +206,8 @@ class RolloutCfg(Section):
     """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in
     /dev/shm that vLLM reloads) or cuda_ipc (a colocated CUDA trainer shares its GPU tensors with vLLM by CUDA IPC
     handles, no copy through host memory; needs cluster.device cuda, colocate, one node, rollout.engine vllm at
-    tensor_parallel 1, weight_sync merged and a trainer of one process). Verified on an H200
-    (tests/gpu/test_gpu_ipc_sync.py: log-probs identical to files, 4.5x faster)."""
+    tensor_parallel 1, weight_sync merged and a trainer of one process). Same log-probs as files, faster for large
+    weights (tests/gpu/test_gpu_ipc_sync.py; docs/defaults.md#cuda-ipc)."""
     max_lora_rank: PositiveInt = 64
     """vLLM's max_lora_rank; must be >= lora.rank when weight_sync is adapter."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8
@@ -216,18 +215,20 @@ class RolloutCfg(Section):
     sleep: Literal["always", "auto", "never"] = "always"
     """Colocated GPUs, sync mode: whether vLLM sleeps through the update (weights offloaded, KV cache freed) and
     wakes for the weight sync. always: every step (the trainer gets the whole device). never: vLLM stays resident
-    next to the trainer, which saves the sleep and wake (0.1-0.2 s a step on an H200 for SmolLM2; more for a large
+    next to the trainer, which saves the sleep and wake (a tenth of a second or more a step; more for a large
     model's weights) and the trainer's cache release after each update. auto: resident when `rlbridge plan`'s
     peak with vLLM resident is at most 90 % of cluster.gpu_memory_gib, else as always. `rlbridge plan` says which
-    it chose. Verified on an H200 in sync mode (tests/gpu/test_gpu_async.py::test_sync_mode_with_vllm_resident) and
-    in async mode (which always keeps vLLM resident)."""
+    it chose (tests/gpu/test_gpu_async.py::test_sync_mode_with_vllm_resident; async mode always keeps vLLM
+    resident).
+    Set auto or never on a single GPU where both fit (docs/defaults.md#vllm-resident)."""
     kv_cache_gib: Annotated[float, Field(gt=0)] = 1.0
     """CPU build of vLLM only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     float32_head: bool = True
     """A 16-bit model's output layer (lm_head) computes in float32 in vLLM (`hf_overrides` head_dtype), as it does
-    in both trainers: rounding SmolLM2's logits (16-39) to bf16 alone moves log p by ~2e-2, most of the
-    trainer-vs-rollout gap (bench/results/logprob_floor-*.md). Costs a float32 copy of the output layer's weight.
-    A vLLM build without head_dtype for generation models keeps its bf16 head and says so in the rollout log."""
+    in both trainers: rounding logits in the tens to bf16 alone moves log p by hundredths, most of the
+    trainer-vs-rollout gap (docs/defaults.md#float32-head). Costs a float32 copy of the
+    output layer's weight; turn it off only to save that memory. A vLLM build without head_dtype for generation
+    models keeps its bf16 head and says so in the rollout log."""
     routing_replay: bool = False
     """Mixture-of-experts models only: record the experts the rollout engine routed every token to (prompt and
     response, each MoE layer's top-k) and make the trainer's forwards (old, reference and training log-probs)
@@ -236,14 +237,14 @@ class RolloutCfg(Section):
     Works with rollout.engine hf on any device and vllm on GPUs; vLLM's CPU build cannot return routed experts."""
     flashinfer_sampler: bool = False
     """vLLM's FlashInfer top-k/top-p sampling kernels (VLLM_USE_FLASHINFER_SAMPLER). They are compiled with nvcc
-    the first time an engine starts on a machine: on a fresh H200 that silent step took 101 s of a 222 s start
-    (2026-12-01, after CUDA-graph capture; 9 s once cached). Off: vLLM's PyTorch sampler, no compilation; with
+    the first time an engine starts on a machine, a silent step of minutes on a fresh machine
+    (docs/defaults.md#vllm-start-up). Off: vLLM's PyTorch sampler, no compilation; with
     top_p = 1 and top_k = -1 (no filter) vLLM samples natively either way. An environment variable
     VLLM_USE_FLASHINFER_SAMPLER set by the user wins."""
     enforce_eager: bool | None = None
     """vLLM without torch.compile and CUDA graphs. null: eager on CPU, compiled on GPUs. true on a GPU starts
-    the engine in ~15 s instead of 1-2 min (measured on an H200 for SmolLM2-135M: compile 22-44 s and graph
-    capture 7-37 s skipped) and generates slower; good for tests and short debugging runs."""
+    the engine in seconds instead of minutes (torch.compile and CUDA-graph capture skipped) and generates slower;
+    good for tests and short debugging runs (docs/defaults.md#vllm-start-up)."""
     gpus: Annotated[int, Field(ge=1)] | None = None
     """Devices for the rollout when cluster.colocate is false (default: as many as the trainer)."""
     mode: Literal["sync", "async"] = "sync"

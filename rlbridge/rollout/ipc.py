@@ -10,8 +10,8 @@ Ray, pickle or msgpack alike, and `open_shared` turns it back. The trainer keeps
 rollout has loaded them (TrainerRole.release_export); the rollout synchronizes its device before it lets go.
 
 Limits: the handles open on the same physical GPU only (the payload carries the GPU's UUID, checked on open) and
-in another process only (CUDA cannot open a handle in the process that made it). Not yet verified on a GPU:
-tests/gpu/test_gpu_ipc_sync.py is the test that will.
+in another process only (CUDA cannot open a handle in the process that made it). tests/gpu/test_gpu_ipc_sync.py
+checks it on a GPU against the file route.
 
 Imported by vLLM's worker processes (WorkerExtension): nothing heavy at module level beyond torch.
 """

@@ -38,7 +38,8 @@ On large GPU models the merged route costs a write of the full state dict to /de
 rollout.weight_transport cuda_ipc (opt-in; colocated CUDA trainer, tensor_parallel 1) avoids it: the trainer
 hands over CUDA IPC handles of its merged tensors (rlbridge/rollout/ipc.py) and the worker reloads from them in
 place (`collective_rpc("rlbridge_load_ipc")`, which calls the worker's `reload_weights(weights_iterator=...)`,
-present in both vLLM 0.26 and 0.32). Verified on an H200 (tests/gpu/test_gpu_ipc_sync.py, gpu_check-2026-12-02d).
+present in both vLLM 0.26 and 0.32). tests/gpu/test_gpu_ipc_sync.py checks it against the file route
+(docs/defaults.md#cuda-ipc).
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class VllmRollout:
     ) -> None:
         """num_threads (CPU): torch threads of the engine. Inside a Ray actor with num_cpus < 2, Ray sets
         OMP_NUM_THREADS=1 before torch loads, and vLLM's in-process CPU worker then generates on one core
-        (on 2 cores, SmolLM2 quickstart: 9.6 s per step's generation instead of 6.2 s)."""
+        (docs/defaults.md#vllm-on-the-cpu)."""
         start = time.perf_counter()
         from vllm import LLM
 
@@ -353,8 +354,8 @@ class VllmRollout:
                 if self.cfg.routing_replay:
                     out.routed_experts.append(routed_experts(completion, len(prompt) + len(ids)))
         # one batched decode at the end instead of vLLM's incremental detokenization of every token (and of every
-        # returned log-prob's token) inside its engine loop: 1.8x the tokens/s when the loop is host-bound
-        # (bench/results/generation_host-cpu-2026-12-02.md). The same text: vLLM's incremental detokenizer holds
+        # returned log-prob's token) inside its engine loop: more tokens/s when the loop is host-bound
+        # (docs/defaults.md#vllm-on-the-cpu). The same text: vLLM's incremental detokenizer holds
         # back a tail that decodes to U+FFFD (an incomplete UTF-8 sequence, waiting for its next bytes) and
         # never emits it when the response ends there.
         texts = self._tokenizer.batch_decode(

@@ -101,8 +101,8 @@ def _in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
 def overwrite_merged(weights: WeightExport, out_dir: Path, *, dtype: torch.dtype) -> bool:
     """Write a 'merged' export into out_dir's existing model.safetensors in place, when its header lists exactly
     these names, dtypes (after the cast to `dtype`) and shapes; False (nothing written) otherwise. The file keeps
-    its pages: on a RAM-backed directory a fresh file of a merged SmolLM2 (540 MB) costs the kernel 2-4 s of page
-    allocation per sync on a 2-core VM, writing into the existing one ~0.1 s. The reader must not be reading the
+    its pages: on a RAM-backed directory a fresh file costs the kernel a page allocation per page on every
+    sync, seconds for a merged small model on a CPU (docs/defaults.md#vllm-on-the-cpu). The reader must not be reading the
     file meanwhile (the rollout loads each version before the next export starts)."""
     path = out_dir / MERGED_FILE
     try:

@@ -44,7 +44,7 @@ UPDATE_SECONDS = ("old_logprobs_s", "trainer_update_s")
 CUDNN_ATTENTION_ENV = "RLBRIDGE_CUDNN_ATTENTION"
 """`0` turns torch's cuDNN attention off in the trainer process (both engines' SDPA then use the other kernels).
 For measurement: cuDNN builds its plans per shape on the host, so the first update at each new batch width stalls
-~1.2 s on an H200, while updates at widths seen before are ~15 % faster with it (sdpa_shapes-gpu-2026-12-04)."""
+for about a second, while updates at widths seen before are faster with it (docs/defaults.md#pass-widths)."""
 
 
 def apply_cudnn_attention_env(environ: dict[str, str] | None = None) -> bool:

@@ -216,8 +216,8 @@ def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor,
 def response_head(model: list[torch.nn.Module], on: bool = True) -> int:
     """Make the output layer (on the last pipeline stage) compute logits only at the positions that predict
     response tokens, as the hf engine's `logits_to_keep`: megatron's GPTModel otherwise multiplies every position
-    by the [vocab, hidden] weight in float32 and keeps a transposed copy, which for a 152k vocabulary and a 32k-token
-    pass is 2 x 18.6 GiB (bench/results/update_padding-gpu-2026-12-02c.md), and the prompt's share of it is
+    by the [vocab, hidden] weight in float32 and keeps a transposed copy, 2 x 4 bytes x positions x vocabulary
+    (tens of GiB for a 152k vocabulary and a 32k-token pass: docs/defaults.md#plan-memory), and the prompt's share of it is
     never used. A forward pre-hook cuts the layer's input ([S, m, h]) to the window `head_window` gives for
     the micro-batch; the gradient is unchanged (prompt-position logits never enter the loss). Left as it is under
     sequence parallelism or context parallelism (the layer's input is then a shard of the sequence). `on=False`
