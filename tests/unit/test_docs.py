@@ -131,6 +131,28 @@ def test_index_lists_every_page() -> None:
     assert not missing, f"docs/index.md lists no line for {missing}"
 
 
+def test_readme_shows_the_quickstart_recipe_and_its_plan_as_they_are() -> None:
+    """The README shows recipes/quickstart.yaml whole and pastes what `rlbridge plan` prints for it."""
+    readme = (ROOT / "README.md").read_text()
+    assert (ROOT / "recipes" / "quickstart.yaml").read_text() in readme, (
+        "README.md: paste recipes/quickstart.yaml whole"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120", "NO_COLOR": "1"}
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbridge", "plan", "recipes/quickstart.yaml"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"```\n{res.stdout}```" in readme, (
+        "README.md: paste the output of `COLUMNS=120 rlbridge plan recipes/quickstart.yaml` anew:\n"
+        + res.stdout
+    )
+
+
 def test_readme_lists_every_shipped_recipe() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "recipes").glob("*.yaml")) if f"`{p.name}`" not in readme]
