@@ -26,16 +26,19 @@ class ModelCfg(Section):
     """Local Hugging Face model directory (config.json, safetensors, tokenizer) or a short name that rlbridge
     materializes into its cache (`smollm2-135m-instruct`)."""
     dtype: Dtype = "bfloat16"
-    """Parameter dtype for training and rollout. float32 on CPU gives tight trainer/rollout agreement."""
+    """Parameter dtype for training and rollout. bfloat16 halves the memory and is the GPU choice; float32 gives
+    tight trainer/rollout agreement (and is the CPU quickstart's choice), at twice the memory."""
 
 
 class LoraCfg(Section):
     rank: Annotated[int, Field(ge=0)] = 0
-    """LoRA rank. 0 means full fine-tuning (no adapters)."""
+    """LoRA rank. 0 means full fine-tuning (no adapters). Raise it when a LoRA run learns too little for its
+    task; each step of rank adds trainable parameters, optimizer state and adapter-sync bytes (docs/lora.md)."""
     alpha: Annotated[float, Field(gt=0)] = 32.0
     """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
-    """Dropout on the LoRA input."""
+    """Dropout on the LoRA input. RL post-training usually keeps it at 0: it makes the trainer's log-probs differ
+    from the rollout's."""
     targets: list[str] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     """Modules that get adapters. Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, linear_q,
     linear_k, linear_v, linear_fc1_gate, linear_fc1_up) or HF names (q_proj, k_proj, v_proj, o_proj,
@@ -51,13 +54,16 @@ class LoraCfg(Section):
 # -------------------------------------------------------------------------------------------- trainer
 class ParallelCfg(Section):
     tensor: PositiveInt = 1
-    """Tensor-parallel size (megatron engine)."""
+    """Tensor-parallel size (megatron engine). Raise it when one GPU cannot hold a layer's weights and activations;
+    it must divide the attention heads (validate-recipe checks)."""
     pipeline: PositiveInt = 1
-    """Pipeline-parallel size (megatron engine)."""
+    """Pipeline-parallel size (megatron engine). Raise it when tensor parallelism within a node is not enough to
+    fit the model; it must divide the layers."""
     virtual_pipeline: Annotated[int, Field(ge=1)] | None = None
     """Virtual pipeline stages per pipeline rank (interleaved schedule); needs pipeline > 1."""
     context: PositiveInt = 1
-    """Context-parallel size (megatron engine)."""
+    """Context-parallel size (megatron engine): splits each sequence over ranks, for sequences too long for one
+    GPU's activations."""
     expert: PositiveInt = 1
     """Expert-parallel size for MoE models."""
     expert_tensor: PositiveInt = 1
@@ -83,7 +89,7 @@ class OptimCfg(Section):
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     """Learning-rate schedule after warm-up."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Linear warm-up steps (optimizer steps)."""
+    """Linear warm-up steps (optimizer steps) from 0 to lr."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -120,7 +126,10 @@ class TrainerCfg(Section):
     recompute: RecomputeCfg = RecomputeCfg()
     optim: OptimCfg = OptimCfg()
     micro_batch_size: PositiveInt = 1
-    """Sequences per forward/backward pass on one data-parallel rank."""
+    """Sequences per forward/backward pass on one data-parallel rank; it must divide each rank's mini-batch
+    (validate-recipe lists the values that do). Lower it when the trainer runs out of memory (the error names it);
+    on a GPU prefer max_tokens_per_micro_batch, which `rlbridge plan` suggests when many small passes would make
+    the update host-bound."""
     max_tokens_per_micro_batch: PositiveInt | None = None
     """Form the training passes (forward/backward, policy and critic) by a token budget instead of
     micro_batch_size: hf engine, and megatron engine at trainer.parallel.pipeline = context = 1 (refused
@@ -150,7 +159,8 @@ class TrainerCfg(Section):
     cuda, trainer.recompute.granularity none, no rollout.routing_replay, and float32 trainable parameters (LoRA, or
     full fine-tuning of a float32 model)."""
     ppo_epochs: PositiveInt = 1
-    """Passes over each step's rollouts."""
+    """Passes over each step's rollouts (each mini-batch an optimizer step). Above 1 the later passes are
+    off-policy and the clipped ratio limits them; GRPO recipes usually keep 1."""
 
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
@@ -184,9 +194,10 @@ class RolloutCfg(Section):
     n: PositiveInt = 4
     """Completions sampled per prompt (the group size of GRPO-family algorithms)."""
     tensor_parallel: PositiveInt = 1
-    """Tensor-parallel size of each vLLM engine."""
+    """Tensor-parallel size of each vLLM engine: raise it when one GPU cannot hold the model and its KV cache."""
     temperature: Annotated[float, Field(ge=0)] = 1.0
-    """Sampling temperature."""
+    """Sampling temperature. 1.0 samples from the policy the trainer scores (its log-probs are not tempered);
+    lower values explore less."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Nucleus sampling."""
     top_k: int = -1
@@ -194,7 +205,8 @@ class RolloutCfg(Section):
     max_prompt_tokens: PositiveInt = 512
     """Prompts longer than this are filtered out (counted and reported)."""
     max_response_tokens: PositiveInt = 512
-    """Maximum generated tokens per completion."""
+    """Maximum generated tokens per completion. Longer allows longer reasoning at a cost that grows with it in
+    generation, the update and memory (`rlbridge plan` shows the memory)."""
     ignore_eos: bool = False
     """Training samples go on past the end-of-sequence token to max_response_tokens (vLLM's ignore_eos; the hf
     engine suppresses EOS until then): every response has exactly that length. For measuring step time and memory
@@ -330,7 +342,8 @@ class _AlgoBase(Section):
     clip: ClipCfg = ClipCfg()
     rollout_correction: RolloutCorrectionCfg = RolloutCorrectionCfg()
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient: above 0 it rewards keeping the policy's entropy up (against early collapse of
+    exploration); it also computes the entropy's gradient."""
     loss_agg: LossAgg = "token-mean"
     """How token losses are aggregated into one number."""
 
@@ -448,7 +461,8 @@ class DataCfg(Section):
     train: DatasetCfg
     val: DatasetCfg | None = None
     batch_size: PositiveInt = 8
-    """Prompts per step (each sampled rollout.n times)."""
+    """Prompts per step (each sampled rollout.n times): the step's rollouts are batch_size x n. Larger batches
+    give steadier gradients and use the devices better, at more time per step."""
     mini_batch_size: Annotated[int, Field(ge=1)] | None = None
     """Prompts per optimizer step; must divide batch_size (default: batch_size, one update per step)."""
     template: str = "{prompt}"
@@ -479,7 +493,8 @@ class RewardCfg(Section):
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """Per-sample time limit; a call past it counts as a reward_error."""
     workers: PositiveInt = 2
-    """Reward worker processes."""
+    """Reward worker processes. Raise it when a slow reward function (not the model) makes the reward phase
+    long."""
     error_budget: Annotated[int, Field(ge=0)] = 100
     """Reward errors tolerated over the run before it stops with the function's traceback."""
 
