@@ -153,6 +153,14 @@ def test_readme_shows_the_quickstart_recipe_and_its_plan_as_they_are() -> None:
     )
 
 
+def test_readme_links_resolve() -> None:
+    """The README is not part of the mkdocs site: its relative links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    links = [u for u in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"^[a-z]+:|#", u)]
+    missing = [u for u in links if not (ROOT / u.split("#")[0]).exists()]
+    assert links and not missing, f"README.md links to missing files: {missing}"
+
+
 def test_readme_lists_every_shipped_recipe() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "recipes").glob("*.yaml")) if f"`{p.name}`" not in readme]
