@@ -8,6 +8,7 @@ page differs from `render_reference()`.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -23,7 +24,8 @@ HEADER = """\
 
 Generated from `rlbridge/recipe/schema.py` by `python -m rlbridge.recipe.docs > docs/recipe-reference.md`
 (or `make docs`; do not edit by hand: a test compares this page with the schema). The same text is in the JSON Schema
-(`rlbridge schema`), so an editor shows it on hover (see the README, "Editor support").
+(`rlbridge schema`), so an editor shows it on hover ([cli.md](cli.md#editor-support)). Why the defaults are what they
+are: [defaults.md](defaults.md).
 
 Every section rejects unknown keys, with a suggestion for the closest known one. Any key can be overridden
 on the command line with its dotted name: `--set trainer.parallel.tensor=2`.
@@ -91,8 +93,13 @@ def _default(f: FieldInfo) -> str:
     return f"`{value}`"
 
 
+DOCS_REF = re.compile(r"\bdocs/([\w./-]+\.md(?:#[\w-]+)?)")
+"""A docs page named in a field's docstring (`docs/defaults.md#pass-widths`): a link on this page, also in docs/."""
+
+
 def _doc(f: FieldInfo) -> str:
-    return " ".join((f.description or "").split()).replace("|", "\\|")
+    text = " ".join((f.description or "").split()).replace("|", "\\|")
+    return DOCS_REF.sub(r"[\1](\1)", text)
 
 
 def _type(f: FieldInfo) -> str:
