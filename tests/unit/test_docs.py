@@ -116,7 +116,7 @@ def test_docs_build_strict(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    warnings = [x for x in res.stderr.splitlines() if not x.startswith("INFO")]
+    warnings = [x for x in res.stderr.splitlines() if x.startswith(("WARNING", "ERROR"))]
     assert res.returncode == 0 and not warnings, "mkdocs build --strict:\n" + "\n".join(
         warnings or [res.stderr[-3000:]]
     )
