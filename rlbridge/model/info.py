@@ -87,9 +87,31 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "intermediate_size": 128,
         **_TINY_QWEN3,
     },
+    # Qwen2.5-7B-Instruct's published architecture and sizes (its config.json: 28 layers, hidden 3584, 28 heads /
+    # 4 KV heads, vocabulary 152064, untied) with random bf16 weights and a byte tokenizer padded to the full
+    # vocabulary: a model of the real size for runs that prove memory, speed and checkpoints at 7B without a hub.
+    "qwen2.5-7b-random": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "initializer_range": 0.02,
+    },
 }
-RANDOM_SHORT_NAMES = frozenset({"tiny-qwen2-smoke", "tiny-qwen3-moe-smoke", "tiny-qwen3-dense-smoke"})
+RANDOM_SHORT_NAMES = frozenset(
+    {"tiny-qwen2-smoke", "tiny-qwen3-moe-smoke", "tiny-qwen3-dense-smoke", "qwen2.5-7b-random"}
+)
 """Short names whose weights are random (built by rlbridge.model.random_weights), not a real model's."""
+FULL_SIZE_SHORT_NAMES = frozenset({"qwen2.5-7b-random"})
+"""Random short names of a real model's full size: vocabulary kept (the byte tokenizer padded to it), bf16."""
 
 
 def cache_dir() -> Path:
