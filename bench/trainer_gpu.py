@@ -7,6 +7,7 @@ plus a small entropy term (both engines compute log-probs and entropies as in GR
 
     smollm2-135m  Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings
     qwen2.5-0.5b  Qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151936, tied, q/k/v biases
+    qwen2.5-7b    Qwen2, 28 layers, hidden 3584, 28 heads / 4 KV heads, vocab 152064, untied, q/k/v biases
 
 What differs by design, and shows in the numbers: the megatron engine keeps fp32 main weights, gradients
 and Adam moments (megatron-core's mixed-precision optimizer); the hf engine runs torch AdamW on the bf16
@@ -34,7 +35,14 @@ S = prompt + response:
     attn   = 2 * batch * L * h * d * S^2                   forward QK^T and PV, causal (half of S x S)
     full:  6*N*T + 6*V*H*T_out + 3*attn                    forward 2, backward 4 (input and weight grads)
     LoRA:  4*N*T + 4*V*H*T_out + 3*attn + 6*P_lora*T       frozen base: forward 2, backward 2 (input grads
-                                                           only); P_lora = trainable adapter parameters
+           - 2*Q*T                                         only); P_lora = trainable adapter parameters; the
+                                                           first layer's q/k/v input grads (Q = H*(h+2g)*d)
+                                                           are never computed: the frozen embeddings need no
+                                                           gradient (nor do that layer's q/k/v adapters' A
+                                                           inputs, 2*r*H*T each, < 0.01 % at 7B: counted)
+
+torch's FlopCounterMode on a real forward + backward agrees with this count exactly, less the causal half of
+attention that an unfused kernel computes anyway (tests/unit/test_model_flops.py).
 
 MFU = model FLOPs / step time / measured peak. Not counted: megatron's output layer on the prompt positions
 (work the loss does not need), elementwise work (norms, RoPE, SwiGLU, softmax, log-softmax, optimizer).
@@ -88,6 +96,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
     ),
+    # Qwen2.5-7B-Instruct's published architecture (rlbridge's short name qwen2.5-7b-random): untied, q/k/v biases
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     # for checking this script on a machine without a GPU (CPU, gloo; memory columns are 0 there)
     "tiny": dict(
         model_type="qwen2",
@@ -123,7 +146,7 @@ def save_model(name: str, out: Path) -> None:
 def model_flops(
     model: str, mode: str, batch: int, prompt: int, response: int, lora_params: int
 ) -> dict[str, float]:
-    """Model FLOPs of one train_step (the formula in the module docstring)."""
+    """Model FLOPs of one train_step (the formula in the module docstring; LoRA on q/k/v, o and the MLP)."""
     c = SHAPES[model]
     L, H, h, g, inter, V = (c[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                              "num_key_value_heads", "intermediate_size", "vocab_size"))  # fmt: skip
@@ -134,7 +157,9 @@ def model_flops(
     if mode == "full":
         total = 6.0 * n * tokens + 6.0 * V * H * out_tokens + 3 * attn
     else:
+        first_qkv_input_grads = 2.0 * tokens * H * (h + 2 * g) * d
         total = 4.0 * n * tokens + 4.0 * V * H * out_tokens + 3 * attn + 6.0 * lora_params * tokens
+        total -= first_qkv_input_grads
     return {"model_flops": total, "layer_matmul_params": float(n), "attention_fwd_flops": attn}
 
 
