@@ -47,7 +47,7 @@ attention that an unfused kernel computes anyway (tests/unit/test_model_flops.py
 MFU = model FLOPs / step time / measured peak. Not counted: megatron's output layer on the prompt positions
 (work the loss does not need), elementwise work (norms, RoPE, SwiGLU, softmax, log-softmax, optimizer).
 
-    python bench/trainer_gpu.py [--models smollm2-135m,qwen2.5-0.5b] [--engines megatron,hf]
+    python bench/trainer_gpu.py [--models smollm2-135m,qwen2.5-0.5b,qwen2.5-7b:8] [--engines megatron,hf]
         [--attention sdpa,unfused] [--modes lora,full] [--batch 8] [--prompt 512] [--response 512]
         [--micro 4] [--warmup 2] [--steps 5] [--profile] [--out DIR]
 """
@@ -130,11 +130,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 GIB = 1024**3
 
 
+def shape(name: str) -> dict[str, Any]:
+    """The config of a --models entry: a SHAPES name, or NAME:LAYERS for its first LAYERS layers (e.g.
+    qwen2.5-7b:8: full fine-tuning of the whole 7B does not fit one 139 GiB GPU; the per-layer work is the same)."""
+    base, _, layers = name.partition(":")
+    cfg = dict(SHAPES[base])
+    if layers:
+        cfg["num_hidden_layers"] = int(layers)
+    return cfg
+
+
 def save_model(name: str, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(SHAPES[name])
+    cfg = shape(name)
     archs = cfg.pop("architectures")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config.architectures = archs
@@ -147,7 +157,7 @@ def model_flops(
     model: str, mode: str, batch: int, prompt: int, response: int, lora_params: int
 ) -> dict[str, float]:
     """Model FLOPs of one train_step (the formula in the module docstring; LoRA on q/k/v, o and the MLP)."""
-    c = SHAPES[model]
+    c = shape(model)
     L, H, h, g, inter, V = (c[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                              "num_key_value_heads", "intermediate_size", "vocab_size"))  # fmt: skip
     d, S = H // h, prompt + response
@@ -248,7 +258,7 @@ def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
     from rlbridge.batch import SeqBatch
 
     g = torch.Generator().manual_seed(0)
-    vocab = SHAPES[spec["model"]]["vocab_size"]
+    vocab = shape(spec["model"])["vocab_size"]
     b, p, r = spec["batch"], spec["prompt"], spec["response"]
     ids = torch.randint(0, vocab, (b, p + r), generator=g)
     batch = SeqBatch.from_token_lists(ids[:, :p].tolist(), ids[:, p:].tolist(), pad_id=0)
