@@ -54,6 +54,11 @@
 #                                       # TRL_PLAIN_ASYNC=0: without the plain async run)
 #   bash scripts/gpu_bench.sh rolloutstep  # bench/rollout_step.py: the rollout's share of an async quickstart step alone,
 #                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
+#   bash scripts/gpu_bench.sh 7bhf      # issue 44: the 7B recipe (qwen2.5-7b-random) through the CLI on one GPU, hf engine,
+#                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py; not run yet)
+#   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine
+#   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
+#   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -231,7 +236,27 @@ PYEOF
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
-    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale)" >&2; exit 2 ;;
+    7bhf|7bmeg)  # issue 44: recipes/qwen2.5-7b-grpo-lora.yaml on one GPU through the CLI (bench/size7b.py), 5 steps of
+                 # 32 x 8, <= 256 tokens, adapter checkpoint at step 5; the run stays in /tmp/rlb7b for 7bresume/7bexport
+      engine=hf; [ "$part" = 7bmeg ] && engine=megatron
+      timeout "$(left)" "$PY" bench/size7b.py train --engine $engine --steps 5 --save-every 5 --run-dir /tmp/rlb7b/$engine \
+        --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      tail -30 "$OUT/$part/log.txt" ;;
+    7bresume)  # after 7bhf on the same machine: resume to step 8, kill -9 once step 6 is logged, resume again
+      timeout "$(left)" "$PY" bench/size7b.py resume --run-dir /tmp/rlb7b/${RUN7B:-hf} --kill-after-step 6 --steps 8 \
+        --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      tail -20 "$OUT/$part/log.txt" ;;
+    7bexport)  # export-hf --merge-lora of that run; vLLM (CUDA, bf16) vs float32 transformers log-probs of fixed texts
+      timeout "$(left)" "$PY" bench/size7b.py export --run-dir /tmp/rlb7b/${RUN7B:-hf} --export-dir /tmp/rlb7b/merged \
+        --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      tail -12 "$OUT/$part/log.txt" ;;
+    mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first 8
+            # layers: the whole 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each
+      timeout "$(left)" "$PY" bench/trainer_gpu.py --models qwen2.5-7b,qwen2.5-7b:8 --attention sdpa --batch 8 \
+        --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
+        > "$OUT/$part/log.txt" 2>&1
+      tail -16 "$OUT/$part/log.txt" ;;
+    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
