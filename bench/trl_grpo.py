@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,9 +82,17 @@ def step_prompts(r: Any, steps: int) -> list[list[tuple[Any, list[int]]]]:
 
 
 # ------------------------------------------------------------------------------------- TRL (child)
-def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int | None = None) -> None:
+def run_trl(
+    total: int,
+    sets: list[str],
+    out: Path,
+    use_vllm: bool,
+    micro: int | None = None,
+    config: dict[str, Any] | None = None,
+) -> None:
     """TRL's GRPOTrainer on the recipe's settings; on a GPU recipe (cluster.device cuda) in the model's dtype with
-    its colocated vLLM (always), on a CPU one in float32 with transformers generate unless `use_vllm`."""
+    its colocated vLLM (always), on a CPU one in float32 with transformers generate unless `use_vllm`. `config`:
+    GRPOConfig fields set last, over the ones derived from the recipe (--trl-config KEY=VALUE)."""
     import torch
 
     r = recipe(total, sets)
@@ -129,7 +139,7 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
 
     terms = r.reward.terms
     ro, opt = r.rollout, r.trainer.optim
-    args = GRPOConfig(
+    kwargs: dict[str, Any] = dict(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
         report_to="none",
         save_strategy="no",
@@ -176,6 +186,10 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
         # for old log-probs (TRL's default True adds one per step)
         vllm_importance_sampling_correction=False,
     )
+    unknown = sorted(set(config or {}) - {f.name for f in dataclasses.fields(GRPOConfig)})
+    if unknown:
+        raise SystemExit(f"--trl-config: {unknown} are not GRPOConfig fields of trl {trl.__version__}")
+    args = GRPOConfig(**{**kwargs, **(config or {})})
     lora = LoraConfig(
         r=r.lora.rank,
         lora_alpha=r.lora.alpha,
@@ -195,6 +209,8 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
         "logs": [],
         "generations": [],
         "rewards_s": [],
+        "config": {k: getattr(args, k) for k in TRL_CONFIG_SHOWN},
+        "config_overrides": config or {},
     }
 
     class Timing(TrainerCallback):
@@ -249,31 +265,105 @@ def run_trl(total: int, sets: list[str], out: Path, use_vllm: bool, micro: int |
         expected = [[ids for _, ids in step] for step in plan]
         got = [g.pop("prompt_ids")[:: ro.n] for g in record["generations"]]
         record["prompt_ids_match"] = got == expected[: len(got)]
-        out.write_text(json.dumps(record))
+        if gpu:
+            record["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        out.write_text(json.dumps(record, default=str))
+
+
+TRL_CONFIG_SHOWN = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "gradient_checkpointing",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_enable_sleep_mode",
+    "vllm_gpu_memory_utilization",
+    "use_liger_kernel",
+    "torch_compile",
+    "bf16",
+    "loss_type",
+    "beta",
+    "num_iterations",
+    "vllm_importance_sampling_correction",
+)
+"""The GRPOConfig fields each TRL record keeps as they took effect (a tuned run shows its tuning)."""
+
+
+def parse_trl_config(items: list[str]) -> dict[str, Any]:
+    """--trl-config KEY=VALUE items as GRPOConfig overrides; VALUE is read as JSON where it parses (true, 512,
+    0.3, null), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--trl-config {item!r}: expected KEY=VALUE, e.g. gradient_checkpointing=true")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+class WeightedReward:
+    """rlbridge's builtin reward `name` times `weight` as a TRL reward function: a callable instance named after the
+    reward (TRL logs it under `__name__`), picklable for AsyncGRPO's spawned reward process."""
+
+    def __init__(self, name: str, weight: float, row_keys: list[str]) -> None:
+        self.__name__, self.weight, self.row_keys = name, weight, row_keys
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+        from rlbridge.data.rewards import BUILTINS
+
+        fn = BUILTINS[self.__name__]
+        out = []
+        for i, c in enumerate(completions):
+            row = {k: kw[k][i] for k in self.row_keys}
+            text = c[0]["content"] if isinstance(c, list) else c
+            out.append(self.weight * fn(row["question"], text, row))
+        return out
 
 
 # --------------------------------------------------------------------------------- the two runs
 def measure(
-    cmd: list[str], log: Path, lines: Path | None = None, env: dict[str, str] | None = None
+    cmd: list[str],
+    log: Path,
+    lines: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run `cmd` as a child (with `env` added to the environment), sampling its process tree; returns timing,
-    memory, load and (optionally) the arrival time of each line of the file `lines`."""
+    """Run `cmd` as a child (with `env` added to the environment) in its own process group, sampling its process
+    tree; returns timing, memory, load and (optionally) the arrival time of each line of the file `lines`. Past
+    `timeout_s` (or on an interrupt) the whole group is killed (`timed_out`); processes of the group still alive
+    20 s after the child's exit are killed too, so the next run starts on a free machine (`leftover_killed`)."""
     load_before = load_average()
     t0 = time.time()
+    timed_out = False
     with log.open("w") as f:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
         arrivals = LineArrivals(lines) if lines is not None else None
-        with TreeMemory(proc.pid) as mem:
-            if arrivals is not None:
-                with arrivals:
-                    rc = proc.wait()
-            else:
-                rc = proc.wait()
+        with TreeMemory(proc.pid) as mem, arrivals if arrivals is not None else contextlib.nullcontext():
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_group(proc.pid)
+                rc, timed_out = proc.wait(), True
+            except BaseException:
+                kill_group(proc.pid)
+                raise
     end = time.time()
     return {
         "rc": rc,
+        "timed_out": timed_out,
+        "leftover_killed": end_group(proc.pid),
         "start": t0,
         "end": end,
         "mem": mem,
@@ -281,6 +371,35 @@ def measure(
         "load_before": load_before,
         "load_after": load_average(),
     }
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of the process group `pgid`."""
+    import psutil
+
+    alive = []
+    for proc in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                alive.append(proc.pid)
+    return alive
+
+
+def end_group(pgid: int, grace_s: float = 20.0) -> bool:
+    """Waits up to `grace_s` for the processes left in the group `pgid` (a child's children: Ray's, vLLM's) to
+    end, then kills them; True when some had to be killed."""
+    deadline = time.time() + grace_s
+    while group_alive(pgid):
+        if time.time() > deadline:
+            kill_group(pgid)
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -308,7 +427,11 @@ def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup:
         "generation_phase_tokens_per_s": gen_tokens / gen_s if gen_s else 0.0,
         "trained_tokens_per_s": train_tokens / seconds if seconds else 0.0,
         "startup_s": steps[0]["start"] - m["start"] if steps else None,
+        "first_step_s": steps[0]["end"] - steps[0]["start"] if steps else None,
+        # process start to the end of the first step: what a user waits for the first update
+        "time_to_first_step_s": steps[0]["end"] - m["start"] if steps else None,
         "total_wall_s": m["end"] - m["start"],
+        "leftover_killed": m["leftover_killed"],
         **mem.result(),
         "load_avg_during_steps": load,
         "load_before": m["load_before"],
@@ -326,8 +449,10 @@ def run_rlbridge(
     n: int,
     env: dict[str, str] | None = None,
     keep: Path | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """`env`: variables added to the run's environment; `keep`: where its metrics.jsonl is copied (flat)."""
+    """`env`: variables added to the run's environment; `keep`: where its metrics.jsonl is copied (flat);
+    `timeout_s`: the run is killed past it (a failed run)."""
     run_dir = work / f"rlbridge-{time.time_ns()}"
     cmd = [
         sys.executable,
@@ -343,7 +468,7 @@ def run_rlbridge(
         "data.val=null",
         *sum((["--set", s] for s in sets), []),
     ]
-    m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl", env=env)
+    m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl", env=env, timeout_s=timeout_s)
     if keep is not None and (run_dir / "metrics.jsonl").exists():
         shutil.copyfile(run_dir / "metrics.jsonl", keep)
         for log_file in sorted(
@@ -351,7 +476,8 @@ def run_rlbridge(
         ):  # the workers' logs: load and generate times
             shutil.copyfile(log_file, keep.with_suffix(f".{log_file.name}"))
     if m["rc"] != 0:
-        raise SystemExit(f"rlbridge failed (rc {m['rc']}); log: {work / 'rlbridge.log'}")
+        why = f"killed after {timeout_s:.0f} s" if m["timed_out"] else f"rc {m['rc']}"
+        raise SystemExit(f"rlbridge failed ({why}); log: {work / 'rlbridge.log'}")
     records = [(t, json.loads(line)) for t, line in m["arrivals"]]
     train = [(t, rec) for t, rec in records if rec.get("kind") == "train"]
     steps = []
@@ -383,8 +509,20 @@ def run_rlbridge(
 
 
 def run_trl_measured(
-    total: int, warmup: int, sets: list[str], work: Path, use_vllm: bool, micro: int | None
+    total: int,
+    warmup: int,
+    sets: list[str],
+    work: Path,
+    use_vllm: bool,
+    micro: int | None,
+    config: list[str] | None = None,
+    keep: Path | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """TRL in a child process (run_trl); `config`: --trl-config KEY=VALUE items; `keep`: where the child's raw
+    record (per-step logs, the effective GRPOConfig) is copied; `timeout_s`: the run is killed past it; `env`:
+    variables added to its environment."""
     res = work / f"trl-{time.time_ns()}.json"
     cmd = [
         sys.executable,
@@ -400,11 +538,14 @@ def run_trl_measured(
         "0",
         *sum((["--set", s] for s in sets), []),
         *(["--trl-vllm-colocate"] if use_vllm else []),
+        *sum((["--trl-config", c] for c in config or []), []),
     ]
-    m = measure(cmd, work / "trl.log")
+    m = measure(cmd, work / "trl.log", env=env, timeout_s=timeout_s)
     if m["rc"] != 0 or not res.exists():
         tail = (work / "trl.log").read_text()[-3000:]
-        return {"tool": "trl", "failed": True, "rc": m["rc"], "log_tail": tail}
+        return {"tool": "trl", "failed": True, "rc": m["rc"], "timed_out": m["timed_out"], "log_tail": tail}
+    if keep is not None:
+        shutil.copyfile(res, keep)
     rec = json.loads(res.read_text())
     ends, gens = rec["step_ends"], rec["generations"]
     starts = [rec["train_begin"], *ends[:-1]]
@@ -423,6 +564,8 @@ def run_trl_measured(
     out = summarize("trl", m, steps, warmup)
     out["versions"], out["optimizer"] = rec["versions"], rec.get("optimizer")
     out["prompt_ids_match_rlbridge"] = rec["prompt_ids_match"]
+    out["trl_config"] = rec.get("config")
+    out["cuda_max_allocated_gib"] = rec.get("cuda_max_allocated_gib")
     out["generation_calls"] = len(gens)
     out["reward_mean"] = [lg.get("reward") for lg in rec["logs"] if "reward" in lg]
     return out
@@ -531,12 +674,22 @@ def main() -> None:
     ap.add_argument(
         "--work", type=Path, help="where the runs and their logs go (default: a new temporary folder)"
     )
+    ap.add_argument(
+        "--trl-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a GRPOConfig field for TRL, set last (VALUE read as JSON where it parses), e.g. "
+        "gradient_checkpointing=true, vllm_enable_sleep_mode=true, use_liger_kernel=true",
+    )
     ap.add_argument("--child-trl", help=argparse.SUPPRESS)
     a = ap.parse_args()
     RECIPE = a.recipe.resolve()
     total = a.steps + a.warmup
     if a.child_trl:
-        run_trl(total, a.sets, Path(a.child_trl), a.trl_vllm_colocate, a.trl_micro)
+        run_trl(
+            total, a.sets, Path(a.child_trl), a.trl_vllm_colocate, a.trl_micro, parse_trl_config(a.trl_config)
+        )
         return
     import importlib.util
 
@@ -558,7 +711,9 @@ def main() -> None:
             print(f"[bench] round {k + 1}/{a.rounds}: {tool} ({total} steps)", file=sys.stderr, flush=True)
             try:
                 if tool == "trl":
-                    res = run_trl_measured(total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro)
+                    res = run_trl_measured(
+                        total, a.warmup, a.sets, work, a.trl_vllm_colocate, a.trl_micro, a.trl_config
+                    )
                 else:
                     own, env = split_env(variants.get(tool, []))
                     sets = [*a.sets, *a.rlbridge_sets, *own]
@@ -672,6 +827,7 @@ def finish(a: argparse.Namespace, runs: list[dict[str, Any]], *, save: bool, fin
             "variants": variants,
             "trl_vllm_colocate": a.trl_vllm_colocate or gpu,
             "trl_micro": a.trl_micro,
+            "trl_config": a.trl_config,
             "recipe": f"{a.recipe} + run.steps, data.val=null",
         },
         "complete": final,

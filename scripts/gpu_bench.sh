@@ -59,6 +59,19 @@
 #   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
+#   bash scripts/gpu_bench.sh ab        # issue 47, bench/README.md's protocol: rlbridge sync (recipes/quickstart-gpu.yaml) and
+#                                       # TRL 1.16 GRPOTrainer tuned (the whole batch of 32 in one micro-batch, gradient
+#                                       # accumulation 1, colocated vLLM, no sleep: it fits) alternated A B A B, 3 rounds
+#                                       # asked, 1 + 8 steps each; rounds that do not fit the budget are not started
+#                                       # (estimate from the committed runs: ~2 rounds each on a machine whose vLLM
+#                                       # caches are cold, 3 on a warm one); every round's JSON flat in $OUT/ab, with
+#                                       # summary.json / summary.md ("sync vs sync", ratio of medians, min-max over rounds)
+#   bash scripts/gpu_bench.sh ab512     # the same at 64 x 8 = 512 rollouts, <= 256 tokens, 1 + 3 steps: 2 rounds each (3 do
+#                                       # not fit 560 s: ~190-280 s a round by the committed trl512 runs); TRL with the
+#                                       # whole batch of 512 in one micro-batch, which fits only with its gradient
+#                                       # checkpointing (TRL's default) on
+#                                       # AB_ROUNDS / AB_STEPS change the rounds / timed steps, AB_ARGS adds arguments of
+#                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true")
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -214,6 +227,17 @@ PYEOF
       grep -E "_median|_max|Error" "$OUT/$part/log.txt" | tail -12 ;;
     trlgraphs)
       trl_async "$part" $(async_variant graphs trainer.cuda_graphs=true) ;;
+    ab|ab512)  # issue 47: bench/ab_rounds.py, rounds alternated under the part's budget, files flat in $OUT/$part
+      if [ "$part" = ab ]; then
+        args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
+      else
+        args=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
+              --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+      fi
+      # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
+      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
+        --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
@@ -256,7 +280,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -1,0 +1,79 @@
+"""bench/ab_rounds.py's summary arithmetic against a hand computation: the ratio of the pooled median step times,
+the min-max of the per-round ratios, time to first step and wall time, and which rounds count (both tools
+completed); bench/trl_grpo.py's --trl-config parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.ab_rounds import headline, is_run_file, summarize_rounds
+from bench.trl_grpo import parse_trl_config
+
+
+def run(tool: str, k: int, steps: list[float], first: float, wall: float) -> dict[str, object]:
+    return {
+        "tool": tool,
+        "round": k,
+        "per_step_s": steps,
+        "startup_s": first - steps[0],
+        "time_to_first_step_s": first,
+        "total_wall_s": wall,
+    }
+
+
+RUNS = [
+    run("rlbridge", 1, [1.0, 2.0, 3.0], first=100.0, wall=120.0),
+    run("trl", 1, [3.0, 3.0, 6.0], first=80.0, wall=90.0),
+    run("rlbridge", 2, [2.0, 2.0, 4.0], first=50.0, wall=60.0),
+    run("trl", 2, [4.0, 5.0, 6.0], first=60.0, wall=100.0),
+    run("rlbridge", 3, [0.1, 0.1, 0.1], first=1.0, wall=1.0),  # its TRL run failed: round 3 is left out
+    {"tool": "trl", "round": 3, "failed": True, "error": "killed"},
+]
+
+
+def test_summary_matches_a_hand_computation() -> None:
+    s = summarize_rounds(RUNS)
+    assert s["rounds"] == [1, 2] and s["rounds_each"] == 2 and s["rounds_left_out"] == [3]
+    # pooled steps of rounds 1-2: rlbridge 1 2 2 2 3 4 -> median 2.0; trl 3 3 4 5 6 6 -> median 4.5
+    assert s["rlbridge"]["step_s_median"] == 2.0 and s["trl"]["step_s_median"] == 4.5
+    assert s["rlbridge"]["steps_timed"] == 6
+    assert s["rlbridge"]["step_s_round_medians"] == [2.0, 2.0]
+    assert s["trl"]["step_s_round_medians"] == [3.0, 5.0]
+    ratio = s["trl_over_rlbridge"]
+    assert ratio["step_s"]["ratio_of_medians"] == pytest.approx(4.5 / 2.0)
+    assert ratio["step_s"]["rounds"] == pytest.approx([1.5, 2.5])
+    assert (ratio["step_s"]["round_min"], ratio["step_s"]["round_max"]) == pytest.approx((1.5, 2.5))
+    # time to first step: rlbridge 100, 50 -> median 75; trl 80, 60 -> 70; per round 0.8 and 1.2
+    assert s["rlbridge"]["time_to_first_step_s"] == {"median": 75.0, "min": 50.0, "max": 100.0}
+    first = ratio["time_to_first_step_s"]
+    assert first["ratio_of_medians"] == pytest.approx(70.0 / 75.0)
+    assert (first["round_min"], first["round_max"]) == pytest.approx((0.8, 1.2))
+    # wall: rlbridge 120, 60 -> 90; trl 90, 100 -> 95; per round 0.75 and 5/3
+    wall = ratio["wall_s"]
+    assert wall["ratio_of_medians"] == pytest.approx(95.0 / 90.0)
+    assert (wall["round_min"], wall["round_max"]) == pytest.approx((0.75, 100.0 / 60.0))
+    line = headline("sync vs sync", s)
+    assert line.startswith("sync vs sync: trl / rlbridge step time 2.25x (rounds 1.50-2.50x")
+    assert "2 rounds each" in line
+
+
+def test_no_complete_round_says_so() -> None:
+    s = summarize_rounds(RUNS[4:])
+    assert s["rounds_each"] == 0 and "trl_over_rlbridge" not in s
+    assert "no round" in headline("sync vs sync", s)
+
+
+def test_round_files_and_trl_config_values() -> None:
+    assert is_run_file(Path("round2-trl.json"))
+    assert not is_run_file(Path("round2-trl.record.json"))
+    assert parse_trl_config(
+        ["gradient_checkpointing=true", "vllm_gpu_memory_utilization=0.3", "optim=adamw"]
+    ) == {
+        "gradient_checkpointing": True,
+        "vllm_gpu_memory_utilization": 0.3,
+        "optim": "adamw",
+    }
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        parse_trl_config(["gradient_checkpointing"])
