@@ -52,9 +52,10 @@ def reward_funcs(terms: list[Any], row_keys: list[str]) -> list[Any]:
 def server_command(model_dir: str, r: Any, port: int, staleness: int) -> list[str]:
     """The `trl vllm-serve` command line (TRL's own build_command) for the recipe's model, lengths, memory share and
     LoRA rank, with adapter loading on (`max_staleness + 2` adapters: TRL's check for adapter sync)."""
+    from trl.experimental.async_grpo.async_grpo_trainer import round_lora_rank
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    ro = r.rollout
+    ro, cpu = r.rollout, not trl_grpo.on_gpu(r)
     args = ScriptArguments(
         model=model_dir,
         host="127.0.0.1",
@@ -62,14 +63,62 @@ def server_command(model_dir: str, r: Any, port: int, staleness: int) -> list[st
         gpu_memory_utilization=ro.gpu_memory_utilization,
         dtype=r.model.dtype,
         max_model_len=ro.max_prompt_tokens + ro.max_response_tokens,
+        enforce_eager=cpu,  # vLLM-CPU: as rlbridge's engine there
     )
-    lora = ["--enable-lora", "--max-lora-rank", str(r.lora.rank), "--max-loras", str(staleness + 2)]
-    return build_command(args, lora)
+    extra = ["--enable-lora", "--max-lora-rank", str(round_lora_rank(r.lora.rank))]
+    extra += ["--max-loras", str(staleness + 2)]
+    if cpu:
+        extra += ["--kv-cache-memory-bytes", str(int(ro.kv_cache_gib * 2**30))]
+    return build_command(args, extra)
+
+
+def segment_attention(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, scale: float | None, causal: bool) -> Any:
+    """Variable-length attention one segment at a time with torch's SDPA (any device, differentiable): segment i's
+    queries q[cu_q[i]:cu_q[i+1]] attend to its keys k[cu_k[i]:cu_k[i+1]], causally aligned at the end (query j of
+    Lq sees keys up to j + Lk - Lq, FlashAttention's convention); GQA by repeating K/V per head group. Layout
+    (tokens, heads, head_dim), as flash_attn_varlen_func's."""
+    import torch
+    import torch.nn.functional as F
+
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs = q[int(cu_q[i]) : int(cu_q[i + 1])].transpose(0, 1)
+        ks = k[int(cu_k[i]) : int(cu_k[i + 1])].repeat_interleave(groups, dim=1).transpose(0, 1)
+        vs = v[int(cu_k[i]) : int(cu_k[i + 1])].repeat_interleave(groups, dim=1).transpose(0, 1)
+        mask = None
+        if causal:
+            lq, lk = qs.shape[1], ks.shape[1]
+            rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+            mask = torch.arange(lk, device=q.device)[None, :] <= rows
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+VLLM_CPU_CLI = (
+    "import importlib.metadata as m, runpy, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+    "sys.argv[0] = 'vllm'; runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')"
+)
+"""vLLM's CLI asks for the version of the distribution `vllm`; the CPU build is installed as `vllm-cpu`."""
+
+
+def cpu_build_launch(cmd: list[str]) -> list[str]:
+    """`cmd` (python -m vllm.entrypoints.cli.main ...) as is, or through VLLM_CPU_CLI where only vllm-cpu is
+    installed (a CPU dry run)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+        return cmd
+    except importlib.metadata.PackageNotFoundError:
+        return [cmd[0], "-c", VLLM_CPU_CLI, *cmd[3:]]
 
 
 def varlen_stand_in() -> types.SimpleNamespace:
     """`flash_attn_varlen_func` with FlashAttention's signature on torch's varlen_attn: GQA by `enable_gqa` (or K/V
-    repeated per head group on a torch without it), causal as window (-1, 0) (or `is_causal` on torch 2.10)."""
+    repeated per head group on a torch without it), causal as window (-1, 0) (or `is_causal` on torch 2.10). On
+    CPU tensors (varlen_attn is CUDA only) segment_attention, so that the whole loop can be dry-run there."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -89,6 +138,10 @@ def varlen_stand_in() -> types.SimpleNamespace:
     ) -> Any:
         if softcap:
             raise NotImplementedError("softcap: not in torch's varlen_attn")
+        if q.device.type == "cpu":
+            if window_size[0] != -1:
+                raise NotImplementedError("a sliding window on CPU")
+            return segment_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
         kw: dict[str, Any] = {"scale": softmax_scale}
         if "window_size" in params:
             kw["window_size"] = (window_size[0], 0) if causal else tuple(window_size)
@@ -109,14 +162,17 @@ def varlen_stand_in() -> types.SimpleNamespace:
 
 
 def attention_backend(force_torch: bool) -> str:
-    """Installs the stand-in `kernels` module where the real one is missing (or `force_torch`); which it is."""
+    """Where the `kernels` package is missing (or `force_torch`), AsyncGRPO's attention loader returns the stand-in
+    (varlen_stand_in) instead of fetching FlashAttention-3 from the Hub; which attention runs."""
     if not force_torch and importlib.util.find_spec("kernels") is not None:
         return "kernels-community/flash-attn3 via the kernels package (Hub)"
-    module = types.ModuleType("kernels")
-    module.get_kernel = lambda name, version=None: varlen_stand_in()  # type: ignore[attr-defined]
-    sys.modules["kernels"] = module
+    from trl.experimental.async_grpo import packing
+
+    stand_in = varlen_stand_in()
+    packing._flash_attn = lambda: stand_in  # tree_attention looks it up at each call
     return (
-        "torch.nn.attention.varlen.varlen_attn (FlashAttention-2 in torch) in place of the Hub's flash-attn3"
+        "torch.nn.attention.varlen.varlen_attn (FlashAttention-2 in torch; on CPU tensors segment_attention) "
+        "in place of the Hub's flash-attn3"
     )
 
 
@@ -174,6 +230,10 @@ def run_async(a: argparse.Namespace) -> None:
 
     r = trl_grpo.recipe(a.steps, a.sets)
     attention = attention_backend(a.torch_varlen)
+    if not torch.cuda.is_available():  # a CPU dry run: AsyncGRPO reads the GPU's name for its MFU metric only
+        from trl.experimental.async_grpo import async_grpo_trainer
+
+        async_grpo_trainer.get_peak_flops_per_device = lambda *_a, **_k: 1.0
     import datasets
     import trl
     from peft import LoraConfig
@@ -192,8 +252,10 @@ def run_async(a: argparse.Namespace) -> None:
         {"prompt": render_messages(p, r.data), **p.row, "answer": p.answer} for step in plan for p, _ in step
     ]
     port = free_port()
-    cmd = server_command(model_dir, r, port, a.staleness)
+    cmd = cpu_build_launch(server_command(model_dir, r, port, a.staleness))
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    if not trl_grpo.on_gpu(r):  # vLLM-CPU's platform check reads the version of a distribution named vllm
+        env["VLLM_TARGET_DEVICE"] = "cpu"
     record: dict[str, Any] = {
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
         "attention": attention,
@@ -214,8 +276,8 @@ def run_async(a: argparse.Namespace) -> None:
         def on_step_end(self, *_a: Any, **_k: Any) -> None:
             record["step_ends"].append(time.time())
 
-        def on_log(self, _args: Any, _s: Any, _c: Any, logs: dict[str, Any] | None = None, **_k: Any) -> None:
-            record["logs"].append(dict(logs or {}))
+        def on_log(self, *_a: Any, **k: Any) -> None:
+            record["logs"].append(dict(k.get("logs") or {}))
 
     try:
         args = async_config(
@@ -233,14 +295,15 @@ def run_async(a: argparse.Namespace) -> None:
             reward_funcs=reward_funcs(r.reward.terms, row_keys),
             args=args,
             train_dataset=datasets.Dataset.from_list(rows),
-            processing_class=load_tokenizer(model_dir),
+            processing_class=with_response_template(load_tokenizer(Path(model_dir)), record),
             peft_config=lora,
             callbacks=[Timing()],
         )
         record["config"] = {k: getattr(args, k) for k in ASYNC_CONFIG_SHOWN}
         record["lora_sync"] = trainer._lora_sync
         trainer.train()
-        record["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        if torch.cuda.is_available():
+            record["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     finally:
         server.terminate()
         try:
@@ -249,6 +312,23 @@ def run_async(a: argparse.Namespace) -> None:
             server.kill()
         server_log.close()
         a.out.write_text(json.dumps(record, default=str))
+
+
+def with_response_template(tok: Any, record: dict[str, Any]) -> Any:
+    """AsyncGRPO parses each completion into a message with the tokenizer's response template, which TRL knows
+    for a list of chat templates; SmolLM2's is not in it but is ChatML (`<|im_start|>assistant\n ... <|im_end|>`),
+    whose template TRL ships as `qwen3_template`: that one is set where TRL finds none (recorded)."""
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    try:
+        add_response_schema(tok)
+        record["response_template"] = "TRL's own for this chat template"
+    except ValueError:
+        if "<|im_start|>assistant" not in (tok.chat_template or ""):
+            raise
+        tok.response_template = qwen3_template
+        record["response_template"] = "ChatML: TRL's qwen3_template (the model's chat template is ChatML)"
+    return tok
 
 
 ASYNC_CONFIG_SHOWN = (

@@ -72,6 +72,14 @@
 #                                       # checkpointing (TRL's default) on
 #                                       # AB_ROUNDS / AB_STEPS change the rounds / timed steps, AB_ARGS adds arguments of
 #                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true")
+#   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
+#                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
+#                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
+#                                       # optimizer step (bench/trl_async.py); TRL's FlashAttention-3 comes from the Hub, so
+#                                       # without the kernels package torch's varlen attention stands in (the summary says
+#                                       # which); 3 rounds asked, 1 + 8 steps; NOT yet run on a GPU (dry-run on CPU only)
+#   bash scripts/gpu_bench.sh abasync512  # the same at 512 rollouts, <= 256 tokens, 1 + 3 steps, 2 rounds; TRL with gradient
+#                                       # checkpointing (one micro-batch of 512)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -238,6 +246,17 @@ PYEOF
       timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
         --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
+    abasync|abasync512)  # issue 47: async vs async, bench/ab_rounds.py --trl-async (bench/trl_async.py)
+      if [ "$part" = abasync ]; then
+        args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
+      else
+        args=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
+              --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+      fi
+      # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
+      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu-fast.yaml --trl-async --out "$OUT/$part" \
+        --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
@@ -280,7 +299,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512)" >&2; exit 2 ;;
+    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -77,3 +77,40 @@ def test_round_files_and_trl_config_values() -> None:
     }
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         parse_trl_config(["gradient_checkpointing"])
+
+
+def test_a_run_past_its_deadline_is_killed_with_its_children(tmp_path: Path) -> None:
+    from bench.trl_grpo import group_alive, measure
+
+    m = measure(["bash", "-c", "sleep 30 & sleep 30"], tmp_path / "log", timeout_s=0.5)
+    assert m["timed_out"] and m["rc"] != 0
+    assert m["end"] - m["start"] < 5
+    pgid = m["mem"].root.pid  # the child led its own process group
+    assert group_alive(pgid) == []
+
+
+def test_segment_attention_matches_an_explicit_softmax() -> None:
+    """bench/trl_async.py's CPU stand-in for FlashAttention's varlen call (AsyncGRPO's tree attention): segments
+    with more keys than queries (a tree row's path), causal from the end, 4 query heads on 2 K/V heads; against
+    softmax(q.k * scale) written out in float64."""
+    import math
+
+    import torch
+
+    from bench.trl_async import segment_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 3, 7]), torch.tensor([0, 5, 9])
+    got = segment_attention(q, k, v, cu_q, cu_k, scale=0.3, causal=True)
+    want = torch.zeros(7, 4, 8, dtype=torch.float64)
+    for (q0, q1), (k0, k1) in (((0, 3), (0, 5)), ((3, 7), (5, 9))):
+        lq, lk = q1 - q0, k1 - k0
+        for j in range(lq):
+            for h in range(4):
+                keys = range(lk - lq + j + 1)  # query j sees keys up to j + lk - lq
+                w = [math.exp(0.3 * float(q[q0 + j, h].double() @ k[k0 + b, h // 2].double())) for b in keys]
+                want[q0 + j, h] = sum(
+                    wb * v[k0 + b, h // 2].double() for wb, b in zip(w, keys, strict=True)
+                ) / sum(w)
+    assert torch.allclose(got.double(), want, atol=1e-5)
