@@ -377,24 +377,37 @@ def main() -> None:
     trl_grpo.RECIPE = a.recipe.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     r = trl_grpo.recipe(a.steps + a.warmup, a.sets)
-    if a.trl_async:
-        extra = set(trl_grpo.parse_trl_config(a.trl_config)) - {"gradient_checkpointing"}
-        if extra:
-            raise SystemExit(
-                f"--trl-async: --trl-config {sorted(extra)} not supported (gradient_checkpointing only)"
-            )
-        if rlbridge_recipe(a).rollout.mode != "async":
-            raise SystemExit("--trl-async compares async with async: add --rlbridge-set rollout.mode=async")
     if a.summarize_only:
         runs = [json.loads(p.read_text()) for p in sorted(a.out.glob("round*-*.json")) if is_run_file(p)]
     else:
-        import importlib.util
-
-        if importlib.util.find_spec("trl") is None:
-            raise SystemExit("trl is not installed: see bench/setup_trl.sh")
+        check_args(a)
         runs = rounds(a, r)
     doc = write_summary(a, r, runs)
     print(doc["headline"])
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """What would fail inside a run, refused before the first round: no trl, a --trl-config key that TRL's config
+    lacks, async against async without rlbridge in async mode."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("trl is not installed: see bench/setup_trl.sh")
+    keys = set(trl_grpo.parse_trl_config(a.trl_config))
+    if a.trl_async:
+        if keys - {"gradient_checkpointing"}:
+            raise SystemExit(
+                f"--trl-async: --trl-config {sorted(keys)} not supported (gradient_checkpointing only)"
+            )
+        if rlbridge_recipe(a).rollout.mode != "async":
+            raise SystemExit("--trl-async compares async with async: add --rlbridge-set rollout.mode=async")
+        return
+    from trl import GRPOConfig
+
+    unknown = sorted(keys - {f.name for f in dataclasses.fields(GRPOConfig)})
+    if unknown:
+        raise SystemExit(f"--trl-config: {unknown} are not GRPOConfig fields of this trl")
 
 
 def is_run_file(p: Path) -> bool:

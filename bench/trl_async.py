@@ -299,7 +299,7 @@ def run_async(a: argparse.Namespace) -> None:
             peft_config=lora,
             callbacks=[Timing()],
         )
-        record["config"] = {k: getattr(args, k) for k in ASYNC_CONFIG_SHOWN}
+        record["config"] = {k: getattr(args, k, None) for k in ASYNC_CONFIG_SHOWN}
         record["lora_sync"] = trainer._lora_sync
         trainer.train()
         if torch.cuda.is_available():

@@ -209,7 +209,7 @@ def run_trl(
         "logs": [],
         "generations": [],
         "rewards_s": [],
-        "config": {k: getattr(args, k) for k in TRL_CONFIG_SHOWN},
+        "config": {k: getattr(args, k, None) for k in TRL_CONFIG_SHOWN},
         "config_overrides": config or {},
     }
 
