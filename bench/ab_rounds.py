@@ -281,6 +281,7 @@ def write_summary(a: argparse.Namespace, r: Any, runs: list[dict[str, Any]]) -> 
             "cpu_env_both": cpu_env(r),
         },
         "summary": s,
+        "differences": differences(a, r),
         "prompt_ids_match": [x.get("prompt_ids_match_rlbridge") for x in runs if x["tool"] == b_tool],
         "attention": next((x.get("attention") for x in runs if x.get("attention")), None),
         "generated_tokens_per_step": {
@@ -297,6 +298,33 @@ def write_summary(a: argparse.Namespace, r: Any, runs: list[dict[str, Any]]) -> 
     (a.out / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (a.out / "summary.md").write_text(markdown(doc, runs))
     return doc
+
+
+ASYNC_DIFFERENCES = [
+    "generation: TRL's vLLM server (trl vllm-serve's command) in its own process on the same GPU, adapter loads over "
+    "HTTP; rlbridge's vLLM in its rollout actor",
+    "rewards: the same functions; AsyncGRPO sums them, so each carries its recipe weight",
+    "advantages: TRL (r - group mean) / (population std + 1e-8); rlbridge unbiased std + 1e-6",
+    "off-policy correction: TRL's PPO ratio against vLLM's log-probs of the samples (clipped); rlbridge token "
+    "importance weights (algorithm.rollout_correction.weights token)",
+    "batching: TRL packs each step's samples into one row without padding (prompts shared, token_budget 0: a fixed "
+    "count per optimizer step); rlbridge groups rows by length under trainer.max_tokens_per_micro_batch",
+    "attention: see `attention` (torch's varlen kernels stand in for the Hub's FlashAttention-3 where kernels is "
+    "missing)",
+]
+
+
+def differences(a: argparse.Namespace, r: Any) -> list[str]:
+    """What remains different between the two tools (bench/trl_grpo.py's lists for GRPOTrainer, ASYNC_DIFFERENCES
+    for AsyncGRPOTrainer); TRL's batch settings are those of settings.trl_config."""
+    if a.trl_async:
+        return ASYNC_DIFFERENCES
+    base = trl_grpo.GPU_DIFFERENCES if trl_grpo.on_gpu(r) else trl_grpo.DIFFERENCES
+    return [
+        *base,
+        "this comparison's TRL micro-batch, gradient accumulation, gradient checkpointing and vLLM sleep are those "
+        "of settings.trl_config (the whole batch in one micro-batch unless --trl-micro), over the items above",
+    ]
 
 
 def machine() -> dict[str, Any]:
