@@ -102,65 +102,86 @@ def parse_yaml(text: str, file: str) -> tuple[Any, Source, list[RecipeIssue]]:
 
 # -------------------------------------------------------------------------------------- overrides
 def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value read as a YAML scalar or flow collection). A value YAML cannot read is taken
+    as the text it is: `data.template={prompt} Reply as {"answer": 1}` is a template, not a broken mapping."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(
-            [RecipeIssue("--set", f"cannot read override {item!r}", fix="write --set a.b=value")]
+            [
+                RecipeIssue(
+                    "--set",
+                    f"cannot read override {item!r}",
+                    where=f"--set {item}",
+                    fix="write --set a.b=value",
+                )
+            ]
         )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise RecipeError(
-            [RecipeIssue(key, f"cannot parse override value {raw!r}: {e}", where=f"--set {item}")]
-        ) from None
+    except yaml.YAMLError:
+        value = raw
     return key, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """`data` with each `--set a.b=value` applied (a copy), and the keys set -> their arguments. A number indexes
     a list (`reward.terms.0.weight=0.5`; the index one past the end appends a new item); a key below a value
-    that is not a section, or a list indexed by name or out of range, is a RecipeError naming the argument."""
+    that is not a section, or a list indexed by name or out of range, is an issue naming the argument. Every
+    argument is tried; the issues of all of them are raised together."""
     data = copy.deepcopy(data)
     keys: dict[str, str] = {}
+    issues: list[RecipeIssue] = []
     for item in overrides:
-        key, value = parse_override(item)
-        parts = key.split(".")
-        node: Any = data
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            here = ".".join(parts[:i])
-            if isinstance(node, list):
-                index = _list_index(node, part, here, key, item)
-                if index == len(node):
-                    node.append({})
-                if last:
-                    node[index] = value
-                else:
-                    if node[index] is None:
-                        node[index] = {}
-                    node = node[index]
-            elif isinstance(node, dict):
-                if last:
-                    node[part] = value
-                else:
-                    if node.get(part) is None:
-                        node[part] = {}
-                    node = node[part]
-            else:
-                raise RecipeError(
-                    [
-                        RecipeIssue(
-                            key,
-                            f"{here} is a value ({_short(node)}), not a section: it has no key {part!r}",
-                            where=f"--set {item}",
-                            fix=f"write --set {here}=VALUE",
-                        )
-                    ]
-                )
+        try:
+            key = _apply(data, item)
+        except RecipeError as e:
+            issues += e.issues
+            continue
         keys.pop(key, None)
         keys[key] = item
+    if issues:
+        raise RecipeError(issues)
     return data, keys
+
+
+def _apply(data: dict[str, Any], item: str) -> str:
+    """Apply one `--set` argument to `data` in place (see apply_overrides); returns its key."""
+    key, value = parse_override(item)
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(parts[:i])
+        if isinstance(node, list):
+            index = _list_index(node, part, here, key, item)
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+            else:
+                if node[index] is None:
+                    node[index] = {}
+                node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise RecipeError(
+                [
+                    RecipeIssue(
+                        key,
+                        f"{here} is a value ({_short(node)}), not a section: it has no key {part!r}",
+                        where=f"--set {item}",
+                        fix=f"write --set {here}=VALUE",
+                    )
+                ]
+            )
+    return key
 
 
 def _list_index(node: list[Any], part: str, here: str, key: str, item: str) -> int:

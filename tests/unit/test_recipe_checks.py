@@ -598,6 +598,8 @@ LIED = [
      "{prompt} }}"),
     ("template naming a field the rows lack", TEMPLATE, "template: '{prompt} {hint}'", (), "data.template",
      "r.yaml:15", "question"),
+    ("template with literal braces by --set", "", "", ("""data.template={prompt} Reply as {"answer": 1}.""",),
+     "data.template", """--set data.template={prompt} Reply as {"answer": 1}.""", '{{"answer": 1}}'),
     ("--set past the end of a list", "", "", ("reward.terms.5.weight=0.5",), "reward.terms.5",
      "--set reward.terms.5.weight=0.5", "reward.terms.2"),
     ("--set a list by name", "", "", ("reward.terms.weight=0.5",), "reward.terms.weight",

@@ -11,6 +11,25 @@ from rlbridge.recipe.schema import Recipe
 
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
+    """The datasets: the template, each file's existence and format, then its first rows (data/datasets.py's
+    `check_rows`, where the sources are read)."""
+    from rlbridge.data.datasets import (
+        check_rows,
+        escape_template,
+        template_problem,
+    )  # light: no heavy imports
+
+    problem = template_problem(r.data.template)
+    if problem is not None:
+        out.append(
+            RecipeIssue(
+                "data.template",
+                problem,
+                value=r.data.template,
+                fix=f"double the braces of literal text: template: {escape_template(r.data.template)!r}",
+            )
+        )
+    readable = []
     for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
         if ds is None or ds.path.startswith("builtin:"):
             if ds is not None and ds.path != "builtin:arithmetic":
@@ -21,6 +40,8 @@ def check_files(r: Recipe, out: Issues) -> None:
                         fix="use builtin:arithmetic or a .jsonl/.parquet file",
                     )
                 )
+            elif ds is not None:
+                readable.append((key, ds))
             continue
         path = Path(ds.path).expanduser()
         if path.suffix not in (".jsonl", ".parquet"):
@@ -41,6 +62,17 @@ def check_files(r: Recipe, out: Issues) -> None:
                     fix="check the path (relative paths are from the current directory)",
                 )
             )
+        else:
+            readable.append((key, ds))
+    seen = set()
+    for key, ds in readable:
+        split = "train" if key.startswith("data.train") else "val"
+        for issue in check_rows(ds, r.data, split=split, seed=r.run.seed):
+            if (issue.key, issue.message) not in seen and not (
+                issue.key == "data.template" and any(i.key == "data.template" for i in out)
+            ):
+                seen.add((issue.key, issue.message))
+                out.append(issue)
 
 
 def check_reward(r: Recipe, out: Issues) -> None:
