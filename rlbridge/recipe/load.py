@@ -292,9 +292,9 @@ def issues_from_validation(err: ValidationError, data: Any, source: Source) -> l
             )
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            fix = _value_fix(kind, key, e.get("ctx") or {}, e.get("input"), _default_at(loc, data))
+            value_fix = _value_fix(kind, key, e.get("ctx") or {}, e.get("input"), _default_at(loc, data))
             issues.append(
-                RecipeIssue(key, msg, value=_short(e.get("input")), where=source.where(key), fix=fix)
+                RecipeIssue(key, msg, value=_short(e.get("input")), where=source.where(key), fix=value_fix)
             )
     return issues
 

@@ -15,6 +15,9 @@ QWEN7B = str(FIX / "qwen2.5-7b-instruct")  # 28 layers, 28 heads, 4 KV heads, de
 MOE = str(FIX / "qwen3-30b-a3b")  # 48 layers, 32 heads, 4 KV heads, 128 experts
 
 
+FULL_FT_FITS = {"cluster__gpu_memory_gib": 141, "rollout__gpu_memory_utilization": 0.3}
+"""Full fine-tuning of base()'s 7B model at tp 2: its Adam state (~45 GiB a device) and a vLLM awake next to it
+fit in 141 GiB devices with vLLM at 0.3 of them (at 80 GiB and 0.8 the estimate is 115 GiB)."""
 ASYNC = {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.7}
 """Async mode on base()'s 80 GiB GPUs: vLLM's 56 GiB fit resident next to the trainer's ~16 GiB."""
 
@@ -243,14 +246,14 @@ CASES = [
         {"rollout__max_response_tokens": 32768},
         "rollout.max_response_tokens",
         "exceeds the model's 32768 positions",
-        {"rollout__max_response_tokens": 32256},
+        {"rollout__max_response_tokens": 32256, "cluster__gpu_memory_gib": 400},  # 32k-token activations
     ),
     (
         "adapter sync without LoRA",
         {"lora": {"rank": 0}, "rollout__weight_sync": "adapter"},
         "rollout.weight_sync",
         "needs LoRA",
-        {"lora": {"rank": 0}, "rollout__weight_sync": "merged"},
+        {"lora": {"rank": 0}, "rollout__weight_sync": "merged", **FULL_FT_FITS},
     ),
     (
         "LoRA rank above vLLM max",
@@ -264,7 +267,7 @@ CASES = [
         {"trainer__bridge": "mbridge"},
         "trainer.bridge",
         "no LoRA",
-        {"trainer__bridge": "mbridge", "lora": {"rank": 0}},
+        {"trainer__bridge": "mbridge", "lora": {"rank": 0}, **FULL_FT_FITS},
     ),
     (
         "unknown LoRA target",
@@ -358,6 +361,7 @@ CASES = [
             "trainer__parallel": {},
             "cluster__gpus_per_node": 1,
             "rollout__tensor_parallel": 1,
+            "rollout__gpu_memory_utilization": 0.5,  # the critic is a second 7B copy
         },
     ),
     (
@@ -499,6 +503,7 @@ def test_moe_expert_lora_checks(tmp_path: Path) -> None:
 def test_routing_replay_checks(tmp_path: Path) -> None:
     moe = {
         "model": {"path": MOE},
+        "rollout__gpu_memory_utilization": 0.7,
         "rollout__tensor_parallel": 4,
         "trainer__parallel": {"tensor": 1, "expert": 8},
     }

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from rlbridge.errors import RecipeIssue
 from rlbridge.recipe.checks.common import Issues
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import DatasetCfg, Recipe
 
 
 # ------------------------------------------------------------------------------- files and code
 def check_files(r: Recipe, out: Issues) -> None:
     """The datasets: the template, each file's existence and format, then its first rows (data/datasets.py's
     `check_rows`, where the sources are read)."""
-    from rlbridge.data.datasets import (
-        check_rows,
-        escape_template,
-        template_problem,
-    )  # light: no heavy imports
+    from rlbridge.data.datasets import check_rows, escape_template, template_problem  # light imports only
 
     problem = template_problem(r.data.template)
     if problem is not None:
@@ -29,8 +26,13 @@ def check_files(r: Recipe, out: Issues) -> None:
                 fix=f"double the braces of literal text: template: {escape_template(r.data.template)!r}",
             )
         )
-    readable = []
-    for key, ds in (("data.train.path", r.data.train), ("data.val.path", r.data.val)):
+    readable: list[tuple[Literal["train", "val"], DatasetCfg]] = []
+    splits: tuple[tuple[Literal["train", "val"], DatasetCfg | None], ...] = (
+        ("train", r.data.train),
+        ("val", r.data.val),
+    )
+    for split, ds in splits:
+        key = f"data.{split}.path"
         if ds is None or ds.path.startswith("builtin:"):
             if ds is not None and ds.path != "builtin:arithmetic":
                 out.append(
@@ -41,7 +43,7 @@ def check_files(r: Recipe, out: Issues) -> None:
                     )
                 )
             elif ds is not None:
-                readable.append((key, ds))
+                readable.append((split, ds))
             continue
         path = Path(ds.path).expanduser()
         if path.suffix not in (".jsonl", ".parquet"):
@@ -63,10 +65,9 @@ def check_files(r: Recipe, out: Issues) -> None:
                 )
             )
         else:
-            readable.append((key, ds))
+            readable.append((split, ds))
     seen = set()
-    for key, ds in readable:
-        split = "train" if key.startswith("data.train") else "val"
+    for split, ds in readable:
         for issue in check_rows(ds, r.data, split=split, seed=r.run.seed):
             if (issue.key, issue.message) not in seen and not (
                 issue.key == "data.template" and any(i.key == "data.template" for i in out)
