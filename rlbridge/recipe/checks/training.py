@@ -336,9 +336,8 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     out.append(
         RecipeIssue(
             "cluster.gpu_memory_gib",
-            f"the estimated peak of {need:.1f} GiB per device exceeds the {capacity:.0f} GiB a device has (rlbridge "
-            "plan shows the parts: weights, gradients, optimizer state, activations, vLLM)",
-            value=str(capacity),
+            f"the estimated peak of {need:.1f} GiB per device exceeds the {capacity:.0f} GiB a device has "
+            "(`rlbridge plan --force` shows its parts: weights, gradients, optimizer state, activations, vLLM)",
             fix=fix + "or pass --force to run it anyway (the estimate is within about 30 %)",
         )
     )
