@@ -347,7 +347,8 @@ def _warn_versions(point: ResumePoint, log: Callable[[str], None]) -> None:
     changed = [
         f"{k} {saved[k]} -> {now.get(k, '(absent)')}"
         for k in sorted(saved)
-        if saved[k] != now.get(k) and k != "rlbridge"
+        if saved[k] != now.get(k)
+        and k not in ("rlbridge", "rlbridge-cli")  # this project (earlier name, now)
     ]
     if changed:
         log(
