@@ -1027,3 +1027,24 @@ def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any
         }
     finally:
         ps.destroy_model_parallel()
+
+
+def full_ft_checkpoint_suite(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """Full fine-tuning through TrainerRole at TP x PP: one Adam step, checkpoint step 1, and the trainer's logits
+    at that step (what `rlbridge export-hf` of the checkpoint must reproduce)."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.run.directory import resolved_yaml
+    from rlbridge.trainer.role import TrainerRole
+
+    recipe = make_recipe(model_dir, lora={"rank": 0}, trainer=trainer(tp=tp, pp=pp, optim=STEP_OPTIM))
+    role = TrainerRole(recipe, model_dir, engine_factory=lambda: MegatronTrainEngine(recipe))
+    role.is_holder = torch.distributed.get_rank() == 0
+    engine: Any = role.engine
+    batch = ragged_batch(seed=4, rows=4)
+    res: dict[str, Any] = {"logits_init": full_logits(engine, full_batch())}
+    res["step"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    res["saved"] = role.save_checkpoint(run_dir, 1, {"note": "test"}, resolved_yaml(recipe), keep=1)
+    res["batch_full"] = batch_dict(full_batch())
+    res["logits_saved"] = full_logits(engine, full_batch())
+    engine.close()
+    return res
