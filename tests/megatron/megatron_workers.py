@@ -684,12 +684,21 @@ def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float
 
 
 def checkpoint_suite(
-    qwen: str, run_dir: str, tp: int, pp: int, phase: str, lr: float = 1e-2, warmup: int = 0
+    qwen: str,
+    run_dir: str,
+    tp: int,
+    pp: int,
+    phase: str,
+    lr: float = 1e-2,
+    warmup: int = 0,
+    full_ft_dir: str | None = None,
 ) -> dict[str, Any]:
     """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
     checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
     take the third step. Both report the full canonical state (global rank 0) and log-probs after step 3,
-    so a resume at any layout can be compared with continuing at the original one."""
+    so a resume at any layout can be compared with continuing at the original one. `full_ft_dir`: then a full
+    fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one launch for
+    both)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
@@ -729,6 +738,8 @@ def checkpoint_suite(
     groups, meta = engine.checkpoint_state()
     res["after"], res["meta"] = groups, meta
     engine.close()
+    if full_ft_dir is not None:
+        res["full_ft"] = full_ft_checkpoint(qwen, full_ft_dir, tp, pp)
     return res
 
 
@@ -1029,7 +1040,7 @@ def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any
         ps.destroy_model_parallel()
 
 
-def full_ft_checkpoint_suite(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+def full_ft_checkpoint(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """Full fine-tuning through TrainerRole at TP x PP: one Adam step, checkpoint step 1, and the trainer's logits
     at that step (what `rlbridge export-hf` of the checkpoint must reproduce)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
