@@ -47,17 +47,21 @@ def validate_recipe(
 def _checks_despite_schema_errors(
     data: dict[str, Any], source: Source, schema_issues: list[RecipeIssue], model_checks: bool, force: bool
 ) -> list[RecipeIssue]:
-    """Report the cross-field problems too: drop the keys the schema rejected (defaults take their place),
-    run the checks, and keep only issues about keys that were not dropped."""
+    """Report the cross-field problems too: drop the keys the schema rejected (defaults take their place; a
+    rejected list item drops its whole list, e.g. trainer.optim.betas.1), run the checks, and keep only issues
+    about keys that were not dropped."""
     pruned = copy.deepcopy(data)
     dropped = [i.key for i in schema_issues]
     for key in dropped:
         node: Any = pruned
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            child = node.get(part) if isinstance(node, dict) else None
+            if i == len(parts) - 1 or not isinstance(child, dict):
+                if isinstance(node, dict):
+                    node.pop(part, None)
+                break
+            node = child
     try:
         recipe = build_recipe(pruned, source)
     except RecipeError:

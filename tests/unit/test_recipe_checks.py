@@ -693,3 +693,23 @@ def test_memory_over_the_device_is_an_error_unless_forced(tmp_path: Path) -> Non
     f = tmp_path / "r.yaml"
     valid = validate_recipe(f, force=True)  # the estimate may be wrong: --force trains anyway
     assert valid.recipe.lora.rank == 0
+
+
+def test_schema_and_check_problems_reported_together(tmp_path: Path) -> None:
+    """A value the schema refuses (a list item among them) does not hide the checks' problems: those keys are
+    dropped (their whole list for an item) and the checks run on the rest."""
+    sets = (
+        "trainer.optim.lr=.inf",
+        "trainer.optim.betas=[0.9,1.5]",
+        "rollout.temperature=0",
+        "run.steps=1e23",
+    )
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(written(tmp_path), sets)
+    assert {i.key for i in e.value.issues} == {
+        "trainer.optim.lr",
+        "trainer.optim.betas.1",
+        "rollout.temperature",
+        "run.steps",
+    }
+    assert all(i.where is not None and i.where.startswith("--set ") and i.fix for i in e.value.issues)
