@@ -12,6 +12,9 @@ exporter of the checkpoint's engine (`EXPORTERS`) for the weights:
 - megatron (LoRA): the checkpoint's canonical Megatron adapter tensors (full, whatever TP/PP wrote them) are
   renamed to PEFT's (engines/megatron/hf_names.py, splitting the fused qkv and gate/up projections) and
   exported as above: the same CPU process, no Megatron, no Ray.
+- megatron (full fine-tuning): the checkpoint holds every weight under Megatron names; the recipe's bridge
+  (Megatron-Bridge or mbridge) builds the model once in this process (one rank, float32), loads them and
+  exports HF names, as the trainer's weight sync does (engines/megatron/export.full_checkpoint_to_hf).
 
 What is written (to a temporary sibling of --out, renamed into place when complete):
 
@@ -192,14 +195,37 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
 
 def _megatron_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
     """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
-    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray)."""
-    if not recipe.lora.enabled or recipe.lora.type != "lora":
-        what = "full fine-tuning" if not recipe.lora.enabled else f"lora.type {recipe.lora.type}"
+    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray); under
+    full fine-tuning the bridge that trained them maps them to HF names (`_megatron_full_exporter`)."""
+    if not recipe.lora.enabled:
+        return _megatron_full_exporter(recipe, point, log)
+    if recipe.lora.type != "lora":
         raise RlbridgeError(
-            f"export-hf of a megatron checkpoint of {what} is not implemented yet (LoRA only: "
-            "its adapters map onto PEFT's); export from the running trainer instead"
+            f"export-hf of a megatron checkpoint of lora.type {recipe.lora.type} is not implemented yet (LoRA "
+            "and full fine-tuning are: their adapters map onto PEFT's); export from the running trainer instead"
         )
     return _hf_exporter(recipe, point, kind, log)
+
+
+def _megatron_full_exporter(recipe: Recipe, point: ResumePoint, log: Callable[[str], None]) -> Exported:
+    """Full fine-tuning on the megatron engine: every weight is in the checkpoint, under Megatron names; the
+    recipe's bridge maps them to HF names in this process (engines/megatron/export.full_checkpoint_to_hf: one
+    CPU rank, float32, cast to model.dtype)."""
+    from rlbridge.engines.megatron.export import full_checkpoint_to_hf
+    from rlbridge.model.cache import ensure_model
+
+    base_dir = ensure_model(recipe.model.path)
+    loaded = ckpt.load_checkpoint(point.path)
+    if "trainable" not in loaded.tensors:
+        raise RlbridgeError(f"{point.path} holds no trainable tensors (trainable.safetensors)")
+    log(
+        f"mapping the checkpoint's Megatron weights to HF names through {recipe.trainer.bridge} "
+        f"(the model is built once on this machine, in float32, one process)"
+    )
+    local = recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(base_dir)})})
+    state = full_checkpoint_to_hf(local, loaded.tensors["trainable"])
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    return Exported(WeightExport("merged", state), config, base_dir)  # a tied output layer is left out
 
 
 EXPORTERS: dict[str, Exporter] = {"hf": _hf_exporter, "megatron": _megatron_exporter}

@@ -15,6 +15,12 @@ from rlbridge.errors import RecipeError, RlbridgeError
 RecipeArg = typer.Argument(..., help="Recipe YAML file.", show_default=False)
 SetOpt = typer.Option([], "--set", help="Override a key: --set rollout.n=8 (repeatable; YAML scalar values).")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
+ForceOpt = typer.Option(
+    False,
+    "--force",
+    help="Accept a recipe whose estimated memory peak exceeds the device (the estimate is within about 30 %): "
+    "the error becomes a note of the plan.",
+)
 NoModelOpt = typer.Option(
     False, "--no-model-checks", help="Skip the checks that read the model's config.json."
 )

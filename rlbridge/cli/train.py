@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from rlbridge.cli import render
-from rlbridge.cli.common import RecipeArg, SetOpt, example, user_errors
+from rlbridge.cli.common import ForceOpt, RecipeArg, SetOpt, example, user_errors
 from rlbridge.recipe import ValidRecipe, validate_recipe
 
 if TYPE_CHECKING:
@@ -35,15 +35,18 @@ def train(
         "layers (same architecture and parallel layout; only config.json is read), one CPU worker per GPU, "
         "hf rollouts, 2 steps. Prints every change it makes.",
     ),
+    force: bool = ForceOpt,
 ) -> None:
     """Validate the recipe, then train. Exit 0 done, 1 failure, 2 invalid recipe."""
     with user_errors():
         if smoke:
             from rlbridge.model.smoke import prepare
 
-            valid = prepare(recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"))
+            valid = prepare(
+                recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"), force=force
+            )
         else:
-            valid = validate_recipe(recipe, set_)
+            valid = validate_recipe(recipe, set_, force=force)
     run(valid, run_dir)
 
 
@@ -51,6 +54,7 @@ def train(
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory to continue."),
     set_: list[str] = SetOpt,
+    force: bool = ForceOpt,
 ) -> None:
     """Continue a run from its newest complete checkpoint (newer broken ones are skipped, with the reason).
     --set may change only keys that do not change what the run computes (run.steps, run.save_every, run.keep,
@@ -61,7 +65,9 @@ def resume(
         from rlbridge.run.resume import UnsafeResumeError, prepare_resume
 
         try:
-            prep = prepare_resume(run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"))
+            prep = prepare_resume(
+                run_dir, set_, log=lambda msg: render.out.print(f"[dim]resume[/] {msg}"), force=force
+            )
         except UnsafeResumeError as e:
             n = len(e.issues)
             render.issues_table(

@@ -13,19 +13,23 @@ import hashlib
 import json
 import logging
 import random
+import re
+import string
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from rlbridge.data.arithmetic import arithmetic_rows
-from rlbridge.errors import RlbridgeError
+from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.recipe.schema import DataCfg, DatasetCfg
 
 log = logging.getLogger(__name__)
 Split = Literal["train", "val"]
 _MAX_EXAMPLES = 5
 _PARQUET_BATCH_ROWS = 4096
+PREVIEW_ROWS = 100
+"""Rows `check_rows` reads at validation (the first ones of each split)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,114 @@ def _parquet_rows(path: Path, cfg: DatasetCfg, key: str) -> Iterator[tuple[str, 
 
 
 # -------------------------------------------------------------------------------------- formatting
+def template_problem(template: str) -> str | None:
+    """Why str.format cannot fill `template` from a row's fields by name (a lone brace, a placeholder that is
+    not a field name such as the `{"answer": 1}` of a JSON example, a positional `{}`), or None."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        return f"str.format cannot read it ({e})"
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        base = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not base.isidentifier():
+            text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            return (
+                f"str.format reads {text!r} as a placeholder for a field named {base!r}, which no row has "
+                "(placeholders are {prompt} and {field} of the row)"
+            )
+    return None
+
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{[A-Za-z_][A-Za-z0-9_]*\}|[{}]")
+
+
+def escape_template(template: str) -> str:
+    """`template` with every brace doubled except those of `{field}` placeholders and already doubled ones: what
+    a template with literal braces (a JSON example) should say."""
+    return _PLACEHOLDER.sub(lambda m: m.group(0) * 2 if m.group(0) in "{}" else m.group(0), template)
+
+
+def check_rows(
+    cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int, limit: int = PREVIEW_ROWS
+) -> list[RecipeIssue]:
+    """What a run would meet in its first rows, found at validation: no usable row among the first `limit`
+    (the prompt or answer field missing: issue on data.<split>.prompt_key / answer_key, naming the row and
+    the fields it has), or a data.template the first usable row cannot fill. The file's existence and format
+    are checked before (recipe/checks/files.py)."""
+    key = f"data.{split}"
+    try:
+        if cfg.path.startswith("builtin:"):
+            rows: Iterator[tuple[str, Any, str | None]] = iter(
+                (f"row {i + 1}", r, None)
+                for i, r in enumerate(arithmetic_rows(data_cfg.arithmetic, split=split, seed=seed)[:limit])
+            )
+            cfg = cfg.model_copy(update={"prompt_key": "question", "answer_key": "answer"})  # its rows' names
+        else:
+            path = Path(cfg.path).expanduser()
+            rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path, cfg, key)
+        first: list[tuple[str, Any, str | None]] = []
+        for item in rows:
+            first.append(item)
+            if len(first) >= limit:
+                break
+    except RlbridgeError as e:  # unreadable file, or a parquet file without the column
+        which, _, message = str(e).partition(": ")
+        return [RecipeIssue(which if which.startswith(key) else f"{key}.path", message or str(e))]
+    usable = [
+        (where, p)
+        for where, row, problem in first
+        if problem is None and isinstance(p := _to_prompt(row, cfg, key), Prompt)
+    ]
+    if not usable:
+        return [_unusable(cfg, key, first)]
+    where, prompt = usable[0]
+    if template_problem(data_cfg.template) is not None:
+        return []  # reported on its own (recipe/checks/files.py)
+    try:
+        render_messages(prompt, data_cfg)
+    except RlbridgeError as e:
+        fields = ", ".join("{" + f + "}" for f in sorted({**prompt.row, "prompt": 0}))
+        return [
+            RecipeIssue(
+                "data.template",
+                f"{e} ({cfg.path} {where})",
+                fix=f"use the row's fields ({fields}), or double the braces of literal text",
+            )
+        ]
+    return []
+
+
+def _unusable(cfg: DatasetCfg, key: str, first: list[tuple[str, Any, str | None]]) -> RecipeIssue:
+    """The issue of a source whose first rows hold no usable prompt: the field that is missing everywhere, or
+    the reasons of the first rows."""
+    n = len(first)
+    if n == 0:
+        return RecipeIssue(f"{key}.path", f"{cfg.path} has no rows", fix="point it at a file with rows")
+    objects = [(where, row) for where, row, problem in first if problem is None and isinstance(row, dict)]
+    for name, which in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
+        if objects and all(name not in row for _, row in objects):
+            where, row = objects[0]
+            have = sorted(str(k) for k in row)
+            return RecipeIssue(
+                f"{key}.{which}",
+                f"none of the first {n} row(s) of {cfg.path} has the field {name!r} ({where} has: {', '.join(have)})",
+                fix=f"set {key}.{which} to one of: {', '.join(have)}",
+            )
+    reasons = Skipped()
+    for where, row, problem in first:
+        result = problem if problem is not None else _to_prompt(row, cfg, key)
+        if isinstance(result, str):
+            reasons.add(where, result)
+    return RecipeIssue(
+        f"{key}.path",
+        f"none of the first {n} rows of {cfg.path} is usable: {reasons}",
+        value=cfg.path,
+        fix=f"fix the rows, or point {key}.prompt_key / answer_key at fields that hold the prompt and answer",
+    )
+
+
 def render_messages(prompt: Prompt, data_cfg: DataCfg) -> list[dict[str, str]]:
     """[system (if data.system_prompt)], user = data.template with {prompt} and the row's fields."""
     fields = {**prompt.row, "prompt": prompt.text}

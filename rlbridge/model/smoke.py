@@ -237,7 +237,7 @@ def build_smoke_model(config: dict[str, Any], *, seed: int, progress: Any = prin
     return target
 
 
-def prepare(path: str | Path, overrides: list[str], *, log: Any = print) -> Any:
+def prepare(path: str | Path, overrides: list[str], *, log: Any = print, force: bool = False) -> Any:
     """Validate the recipe as written (every check, its real model shape included; only the CPU-only
     settings the smoke run turns off may fail), then return the validated smoke recipe (a ValidRecipe)
     with its shrunk model built."""
@@ -245,7 +245,7 @@ def prepare(path: str | Path, overrides: list[str], *, log: Any = print) -> Any:
     from rlbridge.recipe import load_recipe, validate_recipe
 
     try:
-        original = validate_recipe(path, overrides).recipe
+        original = validate_recipe(path, overrides, force=force).recipe
     except RecipeError as e:
         rest = [i for i in e.issues if i.key not in CPU_ONLY_KEYS]
         if rest:

@@ -27,40 +27,46 @@ class ValidRecipe:
 
 
 def validate_recipe(
-    path: str | Path, overrides: Sequence[str] = (), *, model_checks: bool = True
+    path: str | Path, overrides: Sequence[str] = (), *, model_checks: bool = True, force: bool = False
 ) -> ValidRecipe:
+    """The recipe at `path` with `overrides`, schema and every check; force: accept an estimated memory peak
+    over the device (`--force`)."""
     data, source = load_recipe_data(path, overrides)
     try:
         recipe = build_recipe(data, source)
     except RecipeError as e:
         raise RecipeError(
-            e.issues + _checks_despite_schema_errors(data, source, e.issues, model_checks)
+            e.issues + _checks_despite_schema_errors(data, source, e.issues, model_checks, force)
         ) from None
-    issues, info = run_checks(recipe, model_checks=model_checks)
+    issues, info = run_checks(recipe, model_checks=model_checks, force=force)
     if issues:
         raise RecipeError([_located(i, source) for i in issues])
     return ValidRecipe(recipe, info)
 
 
 def _checks_despite_schema_errors(
-    data: dict[str, Any], source: Source, schema_issues: list[RecipeIssue], model_checks: bool
+    data: dict[str, Any], source: Source, schema_issues: list[RecipeIssue], model_checks: bool, force: bool
 ) -> list[RecipeIssue]:
-    """Report the cross-field problems too: drop the keys the schema rejected (defaults take their place),
-    run the checks, and keep only issues about keys that were not dropped."""
+    """Report the cross-field problems too: drop the keys the schema rejected (defaults take their place; a
+    rejected list item drops its whole list, e.g. trainer.optim.betas.1), run the checks, and keep only issues
+    about keys that were not dropped."""
     pruned = copy.deepcopy(data)
     dropped = [i.key for i in schema_issues]
     for key in dropped:
         node: Any = pruned
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            child = node.get(part) if isinstance(node, dict) else None
+            if i == len(parts) - 1 or not isinstance(child, dict):
+                if isinstance(node, dict):
+                    node.pop(part, None)
+                break
+            node = child
     try:
         recipe = build_recipe(pruned, source)
     except RecipeError:
         return []
-    issues, _ = run_checks(recipe, model_checks=model_checks)
+    issues, _ = run_checks(recipe, model_checks=model_checks, force=force)
     related = lambda k: any(k == d or k.startswith(d + ".") or d.startswith(k + ".") for d in dropped)  # noqa: E731
     return [_located(i, source) for i in issues if not related(i.key)]
 

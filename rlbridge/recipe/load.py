@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlbridge.errors import RecipeError, RecipeIssue
-from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.schema import MAX_INT, Recipe
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,19 @@ class Source:
 
     file: str
     lines: dict[str, int] = field(default_factory=dict)
-    overridden: frozenset[str] = frozenset()
+    overrides: dict[str, str] = field(default_factory=dict)
+    """Dotted key -> the `--set` argument that set it."""
+
+    @property
+    def overridden(self) -> frozenset[str]:
+        return frozenset(self.overrides)
 
     def where(self, key: str) -> str:
-        if any(key == o or key.startswith(o + ".") for o in self.overridden):
-            return "--set"
+        """`--set ARG` for a key an override set (or one below it), else the file's line of the key or of
+        the nearest section above it that the file has."""
+        for o, argument in reversed(self.overrides.items()):  # the last override of a key is the one in force
+            if key == o or key.startswith(o + "."):
+                return f"--set {argument}"
         probe = key
         while probe:
             if probe in self.lines:
@@ -94,35 +102,115 @@ def parse_yaml(text: str, file: str) -> tuple[Any, Source, list[RecipeIssue]]:
 
 # -------------------------------------------------------------------------------------- overrides
 def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value read as a YAML scalar or flow collection). A value YAML cannot read is taken
+    as the text it is: `data.template={prompt} Reply as {"answer": 1}` is a template, not a broken mapping."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(
-            [RecipeIssue("--set", f"cannot read override {item!r}", fix="write --set a.b=value")]
+            [
+                RecipeIssue(
+                    "--set",
+                    f"cannot read override {item!r}",
+                    where=f"--set {item}",
+                    fix="write --set a.b=value",
+                )
+            ]
         )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise RecipeError(
-            [RecipeIssue(key, f"cannot parse override value {raw!r}: {e}", where="--set")]
-        ) from None
+    except yaml.YAMLError:
+        value = raw
     return key, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], frozenset[str]]:
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`data` with each `--set a.b=value` applied (a copy), and the keys set -> their arguments. A number indexes
+    a list (`reward.terms.0.weight=0.5`; the index one past the end appends a new item); a key below a value
+    that is not a section, or a list indexed by name or out of range, is an issue naming the argument. Every
+    argument is tried; the issues of all of them are raised together."""
     data = copy.deepcopy(data)
-    keys = []
+    keys: dict[str, str] = {}
+    issues: list[RecipeIssue] = []
     for item in overrides:
-        key, value = parse_override(item)
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-        keys.append(key)
-    return data, frozenset(keys)
+        try:
+            key = _apply(data, item)
+        except RecipeError as e:
+            issues += e.issues
+            continue
+        keys.pop(key, None)
+        keys[key] = item
+    if issues:
+        raise RecipeError(issues)
+    return data, keys
+
+
+def _apply(data: dict[str, Any], item: str) -> str:
+    """Apply one `--set` argument to `data` in place (see apply_overrides); returns its key."""
+    key, value = parse_override(item)
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(parts[:i])
+        if isinstance(node, list):
+            index = _list_index(node, part, here, key, item)
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+            else:
+                if node[index] is None:
+                    node[index] = {}
+                node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise RecipeError(
+                [
+                    RecipeIssue(
+                        key,
+                        f"{here} is a value ({_short(node)}), not a section: it has no key {part!r}",
+                        where=f"--set {item}",
+                        fix=f"write --set {here}=VALUE",
+                    )
+                ]
+            )
+    return key
+
+
+def _list_index(node: list[Any], part: str, here: str, key: str, item: str) -> int:
+    """The list position `part` names in an override (see apply_overrides), or a RecipeError."""
+    if not part.isdigit():
+        example = ".".join([here, "0", *key.split(".")[len(here.split(".")) :]])
+        raise RecipeError(
+            [
+                RecipeIssue(
+                    key,
+                    f"{here} is a list of {len(node)} item(s): index it by number",
+                    where=f"--set {item}",
+                    fix=f"write --set {example}={item.partition('=')[2]}",
+                )
+            ]
+        )
+    index = int(part)
+    if index > len(node):
+        raise RecipeError(
+            [
+                RecipeIssue(
+                    f"{here}.{index}",
+                    f"{here} has {len(node)} item(s) (0 to {len(node) - 1}): index {index} is past its end",
+                    where=f"--set {item}",
+                    fix=f"index an item from {here}.0 to {here}.{len(node) - 1}, or {here}.{len(node)} to add one",
+                )
+            ]
+        )
+    return index
 
 
 # -------------------------------------------------------------------------------- pydantic errors
@@ -204,8 +292,49 @@ def issues_from_validation(err: ValidationError, data: Any, source: Source) -> l
             )
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            issues.append(RecipeIssue(key, msg, value=_short(e.get("input")), where=source.where(key)))
+            value_fix = _value_fix(kind, key, e.get("ctx") or {}, e.get("input"), _default_at(loc, data))
+            issues.append(
+                RecipeIssue(key, msg, value=_short(e.get("input")), where=source.where(key), fix=value_fix)
+            )
     return issues
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _value_fix(kind: str, key: str, ctx: dict[str, Any], value: Any, default: Any) -> str | None:
+    """The fix of a value the schema refused (pydantic's error type `kind`), with the key's default."""
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()), None)
+        fix = f"set {key} {_BOUNDS[kind]} {bound}"
+    elif kind == "finite_number":
+        fix = f"write a finite number for {key} (.inf and .nan are not values a run can use)"
+    elif kind in ("int_too_large", "int_parsing_size"):
+        fix = f"set {key} <= {MAX_INT}"
+    elif kind in ("int_parsing", "int_type", "int_from_float"):
+        text = " (YAML reads 1e23 as text: write the digits)" if isinstance(value, str) else ""
+        fix = f"write {key} as a whole number{text}, at most {MAX_INT}"
+    elif kind in ("float_parsing", "float_type"):
+        fix = f"write {key} as a number"
+    elif kind in ("bool_parsing", "bool_type"):
+        fix = f"write {key}: true or {key}: false"
+    elif kind == "literal_error":
+        fix = f"choose one of: {ctx.get('expected')}"
+    else:
+        return None
+    if default is not None and isinstance(default, int | float | str) and not isinstance(default, bool):
+        fix += f" (default: {default})"
+    return fix
+
+
+def _default_at(loc: Sequence[Any], data: Any) -> Any:
+    """The schema's default of the key at `loc`, or None (no default, or a key the schema does not have)."""
+    parent = _model_at(loc[:-1], data) if loc else None
+    name = loc[-1] if loc else None
+    if parent is None or not isinstance(name, str) or name not in parent.model_fields:
+        return None
+    info = parent.model_fields[name]
+    return None if info.is_required() else info.default
 
 
 # ------------------------------------------------------------------------------------------ entry

@@ -10,14 +10,32 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 PositiveInt = Annotated[int, Field(ge=1)]
+MAX_INT = 2**31 - 1
+"""The largest integer a recipe takes (any key): counts past it overflow the int32 indices and seeds of torch,
+numpy and vLLM somewhere in a run, and a number that large is a typo (`steps: 100000000000000000000000`)."""
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    """Every recipe section: unknown keys are errors, values are frozen, floats are finite (`.inf` and `.nan`
+    are refused: an infinite learning rate trains NaNs), integers lie within +-MAX_INT."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_ints(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise PydanticCustomError(
+                "int_too_large",
+                "{value} is out of range: a recipe's integers lie within +-{max} (int32)",
+                {"value": value, "max": MAX_INT},
+            )
+        return value
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -92,7 +110,7 @@ class OptimCfg(Section):
     """Linear warm-up steps (optimizer steps) from 0 to lr."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     """AdamW betas."""
     eps: Annotated[float, Field(gt=0)] = 1.0e-8
     """AdamW epsilon."""

@@ -32,7 +32,7 @@ def _figure(rows: int = 1) -> tuple[Any, list[Any]]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise RlbridgeError(f"plots need matplotlib ({e}): pip install 'rlbridge[report]'") from None
+        raise RlbridgeError(f"plots need matplotlib ({e}): pip install 'rlbridge-cli[report]'") from None
     fig = Figure(figsize=(8, 3.2 * rows + 0.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)  # the Agg backend for this figure only: no pyplot, no global backend switch
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]

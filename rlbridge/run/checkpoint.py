@@ -65,7 +65,7 @@ VERSIONED_PACKAGES = (
     "ray",
     "safetensors",
     "numpy",
-    "rlbridge",
+    "rlbridge-cli",  # this project's distribution (PyPI's `rlbridge` is another project)
 )
 """Distributions whose versions go into the manifest (looked up, never imported)."""
 

@@ -281,7 +281,7 @@ def find_checkpoint(
 
 
 def prepare_resume(
-    run_dir: Path, overrides: Sequence[str] = (), *, log: Callable[[str], None] = print
+    run_dir: Path, overrides: Sequence[str] = (), *, log: Callable[[str], None] = print, force: bool = False
 ) -> ResumePlan:
     """Everything `rlbridge resume` decides before starting anything: the checkpoint, the recipe (the run
     directory's recipe.yaml + overrides, validated), its compatibility with the checkpoint's recipe
@@ -299,7 +299,7 @@ def prepare_resume(
     point = find_checkpoint(run_dir, log=log)
     for leftover in sorted((run_dir / ckpt.CHECKPOINTS).glob(".tmp-step_*")):
         log(f"ignoring {leftover.name}: a save that never finished (the next save removes it)")
-    valid = validate_recipe(recipe_file, list(overrides))
+    valid = validate_recipe(recipe_file, list(overrides), force=force)
     new_yaml = resolved_yaml(valid.recipe)
     diff = policy.recipe_diff(point.recipe_yaml, new_yaml)
     layout_free = _layout_free(point)
@@ -347,7 +347,8 @@ def _warn_versions(point: ResumePoint, log: Callable[[str], None]) -> None:
     changed = [
         f"{k} {saved[k]} -> {now.get(k, '(absent)')}"
         for k in sorted(saved)
-        if saved[k] != now.get(k) and k != "rlbridge"
+        if saved[k] != now.get(k)
+        and k not in ("rlbridge", "rlbridge-cli")  # this project (earlier name, now)
     ]
     if changed:
         log(

@@ -684,12 +684,21 @@ def precision_suite(qwen: str, dtype: str = "bfloat16", rank: int = 0, lr: float
 
 
 def checkpoint_suite(
-    qwen: str, run_dir: str, tp: int, pp: int, phase: str, lr: float = 1e-2, warmup: int = 0
+    qwen: str,
+    run_dir: str,
+    tp: int,
+    pp: int,
+    phase: str,
+    lr: float = 1e-2,
+    warmup: int = 0,
+    full_ft_dir: str | None = None,
 ) -> dict[str, Any]:
     """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
     checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
     take the third step. Both report the full canonical state (global rank 0) and log-probs after step 3,
-    so a resume at any layout can be compared with continuing at the original one."""
+    so a resume at any layout can be compared with continuing at the original one. `full_ft_dir`: then a full
+    fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one launch for
+    both)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
@@ -729,6 +738,8 @@ def checkpoint_suite(
     groups, meta = engine.checkpoint_state()
     res["after"], res["meta"] = groups, meta
     engine.close()
+    if full_ft_dir is not None:
+        res["full_ft"] = full_ft_checkpoint(qwen, full_ft_dir, tp, pp)
     return res
 
 
@@ -1027,3 +1038,24 @@ def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any
         }
     finally:
         ps.destroy_model_parallel()
+
+
+def full_ft_checkpoint(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """Full fine-tuning through TrainerRole at TP x PP: one Adam step, checkpoint step 1, and the trainer's logits
+    at that step (what `rlbridge export-hf` of the checkpoint must reproduce)."""
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.run.directory import resolved_yaml
+    from rlbridge.trainer.role import TrainerRole
+
+    recipe = make_recipe(model_dir, lora={"rank": 0}, trainer=trainer(tp=tp, pp=pp, optim=STEP_OPTIM))
+    role = TrainerRole(recipe, model_dir, engine_factory=lambda: MegatronTrainEngine(recipe))
+    role.is_holder = torch.distributed.get_rank() == 0
+    engine: Any = role.engine
+    batch = ragged_batch(seed=4, rows=4)
+    res: dict[str, Any] = {"logits_init": full_logits(engine, full_batch())}
+    res["step"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    res["saved"] = role.save_checkpoint(run_dir, 1, {"note": "test"}, resolved_yaml(recipe), keep=1)
+    res["batch_full"] = batch_dict(full_batch())
+    res["logits_saved"] = full_logits(engine, full_batch())
+    engine.close()
+    return res

@@ -178,7 +178,7 @@ def test_missing_logger_package_is_a_recipe_issue(monkeypatch: pytest.MonkeyPatc
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     check_loggers(r, out)
-    assert [(i.key, i.value) for i in out] == [("run.loggers.1", "wandb")] and "rlbridge[report]" in (
+    assert [(i.key, i.value) for i in out] == [("run.loggers.1", "wandb")] and "rlbridge-cli[report]" in (
         out[0].fix or ""
     )
 

@@ -88,10 +88,10 @@ def test_validate_accepts_mbridge_full_finetuning(tmp_path: Path) -> None:
         "trainer": {
             "engine": "megatron",
             "bridge": "mbridge",
-            "parallel": {"tensor": 2},
+            "parallel": {"tensor": 4},
             "micro_batch_size": 2,
         },
-        "rollout": {"tensor_parallel": 2},
+        "rollout": {"tensor_parallel": 2, "gpu_memory_utilization": 0.3},  # full FT of 7B: tp 4, a small vLLM
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8},
         "reward": {"fn": "arithmetic"},
         "cluster": {"gpus_per_node": 8},

@@ -15,6 +15,9 @@ QWEN7B = str(FIX / "qwen2.5-7b-instruct")  # 28 layers, 28 heads, 4 KV heads, de
 MOE = str(FIX / "qwen3-30b-a3b")  # 48 layers, 32 heads, 4 KV heads, 128 experts
 
 
+FULL_FT_FITS = {"cluster__gpu_memory_gib": 141, "rollout__gpu_memory_utilization": 0.3}
+"""Full fine-tuning of base()'s 7B model at tp 2: its Adam state (~45 GiB a device) and a vLLM awake next to it
+fit in 141 GiB devices with vLLM at 0.3 of them (at 80 GiB and 0.8 the estimate is 115 GiB)."""
 ASYNC = {"rollout__mode": "async", "rollout__gpu_memory_utilization": 0.7}
 """Async mode on base()'s 80 GiB GPUs: vLLM's 56 GiB fit resident next to the trainer's ~16 GiB."""
 
@@ -243,14 +246,14 @@ CASES = [
         {"rollout__max_response_tokens": 32768},
         "rollout.max_response_tokens",
         "exceeds the model's 32768 positions",
-        {"rollout__max_response_tokens": 32256},
+        {"rollout__max_response_tokens": 32256, "cluster__gpu_memory_gib": 400},  # 32k-token activations
     ),
     (
         "adapter sync without LoRA",
         {"lora": {"rank": 0}, "rollout__weight_sync": "adapter"},
         "rollout.weight_sync",
         "needs LoRA",
-        {"lora": {"rank": 0}, "rollout__weight_sync": "merged"},
+        {"lora": {"rank": 0}, "rollout__weight_sync": "merged", **FULL_FT_FITS},
     ),
     (
         "LoRA rank above vLLM max",
@@ -264,7 +267,7 @@ CASES = [
         {"trainer__bridge": "mbridge"},
         "trainer.bridge",
         "no LoRA",
-        {"trainer__bridge": "mbridge", "lora": {"rank": 0}},
+        {"trainer__bridge": "mbridge", "lora": {"rank": 0}, **FULL_FT_FITS},
     ),
     (
         "unknown LoRA target",
@@ -358,6 +361,7 @@ CASES = [
             "trainer__parallel": {},
             "cluster__gpus_per_node": 1,
             "rollout__tensor_parallel": 1,
+            "rollout__gpu_memory_utilization": 0.5,  # the critic is a second 7B copy
         },
     ),
     (
@@ -499,6 +503,7 @@ def test_moe_expert_lora_checks(tmp_path: Path) -> None:
 def test_routing_replay_checks(tmp_path: Path) -> None:
     moe = {
         "model": {"path": MOE},
+        "rollout__gpu_memory_utilization": 0.7,
         "rollout__tensor_parallel": 4,
         "trainer__parallel": {"tensor": 1, "expert": 8},
     }
@@ -545,3 +550,166 @@ def test_cuda_ipc_refused(tmp_path: Path, bad: dict, key: str) -> None:
     issues = [(k, msg) for k, msg in check(tmp_path, ipc_recipe(**bad)) if "weight_transport" in msg]
     assert keys(issues) == {key}, issues
     assert all("rollout.weight_transport: files" in msg for _, msg in issues)
+
+
+# ------------------------------------------------------------------ recipes that validated and failed later
+WRITTEN = """\
+name: t
+model: {path: smollm2-135m-instruct, dtype: float32}
+trainer:
+  engine: hf
+  optim: {lr: 2.0e-4}
+rollout:
+  n: 4
+  temperature: 1.0
+  max_prompt_tokens: 128
+  max_response_tokens: 48
+algorithm: {name: grpo}
+data:
+  train: {path: "builtin:arithmetic"}
+  batch_size: 8
+  template: "{prompt} Put the final answer after '####'."
+reward:
+  terms:
+    - {fn: arithmetic, weight: 1.0}
+    - {fn: format, weight: 0.2}
+run: {steps: 30}
+cluster: {nodes: 1, gpus_per_node: 1, device: cpu}
+"""
+"""A valid CPU recipe written out, so that each case below can assert the YAML line its issue points at."""
+TEMPLATE = "template: \"{prompt} Put the final answer after '####'.\""
+
+# (id, a line of WRITTEN, what replaces it, --set overrides, expected key, expected where, a fragment of the fix)
+LIED = [
+    ("lr inf", "lr: 2.0e-4", "lr: .inf", (), "trainer.optim.lr", "r.yaml:5", "finite number"),
+    ("lr nan", "lr: 2.0e-4", "lr: .nan", (), "trainer.optim.lr", "r.yaml:5", "finite number"),
+    ("lr negative", "lr: 2.0e-4", "lr: -1.0e-4", (), "trainer.optim.lr", "r.yaml:5", "> 0"),
+    ("lr inf by --set", "", "", ("trainer.optim.lr=.inf",), "trainer.optim.lr",
+     "--set trainer.optim.lr=.inf", "finite number"),
+    ("steps 1e23 (a string to YAML)", "steps: 30", "steps: 1e23", (), "run.steps", "r.yaml:20",
+     "whole number"),
+    ("steps 10^23", "steps: 30", "steps: 100000000000000000000000", (), "run.steps", "r.yaml:20",
+     "<= 2147483647"),
+    ("steps 1.0e+23", "steps: 30", "steps: 1.0e+23", (), "run.steps", "r.yaml:20", "<= 2147483647"),
+    ("prompt tokens 10^23", "max_prompt_tokens: 128", "max_prompt_tokens: 100000000000000000000000", (),
+     "rollout.max_prompt_tokens", "r.yaml:9", "<= 2147483647"),
+    ("prompt tokens past the model's positions", "max_prompt_tokens: 128", "max_prompt_tokens: 10000", (),
+     "rollout.max_prompt_tokens", "r.yaml:9", "set rollout.max_prompt_tokens <= 8144"),
+    ("temperature 0 under GRPO", "temperature: 1.0", "temperature: 0", (), "rollout.temperature", "r.yaml:8",
+     "set rollout.temperature: 1.0"),
+    ("template with literal braces", TEMPLATE, """template: '{prompt} Reply as {"answer": 1}.'""", (),
+     "data.template", "r.yaml:15", '{prompt} Reply as {{"answer": 1}}.'),
+    ("template with a lone brace", TEMPLATE, "template: '{prompt} }'", (), "data.template", "r.yaml:15",
+     "{prompt} }}"),
+    ("template naming a field the rows lack", TEMPLATE, "template: '{prompt} {hint}'", (), "data.template",
+     "r.yaml:15", "question"),
+    ("template with literal braces by --set", "", "", ("""data.template={prompt} Reply as {"answer": 1}.""",),
+     "data.template", """--set data.template={prompt} Reply as {"answer": 1}.""", '{{"answer": 1}}'),
+    ("--set past the end of a list", "", "", ("reward.terms.5.weight=0.5",), "reward.terms.5",
+     "--set reward.terms.5.weight=0.5", "reward.terms.2"),
+    ("--set a list by name", "", "", ("reward.terms.weight=0.5",), "reward.terms.weight",
+     "--set reward.terms.weight=0.5", "reward.terms.0.weight"),
+    ("--set below a value", "", "", ("run.steps.x=1",), "run.steps.x", "--set run.steps.x=1", "run.steps"),
+    ("--set a wrong value in a list", "", "", ("reward.terms.1.weight=heavy",), "reward.terms.1.weight",
+     "--set reward.terms.1.weight=heavy", "number"),
+]  # fmt: skip
+
+
+def written(tmp_path: Path, old: str = "", new: str = "") -> Path:
+    assert old in WRITTEN
+    f = tmp_path / "r.yaml"
+    f.write_text(WRITTEN.replace(old, new, 1) if old else WRITTEN)
+    return f
+
+
+def test_written_recipe_is_valid(tmp_path: Path) -> None:
+    validate_recipe(written(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("desc", "old", "new", "sets", "key", "where", "fix"), LIED, ids=[c[0] for c in LIED]
+)
+def test_refused_with_key_line_and_fix(
+    tmp_path: Path, desc: str, old: str, new: str, sets: tuple[str, ...], key: str, where: str, fix: str
+) -> None:
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(written(tmp_path, old, new), sets)
+    found = {i.key: i for i in e.value.issues}
+    assert key in found, f"{desc}: expected an issue on {key}, got {[str(i) for i in e.value.issues]}"
+    issue = found[key]
+    assert issue.where is not None and issue.where.endswith(where), str(issue)
+    assert issue.fix is not None and fix in issue.fix, str(issue)
+
+
+def test_set_indexes_lists(tmp_path: Path) -> None:
+    valid = validate_recipe(written(tmp_path), ["reward.terms.0.weight=0.5", "reward.terms.1.fn=arithmetic"])
+    assert [(t.fn, t.weight) for t in valid.recipe.reward.resolved_terms()] == [
+        ("arithmetic", 0.5),
+        ("arithmetic", 0.2),
+    ]
+    appended = validate_recipe(written(tmp_path), ["reward.terms.2.fn=format"]).recipe.reward.resolved_terms()
+    assert [t.fn for t in appended] == ["arithmetic", "format", "format"]
+
+
+def test_temperature_zero_is_fine_without_groups(tmp_path: Path) -> None:
+    f = written(tmp_path, "temperature: 1.0", "temperature: 0")
+    issues = check(tmp_path, yaml.safe_load(f.read_text()) | {"algorithm": {"name": "ppo"}})
+    assert "rollout.temperature" not in keys(issues)
+
+
+def test_dataset_rows_are_read_at_validation(tmp_path: Path) -> None:
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"problem": "1+1?", "solution": "2"}\n{"problem": "2+2?", "solution": "4"}\n')
+    f = written(tmp_path, '{path: "builtin:arithmetic"}', f"{{path: {rows}}}")
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(f)
+    found = {i.key: i for i in e.value.issues}
+    assert set(found) == {"data.train.prompt_key"}, [str(i) for i in e.value.issues]
+    issue = found["data.train.prompt_key"]
+    assert issue.where == f"{f}:13" and "'question'" in issue.message and "line 1" in issue.message
+    assert issue.fix is not None and "problem" in issue.fix and "solution" in issue.fix
+    fixed = validate_recipe(f, ["data.train.prompt_key=problem", "data.train.answer_key=solution"])
+    assert fixed.recipe.data.train.prompt_key == "problem"
+    template = check(
+        tmp_path,
+        yaml.safe_load(f.read_text()) | {"data": {"train": {"path": str(rows), "prompt_key": "problem",
+                                                            "answer_key": "solution"}, "template": "{prompt} {hint}"}},
+    )  # fmt: skip
+    assert keys(template) == {"data.template"} and "line 1" in template[0][1] and "hint" in template[0][1]
+
+
+def test_memory_over_the_device_is_an_error_unless_forced(tmp_path: Path) -> None:
+    full_ft_one_gpu = base(
+        lora={"rank": 0},
+        trainer__parallel={"tensor": 1},
+        rollout__tensor_parallel=1,
+        cluster__gpus_per_node=1,
+    )
+    issues = check(tmp_path, full_ft_one_gpu)
+    assert keys(issues) == {"cluster.gpu_memory_gib"}, issues
+    message, fix = issues[0][1].split(" | ")
+    assert "GiB" in message and "80 GiB" in message
+    assert "lora.rank" in fix and "--force" in fix
+    f = tmp_path / "r.yaml"
+    valid = validate_recipe(f, force=True)  # the estimate may be wrong: --force trains anyway
+    assert valid.recipe.lora.rank == 0
+
+
+def test_schema_and_check_problems_reported_together(tmp_path: Path) -> None:
+    """A value the schema refuses (a list item among them) does not hide the checks' problems: those keys are
+    dropped (their whole list for an item) and the checks run on the rest."""
+    sets = (
+        "trainer.optim.lr=.inf",
+        "trainer.optim.betas=[0.9,1.5]",
+        "rollout.temperature=0",
+        "run.steps=1e23",
+    )
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(written(tmp_path), sets)
+    assert {i.key for i in e.value.issues} == {
+        "trainer.optim.lr",
+        "trainer.optim.betas.1",
+        "rollout.temperature",
+        "run.steps",
+    }
+    assert all(i.where is not None and i.where.startswith("--set ") and i.fix for i in e.value.issues)

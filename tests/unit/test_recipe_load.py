@@ -92,7 +92,10 @@ def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
         and r.run.dir is None
     )
     issues = issues_of(f, "rollout.n=zero", "rollout.nn=3")
-    assert {i.key: i.where for i in issues} == {"rollout.n": "--set", "rollout.nn": "--set"}
+    assert {i.key: i.where for i in issues} == {
+        "rollout.n": "--set rollout.n=zero",
+        "rollout.nn": "--set rollout.nn=3",
+    }
     assert issues_of(f, "rollout.n")[0].key == "--set"
 
 

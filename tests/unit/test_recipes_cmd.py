@@ -101,7 +101,7 @@ def test_a_built_wheel_ships_the_recipes(tmp_path: Path) -> None:
     if res.returncode != 0 and "No module named pip" in res.stderr:
         pytest.skip("pip is not available in this interpreter")
     assert res.returncode == 0, res.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("rlbridge-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("rlbridge_cli-*.whl")  # the distribution is rlbridge-cli
     names = zipfile.ZipFile(wheel).namelist()
     assert sorted(Path(n).stem for n in names if n.startswith("rlbridge/recipes/")) == REPO_RECIPES
     code = "from rlbridge.recipe.shipped import shipped; print(' '.join(s.name for s in shipped()))"

@@ -176,6 +176,7 @@ def build_megatron_bridge(built: Built, *, after_peft: Hook | None = None) -> Mo
         fp16=provider.fp16,
         bf16=provider.bf16,
     )
+    restore_tensor_parallel_attributes(chunks)
     bridge = built.bridge
     adapter = None
     if built.peft is not None:
@@ -188,6 +189,47 @@ def build_megatron_bridge(built: Built, *, after_peft: Hook | None = None) -> Mo
         tied=bool(provider.share_embeddings_and_output_weights),
         vocab_size=int(provider.vocab_size),
     )
+
+
+def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module]) -> int:
+    """Mark the weights of megatron-core's tensor-parallel layers as sharded (`tensor_model_parallel`,
+    `partition_dim`) where the build left them unmarked; returns how many it marked.
+
+    megatron-core sets these attributes only inside the weight initialization, which Megatron-Bridge skips when it
+    loads the HF weights itself (`perform_initialization = False`, and its provider then sets the defaults,
+    `tensor_model_parallel = False`): the embedding's, the output layer's and every column- and row-parallel
+    linear's weights came out marked unsharded (adapters, built with initialization, and the column-parallel
+    biases, marked unconditionally, did not). What reads them then went wrong at tensor parallel > 1
+    under full fine-tuning: the layout-free checkpoint (state.py) saved tensor rank 0's shards as if they were the
+    full tensors, and megatron-core's gradient-norm clipping counted the shards of tensor rank 0 only. Expert
+    layers (sharded over the expert tensor-parallel group, not this one) are left as they are."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    marked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+                dim = 0
+            elif isinstance(module, RowParallelLinear):
+                dim = 1
+            else:
+                continue
+            weight = getattr(module, "weight", None)
+            if (
+                not isinstance(weight, torch.nn.Parameter)
+                or getattr(module, "is_expert", False)
+                or getattr(weight, "tensor_model_parallel", False)
+            ):
+                continue
+            weight.tensor_model_parallel = True  # type: ignore[attr-defined]  # megatron-core's own attributes
+            weight.partition_dim = dim  # type: ignore[attr-defined]  # (set_tensor_model_parallel_attributes
+            weight.partition_stride = 1  # type: ignore[attr-defined]  # refuses to overwrite the defaults)
+            marked += 1
+    return marked
 
 
 # ------------------------------------------------------------------------------------------- mbridge
@@ -253,6 +295,7 @@ def build_mbridge(built: Built, recipe: Recipe) -> Model:
         bf16=bool(settings["bf16"]),
         fp16=bool(settings["fp16"]),
     )
+    restore_tensor_parallel_attributes(chunks)
     at_wrap = {n for n, p in named_parameters(chunks) if p.requires_grad}
     bridge.load_weights(chunks, path)
     return Model(

@@ -21,7 +21,9 @@ RL trainer needs around it, each one a bug class from USER_REPORTS:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -291,3 +293,83 @@ def install_sequential_expert_export() -> None:
 
     gather_from_ep_ranks._rlbridge = True  # type: ignore[attr-defined]  # marker attribute on our own function
     cls.gather_from_ep_ranks = gather_from_ep_ranks  # type: ignore[method-assign]  # patches megatron-bridge's method on purpose (see the docstring above)
+
+
+# ------------------------------------------------------------------ a full fine-tuning checkpoint as HF weights
+def full_checkpoint_to_hf(recipe: Recipe, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The canonical tensors of a full fine-tuning checkpoint (engines/megatron/state.py: every weight, float32,
+    under Megatron names) as HF-named weights in recipe.model.dtype, through the bridge that trained them.
+
+    Megatron names are not HF names (fused qkv and gate/up, Megatron's layer norms, per-architecture mappings), and
+    only the bridge knows every architecture's mapping. So this builds the recipe's model once more in this
+    process: one rank (a gloo group of one, made here when none exists), tensor / pipeline / expert parallel 1, in
+    float32 so that the checkpoint's float32 values load unrounded; loads the tensors into it (`load_state`, which
+    names anything missing or extra) and exports the merged weights as the trainer's weight sync does, cast to
+    model.dtype at the end (the trainer's 16-bit weights are the same rounding of the same float32 values). Costs
+    the model twice in memory (the model and its gradient buffers) plus the exported copy."""
+    from rlbridge.engines.megatron import compat
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    p = recipe.trainer.parallel
+    one_rank = recipe.model_copy(
+        update={
+            "model": recipe.model.model_copy(update={"dtype": "float32"}),
+            "trainer": recipe.trainer.model_copy(
+                update={
+                    "parallel": p.model_copy(
+                        update={
+                            "tensor": 1,
+                            "pipeline": 1,
+                            "virtual_pipeline": None,
+                            "context": 1,
+                            "expert": 1,
+                            "expert_tensor": 1,
+                            "sequence_parallel": False,
+                        }
+                    ),
+                    "distributed_optimizer": False,
+                    "recompute": recipe.trainer.recompute.model_copy(
+                        update={"granularity": "none", "method": None, "num_layers": None}
+                    ),
+                }
+            ),
+            "algorithm": recipe.algorithm.model_copy(
+                update={"kl": recipe.algorithm.kl.model_copy(update={"coef": 0.0})}  # no reference copy
+            ),
+            "cluster": recipe.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 1}),
+        }
+    )
+    compat.activate()
+    with _process_group():
+        engine = MegatronTrainEngine(one_rank)
+        try:
+            from rlbridge.engines.megatron import state
+
+            with compat.device_scope():
+                state.load_state(engine.model, engine.optimizer, tensors, {}, "the checkpoint")
+            merged = engine.export_weights("merged").tensors
+        finally:
+            engine.close()
+    dtype = getattr(torch, recipe.model.dtype)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A torch.distributed group of this one process (gloo; NCCL on a GPU), unless one exists already."""
+    if dist.is_initialized():
+        yield
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -29,6 +29,7 @@ from rlbridge.recipe.checks.training import (
     check_algorithm,
     check_async,
     check_async_memory,
+    check_device_memory,
     check_lora,
     check_rollout_correction,
     check_weight_transport,
@@ -57,8 +58,11 @@ RULES: tuple[RecipeRule, ...] = (
 )
 
 
-def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelInfo | None]:
-    """All rules; returns every issue found and the model info (None when not read)."""
+def run_checks(
+    r: Recipe, *, model_checks: bool = True, force: bool = False
+) -> tuple[Issues, ModelInfo | None]:
+    """All rules; returns every issue found and the model info (None when not read). force: an estimated memory
+    peak over the device is not an issue (the plan still notes it)."""
     out: Issues = []
     for rule in RULES:
         rule(r, out)
@@ -82,4 +86,6 @@ def run_checks(r: Recipe, *, model_checks: bool = True) -> tuple[Issues, ModelIn
         return out, None
     check_model_shape(r, info, out)
     check_async_memory(r, info, out)
+    if not force and not out:  # the estimate is of a valid recipe (async's own memory issue says enough)
+        check_device_memory(r, info, out)
     return out, info

@@ -151,6 +151,20 @@ def check_batches(r: Recipe, out: Issues) -> None:
                 fix="set rollout.n: 4 (or 2)",
             )
         )
+    greedy = r.rollout.temperature == 0 or r.rollout.top_k == 1
+    if r.algorithm.name in GROUP_ALGORITHMS and greedy:
+        key, value = ("rollout.temperature", "0") if r.rollout.temperature == 0 else ("rollout.top_k", "1")
+        out.append(
+            RecipeIssue(
+                key,
+                f"greedy sampling gives every completion of a prompt the same text and reward, so {r.algorithm.name}'s "
+                "group-relative advantages are all zero and no step learns anything",
+                value=value,
+                fix="set rollout.temperature: 1.0"
+                if key == "rollout.temperature"
+                else "set rollout.top_k: -1",
+            )
+        )
     mini = r.mini_batch_size
     if d.batch_size % mini:
         out.append(

@@ -90,15 +90,7 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 fix=f"set {key}: 1",
             )
         )
-    if r.rollout.max_prompt_tokens + r.rollout.max_response_tokens > m.max_positions:
-        out.append(
-            RecipeIssue(
-                "rollout.max_response_tokens",
-                f"max_prompt_tokens {r.rollout.max_prompt_tokens} + max_response_tokens {r.rollout.max_response_tokens} = "
-                f"{r.rollout.max_prompt_tokens + r.rollout.max_response_tokens} exceeds the model's {m.max_positions} positions",
-                fix=f"set rollout.max_response_tokens <= {m.max_positions - r.rollout.max_prompt_tokens}",
-            )
-        )
+    check_positions(r, m, out)
     check_recompute(r, m, out)
     if r.lora.enabled and m.model_type not in SUPPORTED_MODEL_TYPES:
         out.append(
@@ -268,5 +260,44 @@ def check_recompute(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 "trainer.recompute.method",
                 "the hf engine recomputes every layer (gradient checkpointing); block is megatron-only",
                 fix="set trainer.recompute.method: uniform",
+            )
+        )
+
+
+def check_positions(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """A prompt and its response must fit the model's positions. The blame goes to the key whose value alone is
+    out of reach (a prompt budget that leaves no room for any response), else to the response budget, and the
+    fix is a number that fits (never one below 1)."""
+    prompt, response, positions = r.rollout.max_prompt_tokens, r.rollout.max_response_tokens, m.max_positions
+    if prompt + response <= positions:
+        return
+    why = f"max_prompt_tokens {prompt} + max_response_tokens {response} = {prompt + response} exceeds the model's {positions} positions"
+    if positions - prompt >= 1:
+        out.append(
+            RecipeIssue(
+                "rollout.max_response_tokens",
+                why,
+                value=str(response),
+                fix=f"set rollout.max_response_tokens <= {positions - prompt}, or lower rollout.max_prompt_tokens",
+            )
+        )
+    elif positions - response >= 1:
+        out.append(
+            RecipeIssue(
+                "rollout.max_prompt_tokens",
+                why,
+                value=str(prompt),
+                fix=f"set rollout.max_prompt_tokens <= {positions - response}",
+            )
+        )
+    else:
+        half = positions // 2
+        out.append(
+            RecipeIssue(
+                "rollout.max_prompt_tokens",
+                why,
+                value=str(prompt),
+                fix=f"set rollout.max_prompt_tokens and rollout.max_response_tokens to at most {positions} together "
+                f"(e.g. {half} each)",
             )
         )

@@ -307,3 +307,75 @@ def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
             fix=fix,
         )
     )
+
+
+def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """The plan's estimated peak per device (plan.memory, +-30 %) over cluster.gpu_memory_gib is an error: such a
+    run dies of out-of-memory after minutes of start-up. The fix lists the single changes whose estimate fits,
+    and --force (commands that check recipes) runs it anyway. GPUs only: on a CPU the figure is host memory."""
+    if r.cluster.device != "cuda":
+        return
+    from rlbridge.plan import batches, memory
+
+    def peak(recipe: Recipe) -> tuple[float, float]:
+        p = recipe.trainer.parallel
+        dp = max(recipe.world_size // (p.tensor * p.pipeline * p.context), 1)
+        mem = memory(recipe, m, dp, batches(recipe, dp))
+        return mem.peak, mem.capacity
+
+    need, capacity = peak(r)
+    if need <= capacity:
+        return
+    fits = []
+    for change, changed in _memory_changes(r):
+        after, _ = peak(changed)
+        if after <= capacity:
+            fits.append(f"{change} (~{after:.0f} GiB)")
+    fix = ("set " + ", or ".join(fits) + "; " if fits else "no single change fits: combine LoRA, more tensor parallel, "
+           "recompute and a smaller micro_batch_size; ")  # fmt: skip
+    out.append(
+        RecipeIssue(
+            "cluster.gpu_memory_gib",
+            f"the estimated peak of {need:.1f} GiB per device exceeds the {capacity:.0f} GiB a device has "
+            "(`rlbridge plan --force` shows its parts: weights, gradients, optimizer state, activations, vLLM)",
+            fix=fix + "or pass --force to run it anyway (the estimate is within about 30 %)",
+        )
+    )
+
+
+def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
+    """Single recipe changes that lower the memory peak, as (how to write it, the changed recipe)."""
+    t, ro = r.trainer, r.rollout
+
+    def with_(section: str, **values: object) -> Recipe:
+        return r.model_copy(update={section: getattr(r, section).model_copy(update=values)})
+
+    def trainer(**values: object) -> Recipe:
+        return r.model_copy(update={"trainer": t.model_copy(update=values)})
+
+    out: list[tuple[str, Recipe]] = []
+    if not r.lora.enabled:
+        out.append(("lora.rank: 16 (LoRA instead of full fine-tuning)", with_("lora", rank=16)))
+    if t.engine == "megatron":
+        tp = t.parallel.tensor * 2
+        if r.world_size % (tp * t.parallel.pipeline * t.parallel.context) == 0:
+            out.append(
+                (
+                    f"trainer.parallel.tensor: {tp}",
+                    trainer(parallel=t.parallel.model_copy(update={"tensor": tp})),
+                )
+            )
+        if t.recompute.granularity != "full":
+            full = t.recompute.model_copy(
+                update={"granularity": "full", "method": "uniform", "num_layers": 1}
+            )
+            out.append(("trainer.recompute.granularity: full", trainer(recompute=full)))
+        if not t.distributed_optimizer and r.world_size > 1:
+            out.append(("trainer.distributed_optimizer: true", trainer(distributed_optimizer=True)))
+    if t.micro_batch_size > 1:
+        out.append(("trainer.micro_batch_size: 1", trainer(micro_batch_size=1)))
+    if r.cluster.colocate and ro.engine == "vllm" and (ro.mode == "async" or ro.sleep != "always"):
+        out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
+    if r.cluster.colocate and ro.gpu_memory_utilization > 0.3:
+        out.append(("rollout.gpu_memory_utilization: 0.3", with_("rollout", gpu_memory_utilization=0.3)))
+    return out
