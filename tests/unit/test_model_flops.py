@@ -32,7 +32,9 @@ def _counted(mode: str) -> tuple[float, int]:
         import peft
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets)
+        )
         lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ids = torch.randint(0, cfg["vocab_size"], (BATCH, PROMPT + RESPONSE))
     targets = torch.randint(0, cfg["vocab_size"], (BATCH * RESPONSE,))
