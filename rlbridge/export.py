@@ -2,7 +2,7 @@
 
 One function, `export_hf`, whatever trained the checkpoint: it finds the checkpoint (a run directory's
 newest complete one, its step N, or a checkpoint directory), reads the recipe saved with it, and asks the
-exporter of the checkpoint's engine (`EXPORTERS`) for the weights:
+exporter of the checkpoint's engine (its spec's `exporter`, engines/registry.py) for the weights:
 
 - hf (now): the base model is loaded with transformers on CPU from the recipe's model.path (short names
   through rlbridge.model.cache), the checkpoint's trainable tensors are loaded into the same peft model the
@@ -46,6 +46,7 @@ import torch
 import yaml
 
 from rlbridge.engines.base import WeightExport
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
@@ -79,6 +80,9 @@ class ExportResult:
 
 
 Exporter = Callable[[Recipe, ResumePoint, str, Callable[[str], None]], Exported]
+"""(recipe, checkpoint, 'merged' or 'adapter', log) -> the weights: each trainer engine's (engines/spec.py)."""
+ToPeft = Callable[[Recipe, Path, Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""(recipe, base model directory, the hf engine's peft model, checkpoint tensors) -> them under peft's names."""
 
 
 def export_hf(
@@ -105,16 +109,11 @@ def export_hf(
             f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
             "export it merged"
         )
-    engine = recipe.trainer.engine
-    if engine not in EXPORTERS:
-        raise RlbridgeError(
-            f"export-hf of trainer.engine={engine} checkpoints is not implemented yet "
-            f"(known: {', '.join(EXPORTERS)})"
-        )
+    engine = trainer_engine(recipe)
     log(
-        f"exporting {point.path} (step {point.step}, {engine} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}"
+        f"exporting {point.path} (step {point.step}, {engine.name} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}"
     )
-    exported = EXPORTERS[engine](recipe, point, kind, log)
+    exported = engine.exporter(recipe, point, kind, log)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -140,7 +139,16 @@ def export_hf(
 
 
 # ------------------------------------------------------------------------------------------- exporters
-def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+def hf_exporter(
+    recipe: Recipe,
+    point: ResumePoint,
+    kind: str,
+    log: Callable[[str], None],
+    *,
+    to_peft: ToPeft | None = None,
+) -> Exported:
+    """The checkpoint's trainable tensors loaded into the hf engine's peft model on CPU, exported from there.
+    to_peft: renames an engine's checkpoint names to that model's (engines/megatron/spec.py)."""
     from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.hf import hf_logging
@@ -166,16 +174,8 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
         if bars:
             hf_logging.enable_progress_bar()
     trainable = loaded.tensors["trainable"]
-    if recipe.trainer.engine == "megatron":  # canonical Megatron adapter names -> the hf engine's PEFT names
-        from rlbridge.engines.hf_moe import megatron_experts_to_packed
-        from rlbridge.engines.megatron.hf_names import lora_to_peft
-
-        experts = {k: v for k, v in trainable.items() if ".mlp.experts." in k}
-        dense = {k: v for k, v in trainable.items() if k not in experts}
-        trainable = lora_to_peft(dense, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
-        if experts:  # routed experts: into peft's packed expert LoRA (engines/hf_moe.py)
-            scale = recipe.lora.alpha / recipe.lora.rank
-            trainable.update(megatron_experts_to_packed(engine.model, experts, scale=scale))
+    if to_peft is not None:
+        trainable = to_peft(recipe, base_dir, engine.model, trainable)
     engine.load_trainable_state(trainable)
     if kind == "adapter":
         weights = engine.export_weights("adapter")
@@ -188,22 +188,6 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
     config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
     notes = _settle_ties(engine.hf_model, state, config)
     return Exported(WeightExport("merged", state), config, base_dir, notes)
-
-
-def _megatron_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
-    """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
-    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray)."""
-    if not recipe.lora.enabled or recipe.lora.type != "lora":
-        what = "full fine-tuning" if not recipe.lora.enabled else f"lora.type {recipe.lora.type}"
-        raise RlbridgeError(
-            f"export-hf of a megatron checkpoint of {what} is not implemented yet (LoRA only: "
-            "its adapters map onto PEFT's); export from the running trainer instead"
-        )
-    return _hf_exporter(recipe, point, kind, log)
-
-
-EXPORTERS: dict[str, Exporter] = {"hf": _hf_exporter, "megatron": _megatron_exporter}
-"""trainer.engine -> exporter."""
 
 
 def _settle_ties(model: Any, state: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:

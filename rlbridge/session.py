@@ -26,13 +26,14 @@ from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.engines.registry import engine_kind
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.metrics.log import MetricsLog, console
 from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.memory import RolloutMemory
+from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import directory as rundir
 from rlbridge.run import gpu_faults, stalls
 from rlbridge.trainer.client import RayTrainer, Trainer
@@ -244,7 +245,7 @@ class Session:
         log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
         self._start_time = time.monotonic()
         starting: list[tuple[rc.Worker, Any]] = []
-        multi_rank = engine_kind(r).multi_rank
+        multi_rank = trainer_engine(r).multi_rank
         trainer: rc.Worker | TrainerGroup | None = None
         if not multi_rank:
             trainer = rc.start_worker(
@@ -263,10 +264,10 @@ class Session:
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.submit("rlbridge_started")))
-        rollout_cls = _rollout_class(r)
+        rollout_spec = rollout_engine(r)
         rollout_bundle = rollout_slot(plan, place)
         rollout = rc.start_worker(
-            rollout_cls,
+            rollout_spec.worker(),
             "rollout",
             self._pg,
             rollout_bundle,
@@ -275,7 +276,7 @@ class Session:
             log_file=rundir.log_file(self.run_dir, "rollout"),
             echo=self.echo,
             args=(str(self.model_dir), r.rollout, r.model),
-            kwargs=_rollout_kwargs(r, rollout_threads),
+            kwargs=rollout_spec.worker_kwargs(r, rollout_threads),
             node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
         )
         self.rollout = rollout
@@ -359,11 +360,7 @@ class Session:
         phases = logs.describe_phases(
             {"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]}
         )
-        what = (
-            "vLLM engine up"
-            if worker is self.rollout and self.recipe.rollout.engine == "vllm"
-            else "model loaded"
-        )
+        what = rollout_engine(self.recipe).started if worker is self.rollout else "model loaded"
         gpus = answer.get("gpus") or []
         where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
         log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
@@ -418,7 +415,9 @@ class Session:
         load then also fails before any training."""
         r = self.recipe
         return (
-            r.rollout.engine == "vllm" and r.rollout.weight_sync == "adapter" and r.cluster.device == "cuda"
+            rollout_engine(r).warm_adapter
+            and r.rollout.weight_sync == "adapter"
+            and r.cluster.device == "cuda"
         )
 
     def loads_in_background(self) -> bool:
@@ -520,23 +519,3 @@ def rollout_slot(plan: Plan, place: rc.Placement) -> int:
     if plan.colocate:
         return place.slots[0]
     return sum(len(node) for node in plan.bundles_per_node)
-
-
-def _rollout_class(r: Recipe) -> type:
-    if r.rollout.engine == "vllm":
-        from rlbridge.rollout.vllm import VllmRollout
-
-        return VllmRollout
-    from rlbridge.rollout.hf import HFRollout
-
-    return HFRollout
-
-
-def _rollout_kwargs(r: Recipe, threads: int) -> dict[str, Any]:
-    kw: dict[str, Any] = {"seed": r.run.seed}
-    cpu = r.cluster.device == "cpu"
-    if r.rollout.engine == "vllm":
-        kw.update(lora_rank=r.lora.rank, cpu=cpu, **({"num_threads": threads} if cpu else {}))
-    elif cpu and r.rollout.mode == "async":
-        kw["num_threads"] = threads
-    return kw

@@ -126,6 +126,35 @@ class RankedEngine(TrainEngine, Protocol):
         ...
 
 
+@runtime_checkable
+class DataParallelEngine(Protocol):
+    """An engine of one data-parallel replica among several: TrainerRole hands it its share of the rows."""
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data-parallel replica."""
+        ...
+
+
+@runtime_checkable
+class LimitedCheckpointEngine(Protocol):
+    """An engine that can checkpoint some layouts only."""
+
+    def checkpoint_problem(self) -> str | None:
+        """Why this layout cannot checkpoint yet, or None."""
+        ...
+
+
+@runtime_checkable
+class RecordingEngine(Protocol):
+    """A TrainEngine that records its training passes as CUDA graphs (trainer.cuda_graphs: engines/graphs.py)."""
+
+    def prerecord(self, prompt_lengths: list[int], passes: list[tuple[int, int]]) -> int:
+        """Record the pass shapes these prompt lengths make likely for `passes` (rows, micro-batches) before the
+        first step; returns how many were recorded."""
+        ...
+
+
 # value_loss_fn(values_bt, rows) -> (scalar loss, metrics), the critic's LossFn (rows: as for LossFn).
 ValueLossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 

@@ -181,10 +181,12 @@ class TrainerCfg(Section):
 
     def width_multiple(self, device: str) -> int:
         """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
-        AUTO_WIDTH_MULTIPLE for the hf engine on cuda, else 1."""
+        AUTO_WIDTH_MULTIPLE for the hf engine on cuda (the engine's spec says), else 1."""
+        from rlbridge.engines.registry import TRAINER_ENGINES
+
         if self.pass_width_multiple is not None:
             return self.pass_width_multiple
-        return AUTO_WIDTH_MULTIPLE if self.engine == "hf" and device == "cuda" else 1
+        return TRAINER_ENGINES[self.engine].auto_width_multiple_cuda if device == "cuda" else 1
 
 
 # -------------------------------------------------------------------------------------------- rollout

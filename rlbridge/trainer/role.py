@@ -22,9 +22,12 @@ from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import (
     CheckpointableEngine,
+    DataParallelEngine,
     ExpertEngine,
+    LimitedCheckpointEngine,
     MoeBook,
     PortableCheckpointEngine,
+    RecordingEngine,
     TrainEngine,
     WeightExport,
 )
@@ -33,6 +36,7 @@ from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
+from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import faults
 from rlbridge.trainer.export import WeightSender
 
@@ -88,8 +92,10 @@ class TrainerRole:
         self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
         self.critic = build_critic(recipe, self.model_dir)
         """PPO's value model (None for the other algorithms); updated in `update` on the policy's micro-batches."""
-        dp: tuple[int, int] = getattr(self.engine, "data_parallel", (0, 1))
-        self.dp_rank, self.dp_size = dp
+        engine = self.engine
+        self.dp_rank, self.dp_size = (
+            engine.data_parallel if isinstance(engine, DataParallelEngine) else (0, 1)
+        )
         self.is_holder = True
         """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
@@ -108,14 +114,13 @@ class TrainerRole:
     def prerecord(self, prompt_lengths: list[int]) -> int:
         """trainer.cuda_graphs: the engine records the pass shapes of a full step's mini-batches (this rank's
         shards of them) that the prompt lengths make likely (HFTrainEngine.prerecord); 0 without the option."""
-        record = getattr(self.engine, "prerecord", None)
         r = self.recipe
-        if record is None or not r.trainer.cuda_graphs:
+        if not r.trainer.cuda_graphs or not isinstance(self.engine, RecordingEngine):
             return 0
         start = time.perf_counter()
         shards = {len(self._shard(rows)) for rows in self._mini_batches(r.data.batch_size * r.rollout.n)}
         passes = [(rows, num_micro_batches(r, rows)) for rows in sorted(shards, reverse=True) if rows]
-        recorded = int(record(prompt_lengths, passes))
+        recorded = int(self.engine.prerecord(prompt_lengths, passes))
         log.info(
             "trainer.cuda_graphs: %d pass shapes recorded before the first step in %.1f s",
             recorded,
@@ -242,7 +247,9 @@ class TrainerRole:
             )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         out.update(device_memory_peaks())
-        resident = r.rollout.engine == "vllm" and r.rollout.sleep == "never"  # no wake to make room for
+        resident = (
+            rollout_engine(r).reserves_memory and r.rollout.sleep == "never"
+        )  # no wake to make room for
         if r.cluster.colocate and r.rollout.mode == "sync" and not resident and torch.cuda.is_initialized():
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
@@ -307,8 +314,9 @@ class TrainerRole:
     def checkpoint_support(self) -> str | None:
         """None when this trainer can save and restore checkpoints, else why not."""
         if isinstance(self.engine, PortableCheckpointEngine):
-            problem: str | None = getattr(self.engine, "checkpoint_problem", lambda: None)()
-            return problem
+            return (
+                self.engine.checkpoint_problem() if isinstance(self.engine, LimitedCheckpointEngine) else None
+            )
         if not isinstance(self.engine, CheckpointableEngine):
             return (
                 f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "

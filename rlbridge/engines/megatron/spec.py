@@ -1,0 +1,83 @@
+"""The megatron trainer engine as the rest of rlbridge sees it (engines/spec.py): megatron-core models through
+Megatron-Bridge (or mbridge), one process per device, every parallel layout."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlbridge.engines.spec import PARALLEL_DIMS, TrainerEngineSpec, TrainerMemory
+from rlbridge.errors import RlbridgeError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from rlbridge.engines.base import Critic, TrainEngine
+    from rlbridge.export import Exported
+    from rlbridge.recipe.schema import Recipe
+    from rlbridge.run.resume import ResumePoint
+
+
+def _engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+
+    return MegatronTrainEngine(recipe)
+
+
+def _critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
+    from rlbridge.engines.megatron.critic import MegatronCritic
+
+    return MegatronCritic(recipe)
+
+
+def _export(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+    """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
+    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray)."""
+    from rlbridge.export import hf_exporter
+
+    if not recipe.lora.enabled or recipe.lora.type != "lora":
+        what = "full fine-tuning" if not recipe.lora.enabled else f"lora.type {recipe.lora.type}"
+        raise RlbridgeError(
+            f"export-hf of a megatron checkpoint of {what} is not implemented yet (LoRA only: "
+            "its adapters map onto PEFT's); export from the running trainer instead"
+        )
+    return hf_exporter(recipe, point, kind, log, to_peft=_to_peft)
+
+
+def _to_peft(recipe: Recipe, base_dir: Path, model: Any, trainable: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Canonical Megatron adapter names -> the hf engine's PEFT names (`model`: its peft model)."""
+    from rlbridge.engines.hf_moe import megatron_experts_to_packed
+    from rlbridge.engines.megatron.hf_names import lora_to_peft
+
+    experts = {k: v for k, v in trainable.items() if ".mlp.experts." in k}
+    dense = {k: v for k, v in trainable.items() if k not in experts}
+    out = lora_to_peft(dense, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
+    if experts:  # routed experts: into peft's packed expert LoRA (engines/hf_moe.py)
+        scale = recipe.lora.alpha / recipe.lora.rank
+        out.update(megatron_experts_to_packed(model, experts, scale=scale))
+    return out
+
+
+MEGATRON = TrainerEngineSpec(
+    name="megatron",
+    multi_rank=True,
+    build=_engine,
+    build_critic=_critic,
+    exporter=_export,
+    memory=TrainerMemory(
+        mlp_bytes=10.6, logits_bytes=20.0, lora_input_copies=False, logits_response_only=False
+    ),
+    parallel=frozenset(PARALLEL_DIMS),
+    # the critic's value head reads the full, TP-replicated hidden states
+    critic_parallel=frozenset(PARALLEL_DIMS) - {"pipeline", "context"},
+    moe="megatron-core",
+    recompute_block=True,
+    fused_projections=True,
+    budget_flat_only=True,
+    shared_prompts=False,
+    cuda_graphs=False,
+    auto_width_multiple_cuda=1,
+    smoke=True,
+)
