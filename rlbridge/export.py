@@ -51,6 +51,7 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.resume import ResumePoint, find_checkpoint
+from rlbridge.weights import WeightSync
 
 DEFAULT_SHARD_SIZE = "5GB"
 
@@ -70,7 +71,7 @@ class Exported:
 @dataclass
 class ExportResult:
     out: Path
-    kind: str
+    kind: WeightSync
     step: int
     checkpoint: Path
     files: list[str]
@@ -79,7 +80,7 @@ class ExportResult:
     notes: list[str]
 
 
-Exporter = Callable[[Recipe, ResumePoint, str, Callable[[str], None]], Exported]
+Exporter = Callable[[Recipe, ResumePoint, WeightSync, Callable[[str], None]], Exported]
 """(recipe, checkpoint, 'merged' or 'adapter', log) -> the weights: each trainer engine's (engines/spec.py)."""
 ToPeft = Callable[[Recipe, Path, Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 """(recipe, base model directory, the hf engine's peft model, checkpoint tensors) -> them under peft's names."""
@@ -103,7 +104,7 @@ def export_hf(
     _check_out(out, force)
     point = find_checkpoint(Path(source), step=step, log=log)
     recipe = _recipe(point)
-    kind = "merged" if merge or merge is None else "adapter"
+    kind: WeightSync = "merged" if merge or merge is None else "adapter"
     if kind == "adapter" and not recipe.lora.enabled:
         raise RlbridgeError(
             f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
@@ -142,7 +143,7 @@ def export_hf(
 def hf_exporter(
     recipe: Recipe,
     point: ResumePoint,
-    kind: str,
+    kind: WeightSync,
     log: Callable[[str], None],
     *,
     to_peft: ToPeft | None = None,
@@ -282,7 +283,9 @@ def _write_adapter(tmp: Path, exported: Exported) -> None:
     save_hf(tmp, exported.weights)
 
 
-def _write_readme(tmp: Path, recipe: Recipe, point: ResumePoint, kind: str, exported: Exported) -> None:
+def _write_readme(
+    tmp: Path, recipe: Recipe, point: ResumePoint, kind: WeightSync, exported: Exported
+) -> None:
     r = recipe
     lora = (
         f"LoRA rank {r.lora.rank}, alpha {r.lora.alpha}, targets {', '.join(r.lora.targets)} ({r.lora.type})"

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from rlbridge.export import Exported
     from rlbridge.recipe.schema import Recipe
     from rlbridge.run.resume import ResumePoint
+    from rlbridge.weights import WeightSync
 
 
 def _engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
@@ -28,7 +29,7 @@ def _critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
     return HFCritic(recipe, model_dir, device=device)
 
 
-def _export(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+def _export(recipe: Recipe, point: ResumePoint, kind: WeightSync, log: Callable[[str], None]) -> Exported:
     """Its checkpoints hold the peft model's own trainable tensors: loaded back into the same peft model."""
     from rlbridge.export import hf_exporter
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlbridge.weights import WeightSync
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -214,7 +216,7 @@ class RolloutCfg(Section):
     engine suppresses EOS until then): every response has exactly that length. For measuring step time and memory
     at a given response length (bench/growth.py); it changes what the policy learns from. Evaluation (greedy) still
     stops at EOS."""
-    weight_sync: Literal["merged", "adapter"] = "merged"
+    weight_sync: WeightSync = "merged"
     """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
     weight_transport: Literal["files", "cuda_ipc"] = "files"
     """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in

@@ -24,6 +24,7 @@ from rlbridge.cluster.ray_cluster import Worker
 from rlbridge.engines.base import WeightExport
 from rlbridge.trainer.group import TrainerGroup
 from rlbridge.trainer.role import TrainerRole
+from rlbridge.weights import WeightSync
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,7 +48,7 @@ class Trainer(Protocol):
         """The step's policy (and, for PPO, critic) updates; their metrics."""
         ...
 
-    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
+    def export_weights(self, kind: WeightSync, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
         """The weights for the rollout, as something the rollout's load_weights accepts (over Ray: a reference
         that goes from the trainer to the rollout without passing through the driver). cuda_ipc: CUDA IPC handles
         of merged tensors the trainer keeps on its GPU until `release_export`."""
@@ -121,7 +122,7 @@ class RayTrainer:
             return self.workers.call_metrics(TrainerRole.update.__name__, *args)
         return self._call(TrainerRole.update, *args)
 
-    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
+    def export_weights(self, kind: WeightSync, *, as_files: bool = False, cuda_ipc: bool = False) -> Any:
         return self.workers.submit(
             TrainerRole.export_weights.__name__, kind, as_files=as_files, cuda_ipc=cuda_ipc
         )
@@ -178,7 +179,9 @@ class LocalTrainer:
     ) -> dict[str, float]:
         return self.role.update(batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
 
-    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
+    def export_weights(
+        self, kind: WeightSync, *, as_files: bool = False, cuda_ipc: bool = False
+    ) -> WeightExport:
         return self.role.export_weights(kind, as_files=as_files, cuda_ipc=cuda_ipc)
 
     def release_export(self) -> None:

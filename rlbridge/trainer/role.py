@@ -39,6 +39,7 @@ from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import faults
 from rlbridge.trainer.export import WeightSender
+from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,9 @@ class TrainerRole:
             return torch.zeros(0, batch.response_width)
         return self.critic.values(batch.select(rows))
 
-    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
+    def export_weights(
+        self, kind: WeightSync, *, as_files: bool = False, cuda_ipc: bool = False
+    ) -> WeightExport:
         """The weights for the rollout: the engine's export, handed over as the sender decides (export.py:
         through Ray, as files on this node, or by CUDA IPC handles kept until `release_export`)."""
         start = time.perf_counter()

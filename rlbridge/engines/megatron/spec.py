@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from rlbridge.export import Exported
     from rlbridge.recipe.schema import Recipe
     from rlbridge.run.resume import ResumePoint
+    from rlbridge.weights import WeightSync
 
 
 def _engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
@@ -32,7 +33,7 @@ def _critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
     return MegatronCritic(recipe)
 
 
-def _export(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+def _export(recipe: Recipe, point: ResumePoint, kind: WeightSync, log: Callable[[str], None]) -> Exported:
     """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
     it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray)."""
     from rlbridge.export import hf_exporter
