@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rich.markup import escape
 
@@ -32,6 +32,7 @@ from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
+from rlbridge.rollout.client import RayRollout, RolloutClient, Sent
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import directory as rundir
@@ -58,26 +59,12 @@ class Encoded:
         self.prompts, self.ids = prompts, ids
 
 
-class Rollout(Protocol):
-    """The rollout worker as the session drives it (cluster/ray_cluster.Worker, or an in-process stand-in)."""
-
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
-
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Send a call without waiting; `wait` gives its answer. The worker runs calls in the order sent."""
-        ...
-
-    def wait(self, ref: Any, timeout: float | None = None) -> Any: ...
-
-    def kill(self) -> None: ...
-
-
 @dataclass
 class Workers:
-    """What a session trains with: the trainer (a typed client), the rollout, and the rollout's GPU memory."""
+    """What a session trains with: the trainer and the rollout (typed clients), and the rollout's GPU memory."""
 
     trainer: Trainer
-    rollout: Rollout
+    rollout: RolloutClient
     memory: RolloutMemory
 
 
@@ -96,17 +83,19 @@ class Session:
         start_workers: StartWorkers | None = None,
     ) -> None:
         """start_workers: how the trainer and rollout start (default: Ray actors placed as `plan` says;
-        tests pass in-process ones, trainer/client.LocalTrainer)."""
+        tests pass in-process ones, trainer/client.LocalTrainer and rollout/client.LocalRollout)."""
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
         self.version = 0
-        self._loading: tuple[Any, Any] | None = None
+        self._loading: tuple[Sent[None], Any] | None = None
         """A weight load sent without waiting (`sync_weights(background=True)`): its call and the export it loads,
         waited for before the next sync or generation (`wait_loaded`)."""
         self._pg: Any = None
         self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
         self.trainer: Trainer | None = None
         """The trainer's typed client: the hf engine's one worker, or the megatron ranks behind one group."""
-        self.rollout: Rollout | None = None
+        self.rollout: RolloutClient | None = None
+        """The rollout's typed client."""
+        self._rollout_worker: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.mismatch_notices = MismatchNotices()
@@ -263,10 +252,10 @@ class Session:
             )
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
-            starting.append((trainer, trainer.submit("rlbridge_started")))
+            starting.append((trainer, trainer.send_started()))
         rollout_spec = rollout_engine(r)
         rollout_bundle = rollout_slot(plan, place)
-        rollout = rc.start_worker(
+        rollout = self._rollout_worker = rc.start_worker(
             rollout_spec.worker(),
             "rollout",
             self._pg,
@@ -279,11 +268,11 @@ class Session:
             kwargs=rollout_spec.worker_kwargs(r, rollout_threads),
             node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
         )
-        self.rollout = rollout
+        rollout_client = self.rollout = RayRollout(rollout)  # stopped on the way out even if the start fails
         self._announced.append(rollout)
-        starting.append((rollout, rollout.submit("rlbridge_started")))
+        starting.append((rollout, rollout.send_started()))
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
-        memory = RolloutMemory(rollout.call, enabled=sleeps)
+        memory = RolloutMemory(rollout_client, enabled=sleeps)
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
             trainer, joins = start_trainer_group(
@@ -311,7 +300,7 @@ class Session:
                 f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)"
             )
             trainer.formed(answers[-len(joins) :], log_plain)
-        return Workers(client, rollout, memory)
+        return Workers(client, rollout_client, memory)
 
     def _prerecord_kwargs(self) -> dict[str, Any]:
         """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make
@@ -351,17 +340,15 @@ class Session:
     def _rollout_node(self, place: rc.Placement) -> rc.NodeInfo | None:
         return place.rollout_nodes[0] if self._multi_node and place.rollout_nodes else None
 
-    def _started(self, worker: rc.Worker, answer: Any) -> None:
-        """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the
+    def _started(self, worker: rc.Worker, answer: rc.Started) -> None:
+        """The start-up line of the hf trainer or the rollout (`Worker.send_started`'s answer): seconds since the
         workers were asked for, of which the Ray worker process took those before its constructor ran."""
         if not any(worker is w for w in self._announced):
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
-        phases = logs.describe_phases(
-            {"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]}
-        )
-        what = rollout_engine(self.recipe).started if worker is self.rollout else "model loaded"
-        gpus = answer.get("gpus") or []
+        phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer.seconds), **answer.phases})
+        what = rollout_engine(self.recipe).started if worker is self._rollout_worker else "model loaded"
+        gpus = answer.gpus
         where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
         log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
 
@@ -387,20 +374,20 @@ class Session:
         """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
         assert self.rollout is not None
         self.wait_loaded()
-        return self.rollout.call(
-            "generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
+        return self.rollout.generate(
+            ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
         )
 
-    def send_generate(self, ids: list[list[int]], *, seed: int) -> Any:
+    def send_generate(self, ids: list[list[int]], *, seed: int) -> Sent[Rollouts]:
         """`generate` without waiting (rollout.mode async): the rollout runs it with the weights of the last
         load sent before it; `wait_generate` gives the Rollouts."""
         assert self.rollout is not None
-        return self.rollout.submit("generate", ids, self.sampling(), expect_version=self.version, seed=seed)
+        return self.rollout.send_generate(ids, self.sampling(), expect_version=self.version, seed=seed)
 
-    def wait_generate(self, ref: Any) -> Rollouts:
+    def wait_generate(self, sent: Sent[Rollouts]) -> Rollouts:
         assert self.rollout is not None
         try:
-            return self.rollout.wait(ref)  # type: ignore[no-any-return]  # the rollout's generate returns Rollouts
+            return self.rollout.wait(sent)
         except Exception:
             # a generation sent after a background load that failed finds the old weights (StaleWeightsError):
             # the load's own error is the one to report
@@ -435,10 +422,10 @@ class Session:
         when the trainer died exporting)."""
         if self._loading is None:
             return
-        (ref, export), self._loading = self._loading, None
+        (sent, export), self._loading = self._loading, None
         assert self.rollout is not None and self.trainer is not None
         try:
-            self.rollout.wait(ref)
+            self.rollout.wait(sent)
         except rc.InputLost:
             self.trainer.raise_if_lost(export)
             raise
@@ -467,14 +454,14 @@ class Session:
         rollout, v = self.rollout, self.version
         if background and self.loads_in_background():
             # memory.load only steps its state machine here: nothing sleeps or wakes (loads_in_background)
-            self._loading = (self.memory.load(lambda: rollout.submit("load_weights", ref, v)), ref)
+            self._loading = (self.memory.load(lambda: rollout.send_load_weights(ref, v)), ref)
             return trainer.last_export_bytes()
         held = ipc
 
-        def load() -> Any:
+        def load() -> None:
             nonlocal held
             try:
-                return rollout.call("load_weights", ref, v)
+                rollout.load_weights(ref, v)
             finally:
                 if held:
                     held = False

@@ -23,7 +23,7 @@ from rlbridge.batch import SeqBatch
 from rlbridge.cluster.ray_cluster import Worker
 from rlbridge.engines.base import WeightExport
 from rlbridge.trainer.group import TrainerGroup
-from rlbridge.trainer.role import TrainerRole
+from rlbridge.trainer.role import SavedCheckpoint, TrainerRole
 from rlbridge.weights import WeightSync
 
 P = ParamSpec("P")
@@ -77,9 +77,12 @@ class Trainer(Protocol):
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]: ...
+    ) -> SavedCheckpoint: ...
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]: ...
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restores the trainer's part of checkpoint `path`; returns its state.json (run/resume.RunState reads the
+        driver's part)."""
+        ...
 
     def kill(self) -> None: ...
 
@@ -141,7 +144,7 @@ class RayTrainer:
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]:
+    ) -> SavedCheckpoint:
         return self._call(TrainerRole.save_checkpoint, run_dir, step, state, recipe_yaml, keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
@@ -198,7 +201,7 @@ class LocalTrainer:
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]:
+    ) -> SavedCheckpoint:
         return self.role.save_checkpoint(run_dir, step, state, recipe_yaml, keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,17 @@ def apply_cudnn_attention_env(environ: dict[str, str] | None = None) -> bool:
     if value == "0":
         torch.backends.cuda.enable_cudnn_sdp(False)
     return bool(torch.backends.cuda.cudnn_sdp_enabled())
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What `TrainerRole.save_checkpoint` wrote (a rank that does not write: path "", 0 bytes)."""
+
+    path: str
+    bytes: int
+    seconds: float
+    notes: list[str]
+    """What retention deleted, one line each."""
 
 
 class HealthError(RlbridgeError):
@@ -371,18 +383,18 @@ class TrainerRole:
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]:
+    ) -> SavedCheckpoint:
         """Write checkpoint `step` from this process (the tensors never travel through the driver): the
         trainable tensors (adapters only under LoRA), optimizer and scheduler state, the RNG states and the
         gate state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
         rlbridge/run/checkpoint.py). A multi-rank trainer gathers full, layout-free tensors to global rank 0,
-        which alone writes. Returns path, bytes, seconds, and what retention deleted."""
+        which alone writes."""
         from rlbridge.run import checkpoint as ckpt
 
         start = time.perf_counter()
         groups, mine = self._engine_state()
         if not self.is_holder:
-            return {"path": "", "bytes": 0, "seconds": time.perf_counter() - start, "notes": []}
+            return SavedCheckpoint("", 0, time.perf_counter() - start, [])
         notes: list[str] = []
         path = ckpt.save_checkpoint(
             Path(run_dir),
@@ -394,7 +406,7 @@ class TrainerRole:
             log_fn=notes.append,
         )
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        return {"path": str(path), "bytes": size, "seconds": time.perf_counter() - start, "notes": notes}
+        return SavedCheckpoint(str(path), size, time.perf_counter() - start, notes)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
