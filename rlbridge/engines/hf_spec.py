@@ -38,19 +38,12 @@ def _export(recipe: Recipe, point: ResumePoint, kind: WeightSync, log: Callable[
 
 HF = TrainerEngineSpec(
     name="hf",
-    multi_rank=False,
     build=_engine,
     build_critic=_critic,
     exporter=_export,
     memory=TrainerMemory(mlp_bytes=8.0, logits_bytes=8.0, lora_input_copies=True, logits_response_only=True),
-    parallel=frozenset(),
-    critic_parallel=frozenset(),
     moe="peft",
-    recompute_block=False,
-    fused_projections=False,
-    budget_flat_only=False,
     shared_prompts=True,
     cuda_graphs=True,
     auto_width_multiple_cuda=16,  # recipe/schema.AUTO_WIDTH_MULTIPLE (a test keeps them equal)
-    smoke=False,
 )

@@ -50,11 +50,11 @@ class TrainerMemory:
 
 @dataclass(frozen=True)
 class TrainerEngineSpec:
+    """One trainer engine. The capabilities default to none: what a spec does not claim, the recipe checks
+    refuse."""
+
     name: str
     """The recipe's trainer.engine."""
-    multi_rank: bool
-    """One trainer process per device, ranks of a torch.distributed group formed before the engine is built
-    (trainer/group.py); else one trainer process."""
     build: Callable[[Recipe, Path, str], TrainEngine]
     """(recipe, model directory, device) -> the engine; a multi-rank engine joins the group formed already."""
     build_critic: Callable[[Recipe, Path, str], Critic]
@@ -62,24 +62,27 @@ class TrainerEngineSpec:
     exporter: Exporter
     """`export-hf` of a checkpoint this engine wrote (it knows the names and layout its trainer saves)."""
     memory: TrainerMemory
-    parallel: frozenset[ParallelDim]
-    """The model-parallel sizes it implements (the others must be 1)."""
-    critic_parallel: frozenset[ParallelDim]
-    """Those PPO's critic implements too."""
     moe: MoeImpl
-    recompute_block: bool
+    multi_rank: bool = False
+    """One trainer process per device, ranks of a torch.distributed group formed before the engine is built
+    (trainer/group.py); else one trainer process."""
+    parallel: frozenset[ParallelDim] = frozenset()
+    """The model-parallel sizes it implements (the others must be 1)."""
+    critic_parallel: frozenset[ParallelDim] = frozenset()
+    """Those PPO's critic implements too."""
+    recompute_block: bool = False
     """trainer.recompute.method block (else every layer is recomputed: uniform)."""
-    fused_projections: bool
+    fused_projections: bool = False
     """Its attention and MLP projections are fused (linear_qkv, linear_fc1): adapters on one of q / k / v or
     gate / up need lora.type canonical_lora."""
-    budget_flat_only: bool
+    budget_flat_only: bool = False
     """trainer.max_tokens_per_micro_batch only at pipeline = context = 1 (pipeline stages exchange activations
     of one fixed shape, context parallelism shards the sequence)."""
-    shared_prompts: bool
+    shared_prompts: bool = False
     """Shared-prompt passes (trainer.shared_prompts)."""
-    cuda_graphs: bool
+    cuda_graphs: bool = False
     """Training passes recorded as CUDA graphs (trainer.cuda_graphs)."""
-    auto_width_multiple_cuda: int
+    auto_width_multiple_cuda: int = 1
     """trainer.pass_width_multiple null resolves to this on a CUDA device (1 elsewhere)."""
-    smoke: bool
+    smoke: bool = False
     """`rlbridge train --smoke` runs its recipes (the engine's parallel layout is what the smoke run checks)."""

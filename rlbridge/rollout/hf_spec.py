@@ -24,18 +24,4 @@ def _kwargs(r: Recipe, threads: int) -> dict[str, Any]:
     return {"seed": r.run.seed, **({"num_threads": threads} if cpu_async else {})}
 
 
-HF_ROLLOUT = RolloutEngineSpec(
-    name="hf",
-    worker=_worker,
-    worker_kwargs=_kwargs,
-    started="model loaded",
-    reserves_memory=False,
-    loads_ipc=False,
-    serves_dora=True,
-    lora_ranks=None,
-    moe_on_cpu=True,
-    routing_replay_on_cpu=True,
-    moe_adapter_sync=True,
-    warm_adapter=False,
-    stand_in=True,
-)
+HF_ROLLOUT = RolloutEngineSpec(name="hf", worker=_worker, worker_kwargs=_kwargs, stand_in=True)

@@ -124,24 +124,14 @@ def _toy_export(*args: Any) -> Any:
 
 TOY = TrainerEngineSpec(
     name="toy",
-    multi_rank=False,
     build=lambda recipe, model_dir, device: ToyEngine(),
     build_critic=_toy_critic,
     exporter=_toy_export,
     memory=TrainerMemory(
         mlp_bytes=100.0, logits_bytes=8.0, lora_input_copies=False, logits_response_only=True
     ),
-    parallel=frozenset(),
-    critic_parallel=frozenset(),
     moe="peft",
-    recompute_block=False,
-    fused_projections=False,
-    budget_flat_only=False,
-    shared_prompts=False,
-    cuda_graphs=False,
-    auto_width_multiple_cuda=1,
-    smoke=False,
-)
+)  # every capability left out: none (no model parallelism, one process, no shared prompts, ...)
 TINY = ModelInfo(
     architecture="LlamaForCausalLM", model_type="llama", hidden=64, intermediate=128, layers=2, heads=4,
     kv_heads=2, head_dim=16, vocab=VOCAB, max_positions=512, tied_embeddings=True,

@@ -63,22 +63,19 @@ def _to_peft(recipe: Recipe, base_dir: Path, model: Any, trainable: dict[str, Te
 
 MEGATRON = TrainerEngineSpec(
     name="megatron",
-    multi_rank=True,
     build=_engine,
     build_critic=_critic,
     exporter=_export,
     memory=TrainerMemory(
         mlp_bytes=10.6, logits_bytes=20.0, lora_input_copies=False, logits_response_only=False
     ),
+    moe="megatron-core",
+    multi_rank=True,
     parallel=frozenset(PARALLEL_DIMS),
     # the critic's value head reads the full, TP-replicated hidden states
     critic_parallel=frozenset(PARALLEL_DIMS) - {"pipeline", "context"},
-    moe="megatron-core",
     recompute_block=True,
     fused_projections=True,
     budget_flat_only=True,
-    shared_prompts=False,
-    cuda_graphs=False,
-    auto_width_multiple_cuda=1,
     smoke=True,
 )
