@@ -2,7 +2,7 @@
 
 One function, `export_hf`, whatever trained the checkpoint: it finds the checkpoint (a run directory's
 newest complete one, its step N, or a checkpoint directory), reads the recipe saved with it, and asks the
-exporter of the checkpoint's engine (`EXPORTERS`) for the weights:
+exporter of the checkpoint's engine (its spec's `exporter`, engines/registry.py) for the weights:
 
 - hf (now): the base model is loaded with transformers on CPU from the recipe's model.path (short names
   through rlbridge.model.cache), the checkpoint's trainable tensors are loaded into the same peft model the
@@ -49,10 +49,12 @@ import torch
 import yaml
 
 from rlbridge.engines.base import WeightExport
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.resume import ResumePoint, find_checkpoint
+from rlbridge.weights import WeightSync
 
 DEFAULT_SHARD_SIZE = "5GB"
 
@@ -72,7 +74,7 @@ class Exported:
 @dataclass
 class ExportResult:
     out: Path
-    kind: str
+    kind: WeightSync
     step: int
     checkpoint: Path
     files: list[str]
@@ -81,7 +83,10 @@ class ExportResult:
     notes: list[str]
 
 
-Exporter = Callable[[Recipe, ResumePoint, str, Callable[[str], None]], Exported]
+Exporter = Callable[[Recipe, ResumePoint, WeightSync, Callable[[str], None]], Exported]
+"""(recipe, checkpoint, 'merged' or 'adapter', log) -> the weights: each trainer engine's (engines/spec.py)."""
+ToPeft = Callable[[Recipe, Path, Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""(recipe, base model directory, the hf engine's peft model, checkpoint tensors) -> them under peft's names."""
 
 
 def export_hf(
@@ -102,22 +107,17 @@ def export_hf(
     _check_out(out, force)
     point = find_checkpoint(Path(source), step=step, log=log)
     recipe = _recipe(point)
-    kind = "merged" if merge or merge is None else "adapter"
+    kind: WeightSync = "merged" if merge or merge is None else "adapter"
     if kind == "adapter" and not recipe.lora.enabled:
         raise RlbridgeError(
             f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
             "export it merged"
         )
-    engine = recipe.trainer.engine
-    if engine not in EXPORTERS:
-        raise RlbridgeError(
-            f"export-hf of trainer.engine={engine} checkpoints is not implemented yet "
-            f"(known: {', '.join(EXPORTERS)})"
-        )
+    engine = trainer_engine(recipe)
     log(
-        f"exporting {point.path} (step {point.step}, {engine} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}"
+        f"exporting {point.path} (step {point.step}, {engine.name} engine) as {'a merged model' if kind == 'merged' else 'a PEFT adapter'}"
     )
-    exported = EXPORTERS[engine](recipe, point, kind, log)
+    exported = engine.exporter(recipe, point, kind, log)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -143,7 +143,16 @@ def export_hf(
 
 
 # ------------------------------------------------------------------------------------------- exporters
-def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
+def hf_exporter(
+    recipe: Recipe,
+    point: ResumePoint,
+    kind: WeightSync,
+    log: Callable[[str], None],
+    *,
+    to_peft: ToPeft | None = None,
+) -> Exported:
+    """The checkpoint's trainable tensors loaded into the hf engine's peft model on CPU, exported from there.
+    to_peft: renames an engine's checkpoint names to that model's (engines/megatron/spec.py)."""
     from rlbridge.engines.hf import HFTrainEngine
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.hf import hf_logging
@@ -169,16 +178,8 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
         if bars:
             hf_logging.enable_progress_bar()
     trainable = loaded.tensors["trainable"]
-    if recipe.trainer.engine == "megatron":  # canonical Megatron adapter names -> the hf engine's PEFT names
-        from rlbridge.engines.hf_moe import megatron_experts_to_packed
-        from rlbridge.engines.megatron.hf_names import lora_to_peft
-
-        experts = {k: v for k, v in trainable.items() if ".mlp.experts." in k}
-        dense = {k: v for k, v in trainable.items() if k not in experts}
-        trainable = lora_to_peft(dense, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
-        if experts:  # routed experts: into peft's packed expert LoRA (engines/hf_moe.py)
-            scale = recipe.lora.alpha / recipe.lora.rank
-            trainable.update(megatron_experts_to_packed(engine.model, experts, scale=scale))
+    if to_peft is not None:
+        trainable = to_peft(recipe, base_dir, engine.model, trainable)
     engine.load_trainable_state(trainable)
     if kind == "adapter":
         weights = engine.export_weights("adapter")
@@ -191,45 +192,6 @@ def _hf_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[s
     config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
     notes = _settle_ties(engine.hf_model, state, config)
     return Exported(WeightExport("merged", state), config, base_dir, notes)
-
-
-def _megatron_exporter(recipe: Recipe, point: ResumePoint, kind: str, log: Callable[[str], None]) -> Exported:
-    """A megatron checkpoint holds full, canonical tensors (engines/megatron/state.py), whatever layout wrote
-    it: under LoRA they are renamed to PEFT's names and exported by the hf exporter (no Megatron, no Ray); under
-    full fine-tuning the bridge that trained them maps them to HF names (`_megatron_full_exporter`)."""
-    if not recipe.lora.enabled:
-        return _megatron_full_exporter(recipe, point, log)
-    if recipe.lora.type != "lora":
-        raise RlbridgeError(
-            f"export-hf of a megatron checkpoint of lora.type {recipe.lora.type} is not implemented yet (LoRA "
-            "and full fine-tuning are: their adapters map onto PEFT's); export from the running trainer instead"
-        )
-    return _hf_exporter(recipe, point, kind, log)
-
-
-def _megatron_full_exporter(recipe: Recipe, point: ResumePoint, log: Callable[[str], None]) -> Exported:
-    """Full fine-tuning on the megatron engine: every weight is in the checkpoint, under Megatron names; the
-    recipe's bridge maps them to HF names in this process (engines/megatron/export.full_checkpoint_to_hf: one
-    CPU rank, float32, cast to model.dtype)."""
-    from rlbridge.engines.megatron.export import full_checkpoint_to_hf
-    from rlbridge.model.cache import ensure_model
-
-    base_dir = ensure_model(recipe.model.path)
-    loaded = ckpt.load_checkpoint(point.path)
-    if "trainable" not in loaded.tensors:
-        raise RlbridgeError(f"{point.path} holds no trainable tensors (trainable.safetensors)")
-    log(
-        f"mapping the checkpoint's Megatron weights to HF names through {recipe.trainer.bridge} "
-        f"(the model is built once on this machine, in float32, one process)"
-    )
-    local = recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(base_dir)})})
-    state = full_checkpoint_to_hf(local, loaded.tensors["trainable"])
-    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-    return Exported(WeightExport("merged", state), config, base_dir)  # a tied output layer is left out
-
-
-EXPORTERS: dict[str, Exporter] = {"hf": _hf_exporter, "megatron": _megatron_exporter}
-"""trainer.engine -> exporter."""
 
 
 def _settle_ties(model: Any, state: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
@@ -324,7 +286,9 @@ def _write_adapter(tmp: Path, exported: Exported) -> None:
     save_hf(tmp, exported.weights)
 
 
-def _write_readme(tmp: Path, recipe: Recipe, point: ResumePoint, kind: str, exported: Exported) -> None:
+def _write_readme(
+    tmp: Path, recipe: Recipe, point: ResumePoint, kind: WeightSync, exported: Exported
+) -> None:
     r = recipe
     lora = (
         f"LoRA rank {r.lora.rank}, alpha {r.lora.alpha}, targets {', '.join(r.lora.targets)} ({r.lora.type})"

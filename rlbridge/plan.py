@@ -11,8 +11,10 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_width
+from rlbridge.rollout.registry import rollout_engine
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -251,14 +253,14 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         elif r.rollout.mode == "async":
             peak = resident
         else:
-            vllm = r.rollout.engine == "vllm"
-            sleeps = vllm and (
+            can_sleep = rollout_engine(r).reserves_memory
+            sleeps = can_sleep and (
                 r.rollout.sleep == "always"
                 or (r.rollout.sleep == "auto" and resident > RESIDENT_SHARE * capacity)
             )
             # asleep: the update, or the generation (the trainer keeps its weights and optimizer state)
             asleep = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB
-            peak = resident if vllm and not sleeps else asleep
+            peak = resident if can_sleep and not sleeps else asleep
     return Memory(
         round(weights, 3),
         round(grads, 3),
@@ -327,11 +329,11 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     tokens = min(tokens, s * b.sequences_per_dp_rank)  # a pass holds at most the rank's whole mini-batch
     if cap is not None:  # a pass of at most `cap` positions (trainer.cuda_graphs records no larger one)
         tokens = min(tokens, cap)
-    hf = r.trainer.engine == "hf"
+    coef = trainer_engine(r).memory
     unit = DTYPE_BYTES[r.model.dtype] / 2
     width = m.mlp_width_per_token()
-    per_token = (18 * h + (8.0 if hf else 10.6) * width + 4 * m.kv_heads * m.head_dim) * unit / p.tensor
-    if hf and r.lora.enabled and unit < 2:
+    per_token = (18 * h + coef.mlp_bytes * width + 4 * m.kv_heads * m.head_dim) * unit / p.tensor
+    if coef.lora_input_copies and r.lora.enabled and unit < 2:
         per_token += 4 * _lora_input_width(r, m)
     layers = m.layers / p.pipeline
     if r.trainer.recompute.granularity == "full":  # checkpointed layer inputs + one layer recomputed
@@ -341,9 +343,11 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     in_flight = min(
         p.pipeline, b.micro_batches_per_mini_batch
     )  # 1F1B keeps up to pp micro-batches on stage 0
-    response_only = hf or (p.context == 1 and not (p.sequence_parallel and p.tensor > 1))
+    response_only = coef.logits_response_only or (
+        p.context == 1 and not (p.sequence_parallel and p.tensor > 1)
+    )
     share = min((r.rollout.max_response_tokens + 1) / b.max_sequence_tokens, 1.0) if response_only else 1.0
-    logits = (8 if hf else 20) * tokens * share * m.vocab / p.tensor
+    logits = coef.logits_bytes * tokens * share * m.vocab / p.tensor
     return act * in_flight + logits
 
 
@@ -369,7 +373,7 @@ def _budget_note(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> s
     if r.cluster.device != "cuda" or t.max_tokens_per_micro_batch is not None:
         return None
     if b.micro_batches_per_mini_batch < MANY_PASSES or (
-        t.engine == "megatron" and (t.parallel.pipeline > 1 or t.parallel.context > 1)
+        trainer_engine(r).budget_flat_only and (t.parallel.pipeline > 1 or t.parallel.context > 1)
     ):
         return None  # megatron forms budget passes at PP = CP = 1 only
     resident = mem.rollout_total if r.cluster.colocate and r.rollout.mode == "async" else 0.0
@@ -404,7 +408,7 @@ def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
     t = r.trainer
     return (
         r.cluster.device == "cuda"
-        and t.engine == "hf"
+        and trainer_engine(r).shared_prompts
         and t.shared_prompts == "always"
         and r.rollout.n > 1
         and t.recompute.granularity == "none"
@@ -414,7 +418,9 @@ def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
 def _sleep_applies(r: Recipe) -> bool:
     """rollout.sleep matters only for vLLM colocated with the trainer on GPUs in sync mode."""
     c = r.cluster
-    return c.colocate and c.device == "cuda" and r.rollout.engine == "vllm" and r.rollout.mode == "sync"
+    return (
+        c.colocate and c.device == "cuda" and rollout_engine(r).reserves_memory and r.rollout.mode == "sync"
+    )
 
 
 def rollout_sleeps(r: Recipe, plan: Plan) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rich.markup import escape
 
@@ -26,13 +26,15 @@ from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.engines.registry import engine_kind
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.metrics.log import MetricsLog, console
 from rlbridge.model.tokenizer import load_tokenizer
 from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
+from rlbridge.rollout.client import RayRollout, RolloutClient, Sent
 from rlbridge.rollout.memory import RolloutMemory
+from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import directory as rundir
 from rlbridge.run import gpu_faults, stalls
 from rlbridge.trainer.client import RayTrainer, Trainer
@@ -57,26 +59,12 @@ class Encoded:
         self.prompts, self.ids = prompts, ids
 
 
-class Rollout(Protocol):
-    """The rollout worker as the session drives it (cluster/ray_cluster.Worker, or an in-process stand-in)."""
-
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
-
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Send a call without waiting; `wait` gives its answer. The worker runs calls in the order sent."""
-        ...
-
-    def wait(self, ref: Any, timeout: float | None = None) -> Any: ...
-
-    def kill(self) -> None: ...
-
-
 @dataclass
 class Workers:
-    """What a session trains with: the trainer (a typed client), the rollout, and the rollout's GPU memory."""
+    """What a session trains with: the trainer and the rollout (typed clients), and the rollout's GPU memory."""
 
     trainer: Trainer
-    rollout: Rollout
+    rollout: RolloutClient
     memory: RolloutMemory
 
 
@@ -95,17 +83,19 @@ class Session:
         start_workers: StartWorkers | None = None,
     ) -> None:
         """start_workers: how the trainer and rollout start (default: Ray actors placed as `plan` says;
-        tests pass in-process ones, trainer/client.LocalTrainer)."""
+        tests pass in-process ones, trainer/client.LocalTrainer and rollout/client.LocalRollout)."""
         self.recipe, self.plan, self.run_dir, self.model_dir = recipe, plan, run_dir, model_dir
         self.version = 0
-        self._loading: tuple[Any, Any] | None = None
+        self._loading: tuple[Sent[None], Any] | None = None
         """A weight load sent without waiting (`sync_weights(background=True)`): its call and the export it loads,
         waited for before the next sync or generation (`wait_loaded`)."""
         self._pg: Any = None
         self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
         self.trainer: Trainer | None = None
         """The trainer's typed client: the hf engine's one worker, or the megatron ranks behind one group."""
-        self.rollout: Rollout | None = None
+        self.rollout: RolloutClient | None = None
+        """The rollout's typed client."""
+        self._rollout_worker: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.mismatch_notices = MismatchNotices()
@@ -244,7 +234,7 @@ class Session:
         log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
         self._start_time = time.monotonic()
         starting: list[tuple[rc.Worker, Any]] = []
-        multi_rank = engine_kind(r).multi_rank
+        multi_rank = trainer_engine(r).multi_rank
         trainer: rc.Worker | TrainerGroup | None = None
         if not multi_rank:
             trainer = rc.start_worker(
@@ -262,11 +252,11 @@ class Session:
             )
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
-            starting.append((trainer, trainer.submit("rlbridge_started")))
-        rollout_cls = _rollout_class(r)
+            starting.append((trainer, trainer.send_started()))
+        rollout_spec = rollout_engine(r)
         rollout_bundle = rollout_slot(plan, place)
-        rollout = rc.start_worker(
-            rollout_cls,
+        rollout = self._rollout_worker = rc.start_worker(
+            rollout_spec.worker(),
             "rollout",
             self._pg,
             rollout_bundle,
@@ -275,14 +265,14 @@ class Session:
             log_file=rundir.log_file(self.run_dir, "rollout"),
             echo=self.echo,
             args=(str(self.model_dir), r.rollout, r.model),
-            kwargs=_rollout_kwargs(r, rollout_threads),
+            kwargs=rollout_spec.worker_kwargs(r, rollout_threads),
             node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
         )
-        self.rollout = rollout
+        rollout_client = self.rollout = RayRollout(rollout)  # stopped on the way out even if the start fails
         self._announced.append(rollout)
-        starting.append((rollout, rollout.submit("rlbridge_started")))
+        starting.append((rollout, rollout.send_started()))
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
-        memory = RolloutMemory(rollout.call, enabled=sleeps)
+        memory = RolloutMemory(rollout_client, enabled=sleeps)
         joins: list[Any] = []
         if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
             trainer, joins = start_trainer_group(
@@ -310,7 +300,7 @@ class Session:
                 f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)"
             )
             trainer.formed(answers[-len(joins) :], log_plain)
-        return Workers(client, rollout, memory)
+        return Workers(client, rollout_client, memory)
 
     def _prerecord_kwargs(self) -> dict[str, Any]:
         """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make
@@ -350,21 +340,15 @@ class Session:
     def _rollout_node(self, place: rc.Placement) -> rc.NodeInfo | None:
         return place.rollout_nodes[0] if self._multi_node and place.rollout_nodes else None
 
-    def _started(self, worker: rc.Worker, answer: Any) -> None:
-        """The start-up line of the hf trainer or the rollout (`rlbridge_started`'s answer): seconds since the
+    def _started(self, worker: rc.Worker, answer: rc.Started) -> None:
+        """The start-up line of the hf trainer or the rollout (`Worker.send_started`'s answer): seconds since the
         workers were asked for, of which the Ray worker process took those before its constructor ran."""
         if not any(worker is w for w in self._announced):
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
-        phases = logs.describe_phases(
-            {"ray worker": max(0.0, seconds - answer["seconds"]), **answer["phases"]}
-        )
-        what = (
-            "vLLM engine up"
-            if worker is self.rollout and self.recipe.rollout.engine == "vllm"
-            else "model loaded"
-        )
-        gpus = answer.get("gpus") or []
+        phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer.seconds), **answer.phases})
+        what = rollout_engine(self.recipe).started if worker is self._rollout_worker else "model loaded"
+        gpus = answer.gpus
         where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
         log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
 
@@ -390,20 +374,20 @@ class Session:
         """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
         assert self.rollout is not None
         self.wait_loaded()
-        return self.rollout.call(
-            "generate", ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
+        return self.rollout.generate(
+            ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
         )
 
-    def send_generate(self, ids: list[list[int]], *, seed: int) -> Any:
+    def send_generate(self, ids: list[list[int]], *, seed: int) -> Sent[Rollouts]:
         """`generate` without waiting (rollout.mode async): the rollout runs it with the weights of the last
         load sent before it; `wait_generate` gives the Rollouts."""
         assert self.rollout is not None
-        return self.rollout.submit("generate", ids, self.sampling(), expect_version=self.version, seed=seed)
+        return self.rollout.send_generate(ids, self.sampling(), expect_version=self.version, seed=seed)
 
-    def wait_generate(self, ref: Any) -> Rollouts:
+    def wait_generate(self, sent: Sent[Rollouts]) -> Rollouts:
         assert self.rollout is not None
         try:
-            return self.rollout.wait(ref)  # type: ignore[no-any-return]  # the rollout's generate returns Rollouts
+            return self.rollout.wait(sent)
         except Exception:
             # a generation sent after a background load that failed finds the old weights (StaleWeightsError):
             # the load's own error is the one to report
@@ -418,7 +402,9 @@ class Session:
         load then also fails before any training."""
         r = self.recipe
         return (
-            r.rollout.engine == "vllm" and r.rollout.weight_sync == "adapter" and r.cluster.device == "cuda"
+            rollout_engine(r).warm_adapter
+            and r.rollout.weight_sync == "adapter"
+            and r.cluster.device == "cuda"
         )
 
     def loads_in_background(self) -> bool:
@@ -436,10 +422,10 @@ class Session:
         when the trainer died exporting)."""
         if self._loading is None:
             return
-        (ref, export), self._loading = self._loading, None
+        (sent, export), self._loading = self._loading, None
         assert self.rollout is not None and self.trainer is not None
         try:
-            self.rollout.wait(ref)
+            self.rollout.wait(sent)
         except rc.InputLost:
             self.trainer.raise_if_lost(export)
             raise
@@ -468,14 +454,14 @@ class Session:
         rollout, v = self.rollout, self.version
         if background and self.loads_in_background():
             # memory.load only steps its state machine here: nothing sleeps or wakes (loads_in_background)
-            self._loading = (self.memory.load(lambda: rollout.submit("load_weights", ref, v)), ref)
+            self._loading = (self.memory.load(lambda: rollout.send_load_weights(ref, v)), ref)
             return trainer.last_export_bytes()
         held = ipc
 
-        def load() -> Any:
+        def load() -> None:
             nonlocal held
             try:
-                return rollout.call("load_weights", ref, v)
+                rollout.load_weights(ref, v)
             finally:
                 if held:
                     held = False
@@ -520,23 +506,3 @@ def rollout_slot(plan: Plan, place: rc.Placement) -> int:
     if plan.colocate:
         return place.slots[0]
     return sum(len(node) for node in plan.bundles_per_node)
-
-
-def _rollout_class(r: Recipe) -> type:
-    if r.rollout.engine == "vllm":
-        from rlbridge.rollout.vllm import VllmRollout
-
-        return VllmRollout
-    from rlbridge.rollout.hf import HFRollout
-
-    return HFRollout
-
-
-def _rollout_kwargs(r: Recipe, threads: int) -> dict[str, Any]:
-    kw: dict[str, Any] = {"seed": r.run.seed}
-    cpu = r.cluster.device == "cpu"
-    if r.rollout.engine == "vllm":
-        kw.update(lora_rank=r.lora.rank, cpu=cpu, **({"num_threads": threads} if cpu else {}))
-    elif cpu and r.rollout.mode == "async":
-        kw["num_threads"] = threads
-    return kw

@@ -304,6 +304,10 @@ class Worker:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.handle, method).remote(*args, **kwargs)
 
+    def send_started(self) -> Any:
+        """A call that answers (a `Started`) once the worker's constructor has finished (`wait_started`)."""
+        return self.submit("rlbridge_started")
+
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         return self.wait(self.submit(method, *args, **kwargs), timeout=timeout)
 
@@ -403,7 +407,7 @@ def start_worker(
     node: NodeInfo | None = None,
 ) -> Worker:
     """An actor of `cls` whose output goes to `log_file` (its rlbridge warnings: echoed by `echo`);
-    `Worker.submit("rlbridge_started")` answers once its constructor has finished (see `_logged`)."""
+    `Worker.send_started()` answers once its constructor has finished (see `_logged`)."""
     actor: Any = ray.remote(_logged(cls)).options(
         name=None,
         num_cpus=num_cpus,
@@ -417,6 +421,18 @@ def start_worker(
     return Worker(
         name, actor.remote(*args, rlbridge_log=str(log_file), **(kwargs or {})), log_file, echo, node
     )
+
+
+@dataclass(frozen=True)
+class Started:
+    """A worker's answer to `Worker.send_started`."""
+
+    seconds: float
+    """Its constructor's seconds."""
+    phases: dict[str, float]
+    """The start-up phases vLLM logged meanwhile (logs.vllm_phases)."""
+    gpus: list[str]
+    """The devices Ray gave it (CUDA_VISIBLE_DEVICES)."""
 
 
 @functools.cache
@@ -435,12 +451,12 @@ def _logged(cls: Any) -> type:
         gc_pauses.freeze_startup_heap()  # what the constructor built lives for the run: out of every collection
         self._rlbridge_startup_s = time.monotonic() - start
 
-    def rlbridge_started(self: Any) -> dict[str, Any]:
-        return {
-            "seconds": self._rlbridge_startup_s,
-            "phases": logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
-            "gpus": [str(i) for i in ray.get_gpu_ids()],  # the devices Ray gave it (CUDA_VISIBLE_DEVICES)
-        }
+    def rlbridge_started(self: Any) -> Started:
+        return Started(
+            seconds=self._rlbridge_startup_s,
+            phases=logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
+            gpus=[str(i) for i in ray.get_gpu_ids()],
+        )
 
     return type(
         cls.__name__,

@@ -14,6 +14,7 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.errors import RlbridgeError
+from rlbridge.weights import WeightSync
 
 # loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
 # inside the batch passed to train_step (any subset in any order: the hf engine groups rows by length), so the
@@ -26,7 +27,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 class WeightExport:
     """Weights for the rollout or for export-hf, with HF parameter names."""
 
-    kind: str
+    kind: WeightSync
     """'merged' (every weight of the HF model, adapters folded in) or 'adapter' (PEFT lora_A/lora_B)."""
     tensors: dict[str, torch.Tensor]
     adapter_config: dict | None = None
@@ -57,7 +58,7 @@ class TrainEngine(Protocol):
         non-finite loss/gradient made it skip the update; `nonfinite` then names the tensors)."""
         ...
 
-    def export_weights(self, kind: str) -> WeightExport:
+    def export_weights(self, kind: WeightSync) -> WeightExport:
         """'merged' or 'adapter' weights for the rollout engine or export."""
         ...
 
@@ -123,6 +124,35 @@ class RankedEngine(TrainEngine, Protocol):
 
     def coordinates(self) -> dict[str, int]:
         """{rank, dp, tp, pp, cp} of this rank."""
+        ...
+
+
+@runtime_checkable
+class DataParallelEngine(Protocol):
+    """An engine of one data-parallel replica among several: TrainerRole hands it its share of the rows."""
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data-parallel replica."""
+        ...
+
+
+@runtime_checkable
+class LimitedCheckpointEngine(Protocol):
+    """An engine that can checkpoint some layouts only."""
+
+    def checkpoint_problem(self) -> str | None:
+        """Why this layout cannot checkpoint yet, or None."""
+        ...
+
+
+@runtime_checkable
+class RecordingEngine(Protocol):
+    """A TrainEngine that records its training passes as CUDA graphs (trainer.cuda_graphs: engines/graphs.py)."""
+
+    def prerecord(self, prompt_lengths: list[int], passes: list[tuple[int, int]]) -> int:
+        """Record the pass shapes these prompt lengths make likely for `passes` (rows, micro-batches) before the
+        first step; returns how many were recorded."""
         ...
 
 

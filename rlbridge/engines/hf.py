@@ -85,6 +85,7 @@ from rlbridge.model.hf import (
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
+from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -536,7 +537,7 @@ class HFTrainEngine:
         return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0}
 
     # ---------------------------------------------------------------------------- export
-    def export_weights(self, kind: str) -> WeightExport:
+    def export_weights(self, kind: WeightSync) -> WeightExport:
         """'merged': every weight under the HF model's own names (as save_pretrained writes them; a tied
         lm_head is left out), adapters folded in float32 and cast to model.dtype. Unchanged tensors share
         storage with the live model: write them out before the next train_step. 'adapter': peft's

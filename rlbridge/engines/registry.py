@@ -1,82 +1,56 @@
-"""Which trainer engine and which critic a recipe gets: the one place that reads `trainer.engine` to build one.
+"""The trainer engines a recipe can name, and building the one it names: the one place that maps
+`trainer.engine` to its spec (engines/spec.py).
 
-    hf         one trainer process: HFTrainEngine (transformers + peft), HFCritic
+    hf         one trainer process: HFTrainEngine (transformers + peft), HFCritic       engines/hf_spec.py
     megatron   one trainer process per device, each a rank of a torch.distributed group formed before the
-               engine is built (trainer/group.py): MegatronTrainEngine, MegatronCritic
+               engine is built (trainer/group.py): MegatronTrainEngine, MegatronCritic  engines/megatron/spec.py
 
+Adding an engine: its package (the engine, and a spec module naming its builders, rules and coefficients),
+one line in TRAINER_ENGINES, its name among the schema's trainer.engine choices (docs/architecture.md).
 Each engine module is imported only when its engine is built, so choosing one imports no engine library.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from rlbridge.engines.hf_spec import HF
+from rlbridge.engines.megatron.spec import MEGATRON
+from rlbridge.engines.spec import TrainerEngineSpec
 
-from rlbridge.engines.base import Critic, TrainEngine
-from rlbridge.recipe.schema import Recipe
+if TYPE_CHECKING:
+    from rlbridge.engines.base import Critic, TrainEngine
+    from rlbridge.recipe.schema import Recipe
 
-
-@dataclass(frozen=True)
-class EngineKind:
-    name: str
-    multi_rank: bool
-    """One trainer process per device, ranks of a torch.distributed group (else one trainer process)."""
-    build: Callable[[Recipe, Path, str], TrainEngine]
-    """(recipe, model directory, device) -> the engine; a multi-rank engine joins the group formed already."""
-    build_critic: Callable[[Recipe, Path, str], Critic]
-    """The same for PPO's critic, built after the engine (on every rank of a multi-rank trainer)."""
+TRAINER_ENGINES: dict[str, TrainerEngineSpec] = {e.name: e for e in (HF, MEGATRON)}
+"""trainer.engine -> its spec."""
 
 
-def _hf_engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
-    from rlbridge.engines.hf import HFTrainEngine
-
-    return HFTrainEngine(recipe, model_dir, device=device)
-
-
-def _hf_critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
-    from rlbridge.engines.hf_critic import HFCritic
-
-    return HFCritic(recipe, model_dir, device=device)
+def trainer_engine(recipe: Recipe) -> TrainerEngineSpec:
+    """The spec of the recipe's trainer.engine."""
+    return TRAINER_ENGINES[recipe.trainer.engine]
 
 
-def _megatron_engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
-    from rlbridge.engines.megatron.engine import MegatronTrainEngine
-
-    return MegatronTrainEngine(recipe)
-
-
-def _megatron_critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
-    from rlbridge.engines.megatron.critic import MegatronCritic
-
-    return MegatronCritic(recipe)
-
-
-ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind("hf", multi_rank=False, build=_hf_engine, build_critic=_hf_critic),
-    "megatron": EngineKind(
-        "megatron", multi_rank=True, build=_megatron_engine, build_critic=_megatron_critic
-    ),
-}
-
-
-def engine_kind(recipe: Recipe) -> EngineKind:
-    return ENGINES[recipe.trainer.engine]
+def trainer_engines_that(has: Callable[[TrainerEngineSpec], bool]) -> str:
+    """The names of the engines with a property, for messages ("hf", "hf or megatron")."""
+    return " or ".join(name for name, e in TRAINER_ENGINES.items() if has(e))
 
 
 def device(recipe: Recipe) -> str:
     """Where this process's engine runs: cuda when the recipe asks for it and this process sees a GPU."""
+    import torch
+
     return "cuda" if recipe.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 def build_engine(recipe: Recipe, model_dir: Path) -> TrainEngine:
-    return engine_kind(recipe).build(recipe, model_dir, device(recipe))
+    return trainer_engine(recipe).build(recipe, model_dir, device(recipe))
 
 
 def build_critic(recipe: Recipe, model_dir: Path) -> Critic | None:
     """PPO's critic next to the policy engine; None for the critic-free algorithms."""
     if not recipe.algorithm.has_critic:
         return None
-    return engine_kind(recipe).build_critic(recipe, model_dir, device(recipe))
+    return trainer_engine(recipe).build_critic(recipe, model_dir, device(recipe))

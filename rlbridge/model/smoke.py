@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.info import SHORT_NAMES, cache_dir, resolve_model_path
 from rlbridge.recipe.schema import Recipe
+from rlbridge.rollout.registry import ROLLOUT_ENGINES, rollout_engine
 
 HEAD_DIM = 32
 """The smallest head size vLLM's CPU attention accepts (the shrunk model stays servable there)."""
@@ -122,9 +124,11 @@ def _small_batch(recipe: Recipe, dp: int) -> tuple[int, int]:
 
 
 def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
-    if recipe.trainer.engine != "megatron":
+    if not trainer_engine(recipe).smoke:
+        names = trainer_engines_that(lambda e: e.smoke)
         raise RlbridgeError(
-            "--smoke checks megatron recipes (trainer.engine: megatron); an hf recipe runs on CPU as is"
+            f"--smoke checks {names} recipes (trainer.engine: {names}); "
+            f"an {recipe.trainer.engine} recipe runs on CPU as is"
         )
     r, p = recipe, recipe.trainer.parallel
     plan = SmokePlan(shrink_config(config, recipe))
@@ -175,11 +179,12 @@ def plan_smoke(recipe: Recipe, config: dict[str, Any]) -> SmokePlan:
         )
     if r.trainer.grad_reduce_dtype != "float32":
         setting("trainer.grad_reduce_dtype", "float32")
+    stand_in = next(e for e in ROLLOUT_ENGINES.values() if e.stand_in)
     setting(
         "rollout.engine",
-        "hf",
-        f"rollout: hf engine in place of {r.rollout.engine} (same weight-sync export)"
-        if r.rollout.engine != "hf"
+        stand_in.name,
+        f"rollout: {stand_in.name} engine in place of {r.rollout.engine} (same weight-sync export)"
+        if rollout_engine(r) is not stand_in
         else None,
     )
     setting("rollout.tensor_parallel", 1)

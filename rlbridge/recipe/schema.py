@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from rlbridge.weights import WeightSync
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 PositiveInt = Annotated[int, Field(ge=1)]
 MAX_INT = 2**31 - 1
@@ -199,10 +201,12 @@ class TrainerCfg(Section):
 
     def width_multiple(self, device: str) -> int:
         """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is
-        AUTO_WIDTH_MULTIPLE for the hf engine on cuda, else 1."""
+        AUTO_WIDTH_MULTIPLE for the hf engine on cuda (the engine's spec says), else 1."""
+        from rlbridge.engines.registry import TRAINER_ENGINES
+
         if self.pass_width_multiple is not None:
             return self.pass_width_multiple
-        return AUTO_WIDTH_MULTIPLE if self.engine == "hf" and device == "cuda" else 1
+        return TRAINER_ENGINES[self.engine].auto_width_multiple_cuda if device == "cuda" else 1
 
 
 # -------------------------------------------------------------------------------------------- rollout
@@ -230,7 +234,7 @@ class RolloutCfg(Section):
     engine suppresses EOS until then): every response has exactly that length. For measuring step time and memory
     at a given response length (bench/growth.py); it changes what the policy learns from. Evaluation (greedy) still
     stops at EOS."""
-    weight_sync: Literal["merged", "adapter"] = "merged"
+    weight_sync: WeightSync = "merged"
     """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
     weight_transport: Literal["files", "cuda_ipc"] = "files"
     """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in

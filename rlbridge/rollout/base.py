@@ -55,3 +55,16 @@ class RolloutEngine(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+class SleepingRolloutEngine(RolloutEngine, Protocol):
+    """A rollout engine that reserves device memory up front and lends it to the trainer on shared GPUs
+    (its spec's reserves_memory: vLLM)."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory (weights offloaded, KV cache freed)."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep() freed (tags: 'weights', 'kv_cache'; None: all)."""
+        ...

@@ -16,7 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlbridge.rollout.client import RolloutClient
 
 
 class RolloutState(Enum):
@@ -26,23 +29,23 @@ class RolloutState(Enum):
 
 
 class RolloutMemory:
-    def __init__(self, call: Callable[..., Any], *, enabled: bool) -> None:
-        """call(method, *args): invokes the rollout engine (a Ray worker's `call`)."""
-        self._call = call
+    def __init__(self, rollout: RolloutClient, *, enabled: bool) -> None:
+        """rollout: the client whose engine sleeps and wakes (rollout/client.py)."""
+        self.rollout = rollout
         self.enabled = enabled
         self.state = RolloutState.AWAKE
         self.seconds: dict[str, float] = {}
         """Seconds spent in vLLM's sleep (`sleep_s`) and wake-ups (`wake_s`) since take_seconds()."""
 
-    def _move(self, expected: RolloutState, new: RolloutState, method: str, *args: Any) -> None:
+    def _move(self, expected: RolloutState, new: RolloutState, key: str, act: Callable[[], None]) -> None:
+        """`act` (sleep or a wake-up) moves the engine from `expected` to `new`; its seconds count as `key`."""
         if self.state is not expected:
             raise RuntimeError(
-                f"rollout memory: {method}{args} from state {self.state.value}, expected {expected.value}"
+                f"rollout memory: to {new.value} from state {self.state.value}, expected {expected.value}"
             )
         if self.enabled:
             start = time.perf_counter()
-            self._call(method, *args)
-            key = "sleep_s" if method == "sleep" else "wake_s"
+            act()
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
         self.state = new
 
@@ -53,7 +56,7 @@ class RolloutMemory:
 
     def release(self) -> None:
         """Before the update: offload weights, free the KV cache."""
-        self._move(RolloutState.AWAKE, RolloutState.ASLEEP, "sleep", 1)
+        self._move(RolloutState.AWAKE, RolloutState.ASLEEP, "sleep_s", lambda: self.rollout.sleep(1))
 
     def load(self, load_weights: Callable[[], Any]) -> Any:
         """Weight sync: wake the weights only, load the new ones, then re-allocate the KV cache."""
@@ -61,7 +64,17 @@ class RolloutMemory:
             return load_weights()
         if self.state is RolloutState.AWAKE:  # e.g. the first sync after a resume: no update ran yet
             self.release()
-        self._move(RolloutState.ASLEEP, RolloutState.WEIGHTS_ONLY, "wake_up", ["weights"])
+        self._move(
+            RolloutState.ASLEEP,
+            RolloutState.WEIGHTS_ONLY,
+            "wake_s",
+            lambda: self.rollout.wake_up(["weights"]),
+        )
         out = load_weights()
-        self._move(RolloutState.WEIGHTS_ONLY, RolloutState.AWAKE, "wake_up", ["kv_cache"])
+        self._move(
+            RolloutState.WEIGHTS_ONLY,
+            RolloutState.AWAKE,
+            "wake_s",
+            lambda: self.rollout.wake_up(["kv_cache"]),
+        )
         return out

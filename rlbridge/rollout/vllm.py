@@ -56,14 +56,13 @@ from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import check_request
+from rlbridge.rollout.vllm_spec import VLLM_LORA_RANKS
 from rlbridge.rollout.weights_dir import ram_tempdir, remove_dir, write_adapter, write_merged
 from rlbridge.run import faults
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py)."""
 WORKER_EXTENSION = "rlbridge.rollout.vllm.WorkerExtension"
 FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 """Set from rollout.flashinfer_sampler: FlashInfer's sampling kernels are JIT-compiled on a machine's first start."""

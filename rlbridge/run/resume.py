@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -48,6 +48,55 @@ if TYPE_CHECKING:
 STATE_FORMAT = 1
 """Version of the driver's part of state.json."""
 METRICS = "metrics.jsonl"
+
+
+@dataclass
+class RunState:
+    """The driver's part of a checkpoint (state.json beside the trainer's part): what `Checkpointer.save` writes and
+    `Checkpointer.restore` reads back."""
+
+    step: int | None
+    weight_version: int
+    data: dict[str, Any]
+    """The prompt sampler's position (data/datasets.PromptSampler.state)."""
+    rng: dict[str, Any]
+    """The driver's RNG states (run/rng.py)."""
+    inflight: list[dict[str, Any]] = field(default_factory=list)
+    """rollout.mode async: the rollouts of the steps after this one, generated already (pipeline.RolloutSource)."""
+    nonfinite_streak: int = 0
+    eval_before: dict[str, float] = field(default_factory=dict)
+    """The step-0 evaluation (the run's summary compares against it)."""
+    kl_control: dict[str, Any] | None = None
+    """PPO's adaptive KL controller (algorithm.adaptive_kl_target)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "data": self.data,
+            "inflight": self.inflight,
+            "rng": self.rng,
+            "nonfinite_streak": self.nonfinite_streak,
+            "eval_before": self.eval_before,
+            "rollout_seed": "sha256(run.seed, step)",
+            "kl_control": self.kl_control,
+        }
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any], where: Path) -> RunState:
+        if state.get("format") != STATE_FORMAT:
+            raise RlbridgeError(f"{where}: unknown run state format {state.get('format')!r}")
+        return cls(
+            step=state.get("step"),
+            weight_version=int(state["weight_version"]),
+            data=state["data"],
+            rng=state["rng"],
+            inflight=list(state.get("inflight") or []),
+            nonfinite_streak=int(state.get("nonfinite_streak", 0)),
+            eval_before=dict(state.get("eval_before") or {}),
+            kl_control=state.get("kl_control") or None,
+        )
 
 
 def rollout_seed(seed: int, step: int, purpose: str = "train") -> int:
@@ -93,11 +142,9 @@ class Checkpointer:
         s = self.s
         if self.problem:
             raise RlbridgeError(f"cannot resume: {self.problem}")
-        state = s.started_trainer().load_checkpoint(str(point.path.resolve()))
-        if state.get("format") != STATE_FORMAT:
-            raise RlbridgeError(f"{point.path}: unknown run state format {state.get('format')!r}")
-        s.sampler.load_state(state["data"])
-        inflight = list(state.get("inflight") or [])
+        state = RunState.from_json(s.started_trainer().load_checkpoint(str(point.path.resolve())), point.path)
+        s.sampler.load_state(state.data)
+        inflight = state.inflight
         if inflight or s.recipe.rollout.ahead:
             if (
                 self.source is None
@@ -109,16 +156,16 @@ class Checkpointer:
                     f"generates {s.recipe.rollout.ahead} steps ahead (rollout.mode, rollout.max_staleness)"
                 )
             self.source.restore(inflight)
-        set_rng_state(state["rng"])
-        self.nonfinite = int(state.get("nonfinite_streak", 0))
-        self.eval_before = dict(state.get("eval_before") or {})
+        set_rng_state(state.rng)
+        self.nonfinite = state.nonfinite_streak
+        self.eval_before = state.eval_before
         if s.kl_control is not None:
-            if not state.get("kl_control"):
+            if not state.kl_control:
                 raise RlbridgeError(
                     f"{point.path}: no adaptive KL state, which algorithm.adaptive_kl_target needs"
                 )
-            s.kl_control.load_state(state["kl_control"])
-        version = int(state["weight_version"])
+            s.kl_control.load_state(state.kl_control)
+        version = state.weight_version
         start = time.perf_counter()
         s.sync_weights(version=version)  # the same weights keep their version number
         self.last_step, self.last_path = point.step, str(point.path)
@@ -162,22 +209,20 @@ class Checkpointer:
         if self._overlapped and self.source is not None:
             ahead_data, inflight = self.source.state(step)
             data = data if data is not None else ahead_data
-        state = {
-            "format": STATE_FORMAT,
-            "step": step,
-            "weight_version": s.version,
-            "data": data if data is not None else s.sampler.state(),
-            "inflight": inflight,
-            "rng": rng if rng is not None else rng_state(),
-            "nonfinite_streak": self.nonfinite,
-            "eval_before": self.eval_before,
-            "rollout_seed": "sha256(run.seed, step)",
-            "kl_control": s.kl_control.state() if s.kl_control is not None else None,
-        }
+        state = RunState(
+            step=step,
+            weight_version=s.version,
+            data=data if data is not None else s.sampler.state(),
+            inflight=inflight,
+            rng=rng if rng is not None else rng_state(),
+            nonfinite_streak=self.nonfinite,
+            eval_before=self.eval_before,
+            kl_control=s.kl_control.state() if s.kl_control is not None else None,
+        )
         try:
             with s.stall("checkpoint"):
                 info = s.started_trainer().save_checkpoint(
-                    str(s.run_dir.resolve()), step, state, resolved_yaml(r), r.run.keep
+                    str(s.run_dir.resolve()), step, state.to_json(), resolved_yaml(r), r.run.keep
                 )
         except RlbridgeError as e:  # e.g. disk full: the run stops here, resumable from the last good save
             hint = (
@@ -187,16 +232,16 @@ class Checkpointer:
                 else "the run stops; no checkpoint was written yet, nothing to resume from"
             )
             raise RlbridgeError(f"saving checkpoint step {step} failed: {e}\n{hint}") from e
-        for note in info["notes"]:
+        for note in info.notes:
             self.log(note)
-        self.last_step, self.last_path = step, info["path"]
+        self.last_step, self.last_path = step, info.path
         s.metrics.write(
             {
                 "kind": "checkpoint",
                 "step": step,
-                "time_save": info["seconds"],
-                "checkpoint_bytes": info["bytes"],
-                "path": os.path.relpath(info["path"], s.run_dir),
+                "time_save": info.seconds,
+                "checkpoint_bytes": info.bytes,
+                "path": os.path.relpath(info.path, s.run_dir),
             }
         )
 

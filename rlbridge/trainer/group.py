@@ -32,6 +32,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,23 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """A rank's answer to `TrainerRank.join`: where it sits in the layout and where it runs."""
+
+    rank: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    pid: int
+    host: str
+    node: str
+    """Its Ray node id."""
+    gloo_if: str | None
+    """The network interface gloo uses (CPU), or None."""
+
+
 class TrainerRank(TrainerRole):
     """One rank of a multi-process trainer, inside a Ray actor. Constructing it is cheap; `join` forms the
     process group and builds the engine (TrainerRole.__init__ then runs, with the engine factory)."""
@@ -90,7 +108,7 @@ class TrainerRank(TrainerRole):
             s.bind((host, 0))
             return host, int(s.getsockname()[1])
 
-    def join(self, host: str, port: int, timeout_s: float) -> dict[str, Any]:
+    def join(self, host: str, port: int, timeout_s: float) -> RankInfo:
         """Join the torch.distributed group, build the engine; returns this rank's coordinates."""
         import torch.distributed as dist
 
@@ -118,13 +136,13 @@ class TrainerRank(TrainerRole):
         )  # the engine registry builds this rank's engine
         self.is_holder = rank == 0
         assert isinstance(self.engine, RankedEngine)
-        return {
+        return RankInfo(
             **self.engine.coordinates(),
-            "pid": os.getpid(),
-            "host": rc.node_ip(),
-            "node": rc.node_id(),
-            "gloo_if": None if cuda else gloo_if,
-        }
+            pid=os.getpid(),
+            host=rc.node_ip(),
+            node=rc.node_id(),
+            gloo_if=None if cuda else gloo_if,
+        )
 
 
 class TrainerGroup:
@@ -133,20 +151,20 @@ class TrainerGroup:
     def __init__(self, ranks: list[Worker], *, timeout_s: float) -> None:
         self.ranks = ranks
         self.timeout_s = timeout_s
-        self.coords: list[dict[str, Any]] = []
+        self.coords: list[RankInfo] = []
         self._leaders = [0]
         """The lowest global rank of each data-parallel replica, in dp order."""
 
-    def formed(self, coords: list[dict[str, Any]], log: Log) -> None:
+    def formed(self, coords: list[RankInfo], log: Log) -> None:
         """The ranks' answers to `join`: their coordinates, which name them from now on."""
         self.coords = coords
-        num_dp = max(c["dp"] for c in coords) + 1
-        self._leaders = [min(i for i, c in enumerate(coords) if c["dp"] == d) for d in range(num_dp)]
+        num_dp = max(c.dp for c in coords) + 1
+        self._leaders = [min(i for i, c in enumerate(coords) if c.dp == d) for d in range(num_dp)]
         for worker, c in zip(self.ranks, coords, strict=True):
-            worker.name = f"trainer rank {c['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']})"
+            worker.name = f"trainer rank {c.rank} (dp {c.dp}, tp {c.tp}, pp {c.pp})"
             log(
-                f"trainer rank {c['rank']}: pid {c['pid']}, dp {c['dp']} tp {c['tp']} pp {c['pp']}, host {c['host']} "
-                f"(ray node {c['node'][:8]})" + (f", gloo via {c['gloo_if']}" if c.get("gloo_if") else "")
+                f"trainer rank {c.rank}: pid {c.pid}, dp {c.dp} tp {c.tp} pp {c.pp}, host {c.host} "
+                f"(ray node {c.node[:8]})" + (f", gloo via {c.gloo_if}" if c.gloo_if else "")
             )
 
     # ------------------------------------------------------------------------------ Worker's interface
@@ -279,9 +297,9 @@ def start_trainer_group(
         f"{'nccl' if recipe.cluster.device == 'cuda' else 'gloo'})"
     )
     host, port = group._wait(
-        [ranks[0].submit("address")], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S
+        [ranks[0].submit(TrainerRank.address.__name__)], "the rendezvous address", timeout=ADDRESS_TIMEOUT_S
     )[0]
     log(
         f"rendezvous: tcp://{host}:{port} (rank 0's node{': ' + nodes[0].label() if nodes and nodes[0] else ''})"
     )
-    return group, [w.submit("join", host, port, timeout) for w in ranks]
+    return group, [w.submit(TrainerRank.join.__name__, host, port, timeout) for w in ranks]

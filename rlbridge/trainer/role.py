@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,12 @@ from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import (
     CheckpointableEngine,
+    DataParallelEngine,
     ExpertEngine,
+    LimitedCheckpointEngine,
     MoeBook,
     PortableCheckpointEngine,
+    RecordingEngine,
     TrainEngine,
     WeightExport,
 )
@@ -33,8 +37,10 @@ from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
+from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import faults
 from rlbridge.trainer.export import WeightSender
+from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,17 @@ def apply_cudnn_attention_env(environ: dict[str, str] | None = None) -> bool:
     if value == "0":
         torch.backends.cuda.enable_cudnn_sdp(False)
     return bool(torch.backends.cuda.cudnn_sdp_enabled())
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What `TrainerRole.save_checkpoint` wrote (a rank that does not write: path "", 0 bytes)."""
+
+    path: str
+    bytes: int
+    seconds: float
+    notes: list[str]
+    """What retention deleted, one line each."""
 
 
 class HealthError(RlbridgeError):
@@ -88,8 +105,10 @@ class TrainerRole:
         self.engine = engine_factory() if engine_factory is not None else build_engine(recipe, self.model_dir)
         self.critic = build_critic(recipe, self.model_dir)
         """PPO's value model (None for the other algorithms); updated in `update` on the policy's micro-batches."""
-        dp: tuple[int, int] = getattr(self.engine, "data_parallel", (0, 1))
-        self.dp_rank, self.dp_size = dp
+        engine = self.engine
+        self.dp_rank, self.dp_size = (
+            engine.data_parallel if isinstance(engine, DataParallelEngine) else (0, 1)
+        )
         self.is_holder = True
         """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
@@ -108,14 +127,13 @@ class TrainerRole:
     def prerecord(self, prompt_lengths: list[int]) -> int:
         """trainer.cuda_graphs: the engine records the pass shapes of a full step's mini-batches (this rank's
         shards of them) that the prompt lengths make likely (HFTrainEngine.prerecord); 0 without the option."""
-        record = getattr(self.engine, "prerecord", None)
         r = self.recipe
-        if record is None or not r.trainer.cuda_graphs:
+        if not r.trainer.cuda_graphs or not isinstance(self.engine, RecordingEngine):
             return 0
         start = time.perf_counter()
         shards = {len(self._shard(rows)) for rows in self._mini_batches(r.data.batch_size * r.rollout.n)}
         passes = [(rows, num_micro_batches(r, rows)) for rows in sorted(shards, reverse=True) if rows]
-        recorded = int(record(prompt_lengths, passes))
+        recorded = int(self.engine.prerecord(prompt_lengths, passes))
         log.info(
             "trainer.cuda_graphs: %d pass shapes recorded before the first step in %.1f s",
             recorded,
@@ -155,7 +173,9 @@ class TrainerRole:
             return torch.zeros(0, batch.response_width)
         return self.critic.values(batch.select(rows))
 
-    def export_weights(self, kind: str, *, as_files: bool = False, cuda_ipc: bool = False) -> WeightExport:
+    def export_weights(
+        self, kind: WeightSync, *, as_files: bool = False, cuda_ipc: bool = False
+    ) -> WeightExport:
         """The weights for the rollout: the engine's export, handed over as the sender decides (export.py:
         through Ray, as files on this node, or by CUDA IPC handles kept until `release_export`)."""
         start = time.perf_counter()
@@ -242,7 +262,9 @@ class TrainerRole:
             )
         self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
         out.update(device_memory_peaks())
-        resident = r.rollout.engine == "vllm" and r.rollout.sleep == "never"  # no wake to make room for
+        resident = (
+            rollout_engine(r).reserves_memory and r.rollout.sleep == "never"
+        )  # no wake to make room for
         if r.cluster.colocate and r.rollout.mode == "sync" and not resident and torch.cuda.is_initialized():
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
@@ -307,8 +329,9 @@ class TrainerRole:
     def checkpoint_support(self) -> str | None:
         """None when this trainer can save and restore checkpoints, else why not."""
         if isinstance(self.engine, PortableCheckpointEngine):
-            problem: str | None = getattr(self.engine, "checkpoint_problem", lambda: None)()
-            return problem
+            return (
+                self.engine.checkpoint_problem() if isinstance(self.engine, LimitedCheckpointEngine) else None
+            )
         if not isinstance(self.engine, CheckpointableEngine):
             return (
                 f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
@@ -360,18 +383,18 @@ class TrainerRole:
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]:
+    ) -> SavedCheckpoint:
         """Write checkpoint `step` from this process (the tensors never travel through the driver): the
         trainable tensors (adapters only under LoRA), optimizer and scheduler state, the RNG states and the
         gate state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
         rlbridge/run/checkpoint.py). A multi-rank trainer gathers full, layout-free tensors to global rank 0,
-        which alone writes. Returns path, bytes, seconds, and what retention deleted."""
+        which alone writes."""
         from rlbridge.run import checkpoint as ckpt
 
         start = time.perf_counter()
         groups, mine = self._engine_state()
         if not self.is_holder:
-            return {"path": "", "bytes": 0, "seconds": time.perf_counter() - start, "notes": []}
+            return SavedCheckpoint("", 0, time.perf_counter() - start, [])
         notes: list[str] = []
         path = ckpt.save_checkpoint(
             Path(run_dir),
@@ -383,7 +406,7 @@ class TrainerRole:
             log_fn=notes.append,
         )
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        return {"path": str(path), "bytes": size, "seconds": time.perf_counter() - start, "notes": notes}
+        return SavedCheckpoint(str(path), size, time.perf_counter() - start, notes)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`

@@ -67,18 +67,18 @@ def test_lora_checkpoint_is_small(smollm2: Path, tmp_path: Path, rank: int) -> N
     for _ in range(2):  # AdamW moments exist: they are part of the checkpoint
         role.update(b, adv, role.logprobs(b), None)
     info = role.save_checkpoint(str(tmp_path / "run"), 2, {"step": 2}, resolved_yaml(r), keep=1)
-    path = Path(info["path"])
+    path = Path(info.path)
     sizes = {f.name: f.stat().st_size for f in path.iterdir()}
     weights = sum(f.stat().st_size for f in smollm2.glob("*.safetensors"))
     print(
-        f"\nSmolLM2-135M LoRA rank {rank}: checkpoint {info['bytes'] / MB:.1f} MB (adapters "
+        f"\nSmolLM2-135M LoRA rank {rank}: checkpoint {info.bytes / MB:.1f} MB (adapters "
         f"{sizes['trainable.safetensors'] / MB:.1f} MB, AdamW {sizes['optimizer.safetensors'] / MB:.1f} MB, "
         f"state.json {sizes['state.json'] / 1e3:.0f} kB) vs {weights / MB:.0f} MB of weights; saved in "
-        f"{info['seconds']:.2f} s"
+        f"{info.seconds:.2f} s"
     )
     assert weights > 500 * MB
     assert sizes["trainable.safetensors"] < 30 * MB
-    assert info["bytes"] < (30 * MB if rank == 8 else 64 * MB)
+    assert info.bytes < (30 * MB if rank == 8 else 64 * MB)
 
 
 def test_smollm2_merged_export_keeps_the_tie_and_the_logits(smollm2: Path, tmp_path: Path) -> None:

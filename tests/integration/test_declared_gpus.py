@@ -68,14 +68,14 @@ def place(tmp: Path, *sets: str) -> tuple[list[list[str]], list[str], list[str]]
                 ("rollout", rollout_slot(plan, where)),
             ]
         ]
-        started = [w.call("rlbridge_started", timeout=120) for w in workers]
+        started = [w.wait(w.send_started(), timeout=120) for w in workers]
         seen = [w.call("where", timeout=60) for w in workers]
         for w in workers:
             w.kill()
     finally:
         remove_placement_group(pg)
     for answer, (ids, visible) in zip(started, seen, strict=True):
-        assert answer["gpus"] == ids and len(ids) == 1 and visible == ids[0], (answer, ids, visible)
+        assert answer.gpus == ids and len(ids) == 1 and visible == ids[0], (answer, ids, visible)
     ids = [s[0] for s in seen]
     return ids[:-1], ids[-1], [f"{len(plan.rollout_bundles)} rollout bundle(s)", str(plan.bundles_per_node)]
 

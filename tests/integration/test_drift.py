@@ -33,12 +33,13 @@ class LostWeights(LocalRollout):
     sleep dropped, or a load into the wrong tensors): it samples from the initial weights for the whole run,
     which the version check (StaleWeightsError) cannot see."""
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        if method == "load_weights":
-            _, version = args
-            self.obj.weight_version = version
-            return None
-        return super().call(method, *args, **kwargs)
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+
+        def load_weights(weights: Any, version: int) -> None:
+            engine.weight_version = version
+
+        engine.load_weights = load_weights
 
 
 def run(

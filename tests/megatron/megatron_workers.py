@@ -7,6 +7,7 @@ what the megatron engine produced.
 from __future__ import annotations
 
 import zlib
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -722,7 +723,9 @@ def checkpoint_suite(
         t0 = time.perf_counter()
         from rlbridge.run.directory import resolved_yaml
 
-        res["saved"] = role.save_checkpoint(run_dir, 2, {"note": "test"}, resolved_yaml(recipe), keep=2)
+        res["saved"] = asdict(
+            role.save_checkpoint(run_dir, 2, {"note": "test"}, resolved_yaml(recipe), keep=2)
+        )
         res["save_s"] = time.perf_counter() - t0
         res["batch_full"] = batch_dict(full_batch())
         res["logits_saved"] = full_logits(engine, full_batch())  # what export-hf of step 2 must reproduce

@@ -97,3 +97,35 @@ def test_the_rules_see_imports() -> None:
     """The checks above would pass vacuously if the parsing found nothing."""
     assert "vllm" in {n.split(".")[0] for n in imports(PKG / "rollout" / "vllm.py", top_level_only=False)}
     assert "rlbridge.model.hf" in imports(PKG / "engines" / "hf.py", top_level_only=True)
+
+
+SPEC_MODULES = (
+    "engines/spec.py",
+    "engines/registry.py",
+    "engines/hf_spec.py",
+    "engines/megatron/spec.py",
+    "rollout/spec.py",
+    "rollout/registry.py",
+    "rollout/vllm_spec.py",
+    "rollout/hf_spec.py",
+)
+SPEC_MAY_IMPORT = ("rlbridge.engines.spec", "rlbridge.rollout.spec", "rlbridge.errors") + tuple(
+    "rlbridge." + m.removesuffix(".py").replace("/", ".") for m in SPEC_MODULES
+)
+
+
+def test_engine_specs_import_no_engine_and_no_recipe_at_module_level() -> None:
+    """The engine specs are read by recipe validation and `rlbridge plan` (which import no torch), and the recipe
+    checks import them: at module level a spec imports other specs, errors and the standard library only (its
+    engine, torch and the recipe's types come inside functions or under TYPE_CHECKING). Importing
+    rlbridge.recipe.schema would run rlbridge/recipe/__init__.py, whose checks import the registry back."""
+    wrong = []
+    for rel in SPEC_MODULES:
+        for name in imports(PKG / rel, top_level_only=True):
+            if name.split(".")[0] in ALLOWED or name == "torch" or name.startswith("torch."):
+                wrong.append(f"{rel} imports {name}")
+            elif name.startswith("rlbridge.") and not any(
+                name == m or name.startswith(m + ".") for m in SPEC_MAY_IMPORT
+            ):
+                wrong.append(f"{rel} imports {name}")
+    assert not wrong, "\n".join(wrong)

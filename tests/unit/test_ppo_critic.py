@@ -126,7 +126,7 @@ def test_critic_state_round_trips_through_a_checkpoint_bit_for_bit(model_dir: Pa
         _ppo_update(a, scale)
     assert a.critic is not None
     info = a.save_checkpoint(str(tmp_path), 2, {"step": 2, "weight_version": 2}, "name: t\n", keep=2)
-    path = Path(info["path"])
+    path = Path(info.path)
     critic_file = load_file(str(path / "critic.safetensors"))
     saved_optim = load_file(str(path / "critic_optimizer.safetensors"))
     assert set(critic_file) == set(a.critic.trainable_state())
@@ -159,7 +159,7 @@ def test_a_checkpoint_without_a_critic_is_refused(model_dir: Path, tmp_path: Pat
         str(tmp_path), 1, {"step": 1}, "name: t\n", keep=1
     )
     with pytest.raises(Exception, match="holds no critic"):
-        TrainerRole(ppo_recipe(model_dir), str(model_dir)).load_checkpoint(info["path"])
+        TrainerRole(ppo_recipe(model_dir), str(model_dir)).load_checkpoint(info.path)
 
 
 def test_plan_counts_the_critic() -> None:

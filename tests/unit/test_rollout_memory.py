@@ -6,14 +6,35 @@ makes, with a recorder in place of the rollout worker; on real GPUs the sequence
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
 from rlbridge.rollout.memory import RolloutMemory, RolloutState
 
 
-def recorder() -> tuple[list[tuple], object]:
-    calls: list[tuple] = []
-    return calls, lambda method, *args: calls.append((method, *args))
+class Recorder:
+    """The rollout client's sleep and wake-ups, recorded (and, with `delay`, taking that long)."""
+
+    def __init__(self, delay: dict[str, float] | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.delay = delay or {}
+
+    def _record(self, method: str, *args: object) -> None:
+        self.calls.append((method, *args))
+        time.sleep(self.delay.get(method, 0.0))
+
+    def sleep(self, level: int = 1) -> None:
+        self._record("sleep", level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._record("wake_up", tags)
+
+
+def recorder() -> tuple[list[tuple], Any]:
+    rec = Recorder()
+    return rec.calls, rec
 
 
 def test_step_sequence_wakes_weights_before_the_sync_and_kv_cache_after() -> None:
@@ -52,14 +73,7 @@ def test_disabled_on_cpu_calls_nothing() -> None:
 def test_sleep_and_wake_seconds_per_step() -> None:
     """sleep_s (inside time_update) and wake_s (both wake-ups, inside time_sync): issue 16 asks them <= 2 % of a
     step; the loop puts them in each train record."""
-    import time
-
-    calls: list[tuple] = []
-
-    def slow(method: str, *args: object) -> None:
-        calls.append((method, *args))
-        time.sleep(0.01 if method == "sleep" else 0.02)
-
+    slow = Recorder({"sleep": 0.01, "wake_up": 0.02})
     mem = RolloutMemory(slow, enabled=True)
     mem.release()
     mem.load(lambda: None)

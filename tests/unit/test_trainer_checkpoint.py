@@ -68,7 +68,7 @@ def test_restored_trainer_continues_bit_identically(
     draw_a = torch.rand(3)
 
     b = TrainerRole(recipe(model_dir, rank, dtype), str(model_dir))
-    state = b.load_checkpoint(info["path"])
+    state = b.load_checkpoint(info.path)
     assert state["step"] == 2 and state["weight_version"] == 2
     got = [update(b, s) for s in (2.0, 0.7)]
     assert got == expected  # grad norms, losses, lr: exact
@@ -82,8 +82,8 @@ def test_checkpoint_holds_adapters_and_optimizer_only(model_dir: Path, tmp_path:
     t = TrainerRole(recipe(model_dir), str(model_dir))
     update(t, 1.0)
     info = t.save_checkpoint(str(tmp_path), 1, {"step": 1}, "name: t\n", keep=2)
-    path = Path(info["path"])
-    assert ckpt.verify_checkpoint(path) is None and info["bytes"] == sum(
+    path = Path(info.path)
+    assert ckpt.verify_checkpoint(path) is None and info.bytes == sum(
         f.stat().st_size for f in path.iterdir()
     )
     trainable = load_file(str(path / "trainable.safetensors"))
@@ -103,4 +103,4 @@ def test_restore_refuses_a_checkpoint_of_another_shape(model_dir: Path, tmp_path
     info = t.save_checkpoint(str(tmp_path), 0, {"step": 0}, "name: t\n", keep=1)
     other = TrainerRole(recipe(model_dir, rank=8), str(model_dir))
     with pytest.raises(Exception, match="size|shape"):
-        other.load_checkpoint(info["path"])
+        other.load_checkpoint(info.path)

@@ -99,14 +99,24 @@ class FakeTrainer:
 
 
 class FakeRollout:
+    """The rollout client's calls that a sync makes, recorded; `fail` names the one that raises."""
+
     def __init__(self, calls: list[tuple], fail: str | None = None) -> None:
         self.calls, self.fail = calls, fail
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _record(self, method: str, *args: Any) -> None:
         self.calls.append((method, *args))
         if method == self.fail or (self.fail == "wake_weights" and args == (["weights"],)):
             raise RuntimeError(f"{method} failed")
-        return None
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        self._record("load_weights", weights, version)
+
+    def sleep(self, level: int = 1) -> None:
+        self._record("sleep", level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._record("wake_up", tags)
 
 
 def session(
@@ -120,7 +130,7 @@ def session(
     calls: list[tuple] = []
     trainer, rollout = FakeTrainer(calls), FakeRollout(calls, fail)
     s.trainer, s.rollout = trainer, rollout
-    s.memory = RolloutMemory(rollout.call, enabled=True)
+    s.memory = RolloutMemory(rollout, enabled=True)  # type: ignore[arg-type]  # the calls a sync makes
     s.memory.release()  # the update ran: vLLM sleeps
     calls.clear()
     return s, calls, trainer

