@@ -1057,7 +1057,7 @@ def full_ft_checkpoint(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -
     batch = ragged_batch(seed=4, rows=4)
     res: dict[str, Any] = {"logits_init": full_logits(engine, full_batch())}
     res["step"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
-    res["saved"] = role.save_checkpoint(run_dir, 1, {"note": "test"}, resolved_yaml(recipe), keep=1)
+    res["saved"] = asdict(role.save_checkpoint(run_dir, 1, {"note": "test"}, resolved_yaml(recipe), keep=1))
     res["batch_full"] = batch_dict(full_batch())
     res["logits_saved"] = full_logits(engine, full_batch())
     engine.close()
