@@ -383,8 +383,12 @@ def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
             out.append(("trainer.recompute.granularity: full", trainer(recompute=full)))
         if engine.multi_rank and not t.distributed_optimizer and r.world_size > 1:
             out.append(("trainer.distributed_optimizer: true", trainer(distributed_optimizer=True)))
-    if t.micro_batch_size > 1:
+    if t.micro_batch_size > 1 and t.max_tokens_per_micro_batch is None:
         out.append(("trainer.micro_batch_size: 1", trainer(micro_batch_size=1)))
+    budget = t.max_tokens_per_micro_batch
+    if budget is not None and budget >= 2048:
+        half = budget // 2
+        out.append((f"trainer.max_tokens_per_micro_batch: {half}", trainer(max_tokens_per_micro_batch=half)))
     sleeps = rollout_engine(r).reserves_memory
     if r.cluster.colocate and sleeps and (ro.mode == "async" or ro.sleep != "always"):
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
