@@ -9,10 +9,13 @@ prompts x 8 samples, <= 256 response tokens, vLLM eager so its start fits a devi
     python bench/size7b.py train --engine hf --steps 5 --out OUT/7bhf [--run-dir DIR] [--set K=V ...]
     python bench/size7b.py resume --run-dir DIR --kill-after-step 6 --steps 7 --out OUT/7bresume
     python bench/size7b.py export --run-dir DIR --out OUT/7bexport
+    python bench/size7b.py fit --engine hf --out OUT/7bfit
 
 `train` first materializes the model (timed, once per machine), writes `rlbridge plan --json`, then trains while
 sampling `nvidia-smi`'s per-process GPU memory every 0.5 s (the vLLM worker and the trainer told apart by their
-Ray actor's process title). `resume` resumes a run, kills its whole process group with SIGKILL once step N is in
+Ray actor's process title). `fit` finds the largest token budget per pass the plan accepts, trains a step at it with every
+pass at the plan's worst case, and checks that the next budget is refused by validate-recipe. `resume` resumes a
+run, kills its whole process group with SIGKILL once step N is in
 metrics.jsonl, and resumes again to the end. `export` runs `rlbridge export-hf --merge-lora` and scores fixed texts
 with vLLM (tests/gpu/vllm_score_job.py, bf16) and with a float32 transformers forward of the same export. Each writes
 `summary.json` (per step: generate, update, sync, sleep, wake, tokens/s, trainer peak, vLLM peak; the plan's
@@ -284,18 +287,79 @@ def cmd_export(args: argparse.Namespace) -> int:
     return rc
 
 
+def accepts(args: argparse.Namespace, extra: list[str]) -> bool:
+    """Whether `rlbridge validate-recipe` (no --force) accepts the 7B recipe with these overrides."""
+    res = subprocess.run(
+        cli("validate-recipe", str(RECIPE), *overrides(args, *extra)), capture_output=True, cwd=ROOT
+    )
+    return res.returncode == 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    """The largest trainer.max_tokens_per_micro_batch (a multiple of --step) that validate-recipe accepts for the
+    engine; one training step at it, its passes filled to the plan's worst case (prompts padded to
+    max_prompt_tokens by the template, responses to max_response_tokens with ignore_eos), must fit; the next
+    multiple must be refused by validate-recipe, naming the device memory."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = [f"trainer.engine={args.engine}", "run.steps=1", "run.save_every=0"]
+    lo, hi = 1, args.hi // args.step  # multiples of step: lo accepted (checked), hi refused (checked)
+    if not accepts(args, [*base, f"trainer.max_tokens_per_micro_batch={lo * args.step}"]):
+        print(f"even trainer.max_tokens_per_micro_batch={args.step} is refused", file=sys.stderr)
+        return 2
+    if accepts(args, [*base, f"trainer.max_tokens_per_micro_batch={hi * args.step}"]):
+        print(f"trainer.max_tokens_per_micro_batch={hi * args.step} is accepted: raise --hi", file=sys.stderr)
+        return 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (
+            (mid, hi)
+            if accepts(args, [*base, f"trainer.max_tokens_per_micro_batch={mid * args.step}"])
+            else (lo, mid)
+        )
+    best, past = lo * args.step, hi * args.step
+    refusal = subprocess.run(cli("validate-recipe", str(RECIPE), *overrides(args, *base, f"trainer.max_tokens_per_micro_batch={past}")),
+                             capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    # prompts of max_prompt_tokens (the byte tokenizer: one token per byte) and responses of max_response_tokens
+    pad = (
+        "x" * 72
+    )  # + the question and the chat template: ~110-125 of the 128 tokens (longer ones are left out)
+    worst = [*base, f"trainer.max_tokens_per_micro_batch={best}", "rollout.ignore_eos=true",
+             f"data.template={{prompt}} {pad}", "data.batch_size=64"]  # fmt: skip
+    plan = plan_json(args, out, worst)
+    run_dir = out / "run"
+    with GpuMemory() as mem:
+        rc, train_s = run_logged(
+            cli("train", str(RECIPE), "--run-dir", str(run_dir), *overrides(args, *worst)), out / "train.log"
+        )
+    steps = [step_row(r) for r in steps_of(run_dir)]
+    summary = {
+        "what": f"the largest token budget validate-recipe accepts ({args.engine}), one step at it; the next refused",
+        "accepted_budget": best, "refused_budget": past, "refused_exit": refusal.returncode,
+        "refusal": (refusal.stdout + refusal.stderr)[-1500:], "train_exit": rc, "train_s": round(train_s, 1),
+        "plan": plan_memory(plan), "gpu_peaks_gib_nvidia_smi": {k: round(v, 2) for k, v in mem.peaks.items()},
+        "steps": steps,
+    }  # fmt: skip
+    write_summary(out, summary)
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("train", "resume", "export"):
+    for name in ("train", "resume", "export", "fit"):
         p = sub.add_parser(name)
         p.add_argument("--out", required=True)
         p.add_argument("--model", default="qwen2.5-7b-random")
         p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
         p.add_argument("--set", action="append", default=[], help="more recipe overrides K=V")
         p.add_argument("--run-dir", required=name != "train")
-        if name == "train":
+        if name in ("train", "fit"):
             p.add_argument("--engine", default="hf", choices=["hf", "megatron"])
+        if name == "fit":
+            p.add_argument("--step", type=int, default=4096, help="budget granularity (tokens)")
+            p.add_argument("--hi", type=int, default=1 << 20, help="a budget the plan must refuse")
+        if name == "train":
             p.add_argument("--steps", type=int, default=5)
             p.add_argument("--save-every", type=int, default=5)
         if name == "resume":
@@ -306,7 +370,7 @@ def main() -> int:
                 "--export-dir", default=None, help="where the merged model goes (default OUT/merged)"
             )
     args = ap.parse_args()
-    return {"train": cmd_train, "resume": cmd_resume, "export": cmd_export}[args.cmd](args)
+    return {"train": cmd_train, "resume": cmd_resume, "export": cmd_export, "fit": cmd_fit}[args.cmd](args)
 
 
 if __name__ == "__main__":

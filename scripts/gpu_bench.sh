@@ -58,6 +58,7 @@
 #                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py; not run yet)
 #   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
+#   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
 #   bash scripts/gpu_bench.sh ab        # issue 47, bench/README.md's protocol: rlbridge sync (recipes/quickstart-gpu.yaml) and
 #                                       # TRL 1.16 GRPOTrainer tuned (the whole batch of 32 in one micro-batch, gradient
@@ -293,6 +294,10 @@ PYEOF
       timeout "$(left)" "$PY" bench/size7b.py export --run-dir /tmp/rlb7b/${RUN7B:-hf} --export-dir /tmp/rlb7b/merged \
         --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -12 "$OUT/$part/log.txt" ;;
+    7bfit)  # issue 44 item 3: the largest token budget per pass validate-recipe accepts for ENGINE7B (default hf), one
+            # step at it with every pass near the plan's worst case (must fit), the next multiple of 4096 refused
+      timeout "$(left)" "$PY" bench/size7b.py fit --engine "${ENGINE7B:-hf}" --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      tail -16 "$OUT/$part/log.txt" ;;
     mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first 8
             # layers: the whole 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each
       timeout "$(left)" "$PY" bench/trainer_gpu.py --models qwen2.5-7b,qwen2.5-7b:8 --attention sdpa --batch 8 \
