@@ -131,17 +131,15 @@ class Checkpointer:
         """Steps in a row skipped for non-finite values (run.health.max_nonfinite_steps counts them)."""
         self.eval_before: dict[str, float] = {}
         self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
-        self.problem = s.started_trainer().checkpoint_support()
-        if self.problem:
-            log(f"[yellow]checkpoints are off[/]: {self.problem}")
+        problem = s.started_trainer().checkpoint_support()
+        if problem:  # validation refuses such recipes (recipe/checks/checkpoints.py); never run unsaved
+            raise RlbridgeError(f"this run could not write checkpoints: {problem}")
 
     # ------------------------------------------------------------------ restore
     def restore(self, point: ResumePoint) -> int:
         """Trainer (weights, optimizer, RNG), data position, driver RNG and weight version from `point`, then
         the rollout weights, before anything is generated. Returns the checkpoint's step."""
         s = self.s
-        if self.problem:
-            raise RlbridgeError(f"cannot resume: {self.problem}")
         state = RunState.from_json(s.started_trainer().load_checkpoint(str(point.path.resolve())), point.path)
         s.sampler.load_state(state.data)
         inflight = state.inflight
@@ -201,8 +199,8 @@ class Checkpointer:
     def save(
         self, step: int, *, data: dict[str, Any] | None = None, rng: dict[str, Any] | None = None
     ) -> None:
-        """Checkpoint `step` (once; nothing when checkpoints are off). The trainer writes it in its process."""
-        if self.problem or self.last_step == step:
+        """Checkpoint `step` (once). The trainer writes it in its process."""
+        if self.last_step == step:
             return
         s, r = self.s, self.s.recipe
         inflight: list[dict[str, Any]] = []
@@ -252,8 +250,7 @@ class Checkpointer:
             self.save(step, **state)
         run = self.s.run_dir
         if self.last_path is None:
-            why = f" ({self.problem})" if self.problem else ""
-            msg = f"stopped by {sig} before any checkpoint was written{why}; nothing to resume from"
+            msg = f"stopped by {sig} before any checkpoint was written; nothing to resume from"
         else:
             msg = (
                 f"stopped by {sig} after step {step}; checkpoint {self.last_path}\n"

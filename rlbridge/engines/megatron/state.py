@@ -19,7 +19,7 @@ send theirs there; only tensor rank 0 of data-parallel replica 0 sends); `load_s
 every rank: each cuts its shard out of the full tensors, writes the main parameter and the model weight
 from it, and rebuilds Adam's state. Names or shapes that do not match the model are errors naming them.
 
-Not covered (refused by `unsupported`): the distributed optimizer (its main parameters live in flat
+Not covered (refused at validation, recipe/checks/checkpoints.py): the distributed optimizer (its main parameters live in flat
 buffers sharded over data-parallel ranks) and expert parallelism (local expert indices would need
 renaming to global ones).
 """
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from rlbridge.engines.megatron.params import named_parameters
 from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.checks.checkpoints import unsaved_layouts
 from rlbridge.recipe.schema import Recipe
 
 FORMAT = "megatron-canonical-v1"
@@ -45,18 +46,12 @@ _CHUNK = re.compile(r"^chunk(\d+)\.")
 
 
 def unsupported(recipe: Recipe) -> str | None:
-    """Why checkpoints of this megatron layout cannot be written yet, or None."""
-    if recipe.trainer.distributed_optimizer:
-        return (
-            "checkpoints with trainer.distributed_optimizer: true are not implemented (its fp32 main "
-            "parameters and Adam moments live in flat buffers sharded over data-parallel ranks); set it false"
-        )
+    """Why checkpoints of this megatron layout cannot be written, or None (validation refuses such a recipe:
+    recipe/checks/checkpoints.py)."""
+    issues = [str(i) for i in unsaved_layouts(recipe)]
     if recipe.trainer.parallel.expert > 1:
-        return (
-            "checkpoints at trainer.parallel.expert > 1 are not implemented (local expert indices are not "
-            "renamed to global ones yet); use expert: 1"
-        )
-    return None
+        issues.append("checkpoints at trainer.parallel.expert > 1 are not implemented yet; use expert: 1")
+    return "; ".join(issues) or None
 
 
 # ---------------------------------------------------------------------------------------- names

@@ -4,8 +4,9 @@ Each rule appends a RecipeIssue naming the key, the numbers involved and the sma
 all problems are reported together. Rules are plain functions of (recipe, model info) so each is tested
 with a failing and a passing recipe.
 
-Rule modules: layout (cluster and batches), model (config.json: shape, MoE, recompute), training (LoRA, sync,
-algorithm, rollout correction, async), files (datasets, reward code, loggers); common (the shared helpers).
+Rule modules: layout (cluster and batches), checkpoints (layouts that cannot be saved), model (config.json:
+shape, MoE, recompute), training (LoRA, sync, algorithm, rollout correction, async), files (datasets, reward
+code, loggers); common (the shared helpers).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
+from rlbridge.recipe.checks.checkpoints import check_checkpoints
 from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
 from rlbridge.recipe.checks.layout import (
@@ -42,6 +44,7 @@ __all__ = ["Issues", "RULES", "check_loggers", "check_model_shape", "run_checks"
 RecipeRule = Callable[[Recipe, Issues], None]
 RULES: tuple[RecipeRule, ...] = (
     check_layout,
+    check_checkpoints,
     check_rollout_layout,
     check_batches,
     check_token_budget,
