@@ -32,6 +32,7 @@ LAYOUT_KEYS = (
     "trainer.parallel.tensor",
     "trainer.parallel.pipeline",
     "trainer.parallel.virtual_pipeline",
+    "trainer.parallel.expert",
     "cluster.gpus_per_node",
     "cluster.nodes",
 )

@@ -753,12 +753,17 @@ def moe_suite(
     train: bool = True,
     detach_expert: int | None = None,
     grads: bool = False,
+    run_dir: str | None = None,
+    resume: str | None = None,
 ) -> dict[str, Any]:
     """The tiny Qwen3-MoE with LoRA on attention and experts at TP x EP: logits; with `train`, two steps with the
     tokens routed per expert and the per-expert report (engines/moe.py), frozen tensors (router included) before
     and after, the trainer's logits and the merged and adapter exports. `detach_expert`: layer 0's expert of that
     index computes its fc1 adapter detached from autograd (Megatron-Bridge #5635's failure), a negative control.
-    `grads`: first-step gradients from layout-independent adapter values (compared across layouts)."""
+    `grads`: first-step gradients from layout-independent adapter values (compared across layouts).
+    `run_dir`: after the two steps, checkpoint step 2 there (TrainerRole, as a run does) and take a third step.
+    `resume`: afterwards, a fresh engine at TP1 x EP1 restores step 2 of that run directory and takes the third
+    step (`_moe_third_step` reports both: the canonical state after it, its log-probs)."""
     from megatron.core.utils import unwrap_model
 
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
@@ -820,8 +825,43 @@ def moe_suite(
         res["adapter"], res["adapter_config"] = adapter.tensors, adapter.adapter_config
     except Exception as e:  # reported, so the test can say what the adapter export does on experts
         res["adapter_error"] = f"{type(e).__name__}: {e}"
+    if run_dir is not None:
+        res["ckpt"] = _moe_third_step(recipe, model, engine, ragged, save_to=run_dir)
     engine.close()
+    if resume is not None:
+        recipe = make_recipe(model, lora=lora(), trainer=trainer())
+        res["resumed"] = _moe_third_step(recipe, model, MegatronTrainEngine(recipe), ragged, load_from=resume)
     return res
+
+
+def _moe_third_step(
+    recipe: Recipe,
+    model: str,
+    engine: Any,
+    batch: SeqBatch,
+    *,
+    save_to: str | None = None,
+    load_from: str | None = None,
+) -> dict[str, Any]:
+    """Checkpoint step 2 into `save_to`, or restore it from `load_from` (then the full state right after the
+    load); then one more step: its metrics, log-probs after it and the full canonical state (global rank 0)."""
+    from rlbridge.run.directory import resolved_yaml
+    from rlbridge.trainer.role import TrainerRole
+
+    role = TrainerRole(recipe, model, engine_factory=lambda: engine)
+    role.is_holder = torch.distributed.get_rank() == 0
+    out: dict[str, Any] = {}
+    if save_to is not None:
+        out["saved"] = role.save_checkpoint(save_to, 2, {"note": "moe"}, resolved_yaml(recipe), keep=1)
+    if load_from is not None:
+        out["state"] = role.load_checkpoint(f"{load_from}/checkpoints/step_000002")
+        out["loaded"] = engine.checkpoint_state()[0]
+    out["step3"] = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+    out["logprobs"] = engine.logprobs(batch)
+    out["after"] = engine.checkpoint_state()[0]
+    if load_from is not None:
+        engine.close()
+    return out
 
 
 def _global_expert_grads(engine: Any, batch: SeqBatch) -> dict[str, torch.Tensor]:

@@ -14,15 +14,21 @@ export loaded by `from_pretrained`, and the adapter export loaded by peft, vs th
 * TP2 and EP2: the forward (log-probs) matches transformers; at EP2 each rank's first-step gradients equal TP1's
   (same adapter values), two steps train each rank's experts and the merged export holds the trainer's model.
   Training an MoE model at TP > 1 needs sequence parallelism (megatron-core refuses otherwise), which needs
-  reduce-scatter, which gloo lacks: validation says so.
+  reduce-scatter, which gloo lacks: validation says so;
+* checkpoints at EP2 (the EP2 launch saves step 2 and takes a third step; the TP1 launch then restores that
+  checkpoint at EP1 in a fresh engine and takes the third step too): each expert's LoRA and Adam moments are
+  saved once under its global number, and the third step at EP1 equals EP2's within 1e-5 relative (measured
+  3.1e-7 at worst, over adapters, moments, log-probs and grad norm).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hf_reference import load_hf, load_hf_files, logits, peft_model, rel, seq_batch
 
 pytestmark = pytest.mark.integration
@@ -39,8 +45,19 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def tp1(moe_dir: str, run_workers: Any) -> dict[str, Any]:
-    return run_workers("moe_suite", 1, timeout=180, model=moe_dir, grads=True)[0]
+def ep2(moe_dir: str, run_workers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """EP2 on 2 ranks: two steps from layout-independent adapters, checkpoint step 2, a third step."""
+    run_dir = tmp_path_factory.mktemp("moe_ep2_run")
+    ranks = run_workers(
+        "moe_suite", 2, timeout=240, model=moe_dir, ep=2, train=True, grads=True, run_dir=str(run_dir)
+    )
+    return {"run_dir": run_dir, "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def tp1(moe_dir: str, run_workers: Any, ep2: dict[str, Any]) -> dict[str, Any]:
+    """TP1 x EP1 on 1 rank; the same launch then resumes the EP2 checkpoint at EP1 (the `resumed` result)."""
+    return run_workers("moe_suite", 1, timeout=240, model=moe_dir, grads=True, resume=str(ep2["run_dir"]))[0]
 
 
 def test_logits_match_transformers_tp1(tp1: dict[str, Any], moe_dir: str) -> None:
@@ -109,35 +126,81 @@ def test_a_detached_expert_adapter_is_reported_by_name(moe_dir: str, run_workers
     assert [0, 0] in res["report"]["trained"] and [1, 1] in res["report"]["trained"]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2"])
-def test_logits_match_transformers_tp2_ep2(
-    layout: str, moe_dir: str, run_workers: Any, tmp_path: Path, tp1: dict[str, Any]
+def test_logits_match_transformers_tp2(moe_dir: str, run_workers: Any) -> None:
+    ranks = run_workers("moe_suite", 2, timeout=180, model=moe_dir, train=False, tp=2)
+    ref = logits(load_hf(moe_dir), seq_batch(ranks[0]["batch_full"]))
+    for res in ranks:
+        assert rel(res["logits_init"], ref) < 1e-5
+
+
+def test_ep2_logits_gradients_and_export(
+    ep2: dict[str, Any], moe_dir: str, tmp_path: Path, tp1: dict[str, Any]
 ) -> None:
     """EP2: each rank loads its own experts (rank 1: experts 2 and 3; Megatron-Bridge 0.3.1 loaded experts 0 and 1 on
     every rank until export._global_sequential_expert_names: rel. error 0.70)."""
-    size = {"tp": 2} if layout == "tp2" else {"ep": 2}
-    ep2 = layout == "ep2"
-    ranks = run_workers("moe_suite", 2, timeout=180, model=moe_dir, train=ep2, grads=ep2, **size)
-    if layout == "ep2":
-        assert sorted({e for r in ranks for _, e in r["expert_of"].values()}) == [0, 1, 2, 3]
-        assert {e for _, e in ranks[1]["expert_of"].values()} == {2, 3}
-        # each rank checks its own experts; the merged export (gathered over EP, each rank's adapters merged into
-        # its own experts: export._merge_sequential_expert_adapters) holds the trainer's model (measured 9.1e-7;
-        # 0.20 before, with rank 0's adapters merged into every rank's experts)
-        assert ranks[1]["report"]["trained"] == [[layer, e] for layer in range(2) for e in (2, 3)]
-        # from the same (layout-independent) adapter values, each rank's first-step gradients equal TP1's (measured
-        # 1.0e-7); LoRA's own random init differs between layouts (expert-parallel RNG), so trained runs do not
-        for res in ranks:
-            for name, grad in res["grads"].items():
-                assert rel(grad, tp1["grads"][name]) < 1e-5, name
-        full = seq_batch(ranks[0]["batch_full"])
-        exported = load_hf_files(moe_dir, ranks[0]["merged"], tmp_path / "merged")
-        assert rel(logits(exported, full), ranks[0]["logits_trained"]) < 1e-5
-    ref = None
+    ranks = ep2["ranks"]
+    assert sorted({e for r in ranks for _, e in r["expert_of"].values()}) == [0, 1, 2, 3]
+    assert {e for _, e in ranks[1]["expert_of"].values()} == {2, 3}
+    # each rank checks its own experts; the merged export (gathered over EP, each rank's adapters merged into
+    # its own experts: export._merge_sequential_expert_adapters) holds the trainer's model (measured 9.1e-7;
+    # 0.20 before, with rank 0's adapters merged into every rank's experts)
+    assert ranks[1]["report"]["trained"] == [[layer, e] for layer in range(2) for e in (2, 3)]
+    # from the same (layout-independent) adapter values, each rank's first-step gradients equal TP1's (measured
+    # 1.0e-7); LoRA's own random init differs between layouts (expert-parallel RNG), so trained runs do not
     for res in ranks:
-        full = seq_batch(res["batch_full"])
-        ref = logits(load_hf(moe_dir), full) if ref is None else ref
+        for name, grad in res["grads"].items():
+            assert rel(grad, tp1["grads"][name]) < 1e-5, name
+    full = seq_batch(ranks[0]["batch_full"])
+    exported = load_hf_files(moe_dir, ranks[0]["merged"], tmp_path / "merged")
+    assert rel(logits(exported, full), ranks[0]["logits_trained"]) < 1e-5
+    ref = logits(load_hf(moe_dir), full)
+    for res in ranks:  # the same batch on both ranks
         assert rel(res["logits_init"], ref) < 1e-5
+
+
+def _rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (the checkpoint tests' measure, tests/megatron/test_megatron_checkpoint.py)."""
+    return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
+
+
+def test_ep2_checkpoint_saves_each_expert_once_and_resumes_at_ep1(
+    ep2: dict[str, Any], tp1: dict[str, Any]
+) -> None:
+    """The EP2 checkpoint holds every expert's LoRA and Adam moments once, under global expert numbers (the names
+    an EP1 model has); restored at EP1, the third step equals the third step taken at EP2 (float32; measured in
+    the test's output)."""
+    from safetensors.torch import load_file
+
+    from rlbridge.run import checkpoint as ckpt
+
+    saved, resumed = ep2["ranks"][0]["ckpt"], tp1["resumed"]
+    path = Path(saved["saved"]["path"])
+    assert ckpt.verify_checkpoint(path) is None and ep2["ranks"][1]["ckpt"]["saved"]["path"] == ""
+    trainable = load_file(str(path / "trainable.safetensors"))
+    optim = load_file(str(path / "optimizer.safetensors"))
+    experts = {
+        m.groups()
+        for n in trainable
+        if (m := re.match(r"decoder\.layers\.(\d+)\..*local_experts\.(\d+)\.", n))
+    }
+    assert experts == {(str(layer), str(e)) for layer in range(2) for e in range(4)}  # global expert numbers
+    assert (
+        sum(".local_experts." in n for n in trainable) == 2 * 4 * 2 * 2
+    )  # layers x experts x (fc1, fc2) x (in, out)
+    assert set(optim) == {f"{n}:{k}" for n in trainable for k in ("exp_avg", "exp_avg_sq", "step")}
+    # layout-free: the EP1 model's own canonical state has exactly these names, and the load put back every value
+    for group, on_disk in (("trainable", trainable), ("optimizer", optim)):
+        assert resumed["loaded"][group].keys() == on_disk.keys()
+        bad = [k for k, t in on_disk.items() if not torch.equal(resumed["loaded"][group][k], t)]
+        assert not bad, bad[:5]
+    assert resumed["state"]["note"] == "moe"
+    worst = {"grad_norm": abs(resumed["step3"]["grad_norm"] / saved["step3"]["grad_norm"] - 1)}
+    worst["logprobs"] = _rel_max(resumed["logprobs"], saved["logprobs"])
+    for group in ("trainable", "optimizer"):
+        assert resumed["after"][group].keys() == saved["after"][group].keys()
+        worst[group] = max(_rel_max(resumed["after"][group][k], t) for k, t in saved["after"][group].items())
+    print(f"EP2 save -> EP1 resume, third step, max relative difference: {worst}")
+    assert all(v <= 1e-5 for v in worst.values()), worst
 
 
 def test_routing_replay_matches_transformers_replay(moe_dir: str, run_workers: Any) -> None:

@@ -382,6 +382,7 @@ def layout(provider: Any) -> dict[str, int | None]:
         "tensor": int(provider.tensor_model_parallel_size),
         "pipeline": int(provider.pipeline_model_parallel_size),
         "virtual_pipeline": provider.virtual_pipeline_model_parallel_size,
+        "expert": int(getattr(provider, "expert_model_parallel_size", 1) or 1),
         "data": ps.get_data_parallel_world_size(),
         "world": dist.get_world_size(),
     }

@@ -1,27 +1,32 @@
 """Layout-portable checkpoint state of a megatron model: full tensors under canonical names.
 
 A megatron rank holds shards: its tensor-parallel slice of each trainable tensor, the layers of its pipeline
-stage (numbered from 0 on every stage), a `chunk<i>.` prefix per virtual stage, and, under bf16/fp16, an fp32
+stage (numbered from 0 on every stage), a `chunk<i>.` prefix per virtual stage, its expert-parallel share of
+each MoE layer's routed experts (numbered from 0 on every expert-parallel rank), and, under bf16/fp16, an fp32
 main copy of each parameter inside the optimizer next to the 16-bit model weight. A checkpoint of those
 shards would only load at the layout that wrote it (USER_REPORTS E: "adapter save keeps one TP shard",
 non-reshardable checkpoints). Here every rank turns its shards into *canonical* tensors instead:
 
-* name: the Megatron parameter name with the global layer number and no `chunk<i>.` / `module.` prefix
-  (`decoder.layers.3.self_attention.linear_qkv.adapter.linear_out.weight`), identical at any TP/PP/VPP;
+* name: the Megatron parameter name with the global layer number, the global expert number
+  (`mlp.experts.local_experts.<e>`, e = `MoELayer.local_expert_indices[local]`) and no `chunk<i>.` /
+  `module.` prefix (`decoder.layers.3.self_attention.linear_qkv.adapter.linear_out.weight`), identical at any
+  TP/PP/VPP/EP;
 * value: the fp32 main parameter (what the optimizer steps; the bf16 model weight is a rounding of it),
-  gathered over the tensor-parallel group along `partition_dim`. A gated MLP's `linear_fc1` rows are
-  [gate; up] on each rank, so its shards are gathered half by half (gate shards, then up shards), which is
-  the TP=1 layout;
+  gathered over the tensor-parallel group along `partition_dim` (the expert-tensor-parallel group for a routed
+  expert's tensor). A gated MLP's `linear_fc1` rows are [gate; up] on each rank, so its shards are gathered
+  half by half (gate shards, then up shards), which is the TP=1 layout;
 * Adam: `<name>:exp_avg`, `<name>:exp_avg_sq` (same layout as the value) and `<name>:step`.
 
-`gather_state` is collective over the world and returns the full tensors on global rank 0 (pipeline stages
-send theirs there; only tensor rank 0 of data-parallel replica 0 sends); `load_state` is the inverse on
-every rank: each cuts its shard out of the full tensors, writes the main parameter and the model weight
-from it, and rebuilds Adam's state. Names or shapes that do not match the model are errors naming them.
+`gather_state` is collective over the world and returns the full tensors on global rank 0: the first rank of
+each (expert) tensor-parallel group in the first (expert) data-parallel replica sends its tensors there, so
+each pipeline stage's layers and each routed expert, with its Adam moments, arrive once whatever the layout.
+`load_state` is the inverse on every rank: each cuts its shard out of the full tensors (its own experts by
+their global numbers), writes the main parameter and the model weight from it, and rebuilds Adam's state. A
+checkpoint whose names are not exactly the model's trainable tensors (of all ranks together) and their Adam
+state, or whose shapes do not fit, is refused naming the tensors.
 
-Not covered (refused at validation, recipe/checks/checkpoints.py): the distributed optimizer (its main parameters live in flat
-buffers sharded over data-parallel ranks) and expert parallelism (local expert indices would need
-renaming to global ones).
+Not covered (refused at validation, recipe/checks/checkpoints.py): the distributed optimizer (its main
+parameters live in flat buffers sharded over data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -43,40 +48,63 @@ FORMAT = "megatron-canonical-v1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYER = re.compile(r"^(?:chunk(\d+)\.)?(.*?decoder\.layers\.)(\d+)(\..*)$")
 _CHUNK = re.compile(r"^chunk(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^(\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def unsupported(recipe: Recipe) -> str | None:
     """Why checkpoints of this megatron layout cannot be written, or None (validation refuses such a recipe:
     recipe/checks/checkpoints.py)."""
-    issues = [str(i) for i in unsaved_layouts(recipe)]
-    if recipe.trainer.parallel.expert > 1:
-        issues.append("checkpoints at trainer.parallel.expert > 1 are not implemented yet; use expert: 1")
-    return "; ".join(issues) or None
+    return "; ".join(str(i) for i in unsaved_layouts(recipe)) or None
 
 
 # ---------------------------------------------------------------------------------------- names
-def _global_layers(model: list[torch.nn.Module]) -> list[list[int]]:
-    """Per chunk: local layer index -> global layer index (0-based)."""
+def _layers(model: list[torch.nn.Module]) -> list[list[tuple[int, list[int]]]]:
+    """Per chunk, per local layer: (global layer index, global index of each local expert; [] if no MoE)."""
     from megatron.core.utils import unwrap_model
 
     out = []
     for chunk in unwrap_model(model):
         decoder = getattr(chunk, "decoder", None)
         layers = getattr(decoder, "layers", []) if decoder is not None else []
-        out.append([int(layer.layer_number) - 1 for layer in layers])
+        out.append(
+            [
+                (
+                    int(layer.layer_number) - 1,
+                    [
+                        int(e)
+                        for e in getattr(getattr(layer, "mlp", None), "local_expert_indices", None) or []
+                    ],
+                )
+                for layer in layers
+            ]
+        )
     return out
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (sharded over expert parallel; a shared expert is not one)."""
+    return ".mlp.experts." in name
 
 
 def canonical_params(model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) of every trainable parameter of this rank."""
-    numbers = _global_layers(model)
-    for name, p in named_parameters(model):
+    layers = _layers(model)
+    for local_name, p in named_parameters(model):
         if not p.requires_grad:
             continue
-        chunk = int(m.group(1)) if (m := _CHUNK.match(name)) else 0
-        name = _CHUNK.sub("", name)
+        chunk = int(m.group(1)) if (m := _CHUNK.match(local_name)) else 0
+        name = _CHUNK.sub("", local_name)
         if (m := _LAYER.match(name)) is not None:
-            name = f"{m.group(2)}{numbers[chunk][int(m.group(3))]}{m.group(4)}"
+            number, experts = layers[chunk][int(m.group(3))]
+            rest = m.group(4)
+            if (e := _LOCAL_EXPERT.match(rest)) is not None:
+                rest = f"{e.group(1)}{experts[int(e.group(2))]}{e.group(3)}"
+            elif is_expert(rest) and len(experts) > 0 and experts[0] != 0:
+                raise RlbridgeError(
+                    f"checkpoint: cannot name expert tensor {local_name} by its global expert (only "
+                    "SequentialMLP's `local_experts.<i>` are renumbered; use the local layer spec)"
+                )
+            name = f"{m.group(2)}{number}{rest}"
         yield name, p
 
 
@@ -113,15 +141,31 @@ def _is_glu_rows(name: str, p: Tensor, gated: bool) -> bool:
     )
 
 
-def _tp_gather(name: str, shard: Tensor, p: Tensor, gated: bool) -> Tensor:
+def _tp_group(name: str) -> tuple[int, int, Any]:
+    """(size, rank, group) of the tensor-parallel group that shards `name`: expert tensor parallel for a
+    routed expert's tensor, tensor parallel otherwise."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    if is_expert(name):
+        return (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def _tp_gather(name: str, shard: Tensor, p: Tensor, gated: bool) -> Tensor:
+    tp, _, group = _tp_group(name)
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
         return shard
     dim = int(getattr(p, "partition_dim", 0))
     parts = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, shard.contiguous(), group=group)
     if _is_glu_rows(name, p, gated):
         halves = [part.chunk(2, 0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
@@ -129,9 +173,7 @@ def _tp_gather(name: str, shard: Tensor, p: Tensor, gated: bool) -> Tensor:
 
 
 def _tp_shard(name: str, full: Tensor, p: Tensor, gated: bool) -> Tensor:
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tp, rank, _ = _tp_group(name)
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
         return full
     dim = int(getattr(p, "partition_dim", 0))
@@ -146,28 +188,44 @@ def _gated(model: list[torch.nn.Module]) -> bool:
     return bool(getattr(unwrap_model(model)[0].config, "gated_linear_unit", False))
 
 
+def _sends(name: str) -> bool:
+    """Whether this rank sends `name` to the writer: the first rank of its (expert) tensor-parallel group in
+    the first (expert) data-parallel replica. Each routed expert lives on one expert-parallel rank, so every
+    expert is sent once whatever the expert-parallel size; pipeline stages send their own layers."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert(name):
+        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+
+
 # ------------------------------------------------------------------------------------ save / load
 def gather_state(model: list[torch.nn.Module], optimizer: Any) -> dict[str, dict[str, Tensor]]:
     """Collective over the world: {"trainable": {name: fp32 full}, "optimizer": {name:key: full}} on global
     rank 0, {} on every other rank. See the module docstring."""
-    from megatron.core import parallel_state as ps
-
     mains, owners = _main_params(optimizer)
     gated = _gated(model)
     trainable: dict[str, Tensor] = {}
     moments: dict[str, Tensor] = {}
     for name, p in canonical_params(model):
         main = mains.get(id(p), p)
-        trainable[name] = _tp_gather(name, main.detach().float(), p, gated).cpu()
+        full = _tp_gather(name, main.detach().float(), p, gated).cpu()
         state = owners[id(p)].state.get(main) if id(p) in owners else None
+        mine = _sends(name)
+        if mine:
+            trainable[name] = full
         if state:
             for key in MOMENTS:
-                moments[f"{name}:{key}"] = _tp_gather(name, state[key].detach().float(), p, gated).cpu()
-            moments[f"{name}:step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(()).cpu()
-    sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    mine = {"trainable": trainable, "optimizer": moments} if sender else {}
+                full = _tp_gather(name, state[key].detach().float(), p, gated).cpu()
+                if mine:
+                    moments[f"{name}:{key}"] = full
+            if mine:
+                moments[f"{name}:step"] = (
+                    torch.as_tensor(state["step"], dtype=torch.float32).reshape(()).cpu()
+                )
+    part = {"trainable": trainable, "optimizer": moments}
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
+    dist.gather_object(part, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return {}
     out: dict[str, dict[str, Tensor]] = {"trainable": {}, "optimizer": {}}
@@ -176,11 +234,47 @@ def gather_state(model: list[torch.nn.Module], optimizer: Any) -> dict[str, dict
             for key, tensor in tensors.items():
                 have = out[group].get(key)
                 if have is not None and not torch.equal(have, tensor):
-                    raise RlbridgeError(
-                        f"checkpoint: {key} is held by two pipeline stages with different values"
-                    )
+                    raise RlbridgeError(f"checkpoint: {key} is sent by two ranks with different values")
                 out[group][key] = tensor
     return out
+
+
+def _world_names(names: set[str]) -> set[str]:
+    """The canonical names of every rank (collective): what the whole model trains, at any layout."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return set(names)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sorted(names))
+    return {n for part in parts for n in part}
+
+
+def check_names(tensors: Any, moments: Any, names: set[str], what: str) -> None:
+    """Refuse a checkpoint whose tensors are not exactly the model's trainable tensors (`names`, of every rank)
+    and their Adam state, naming the tensors that differ."""
+    missing = sorted(names - set(tensors))
+    if missing:
+        raise RlbridgeError(
+            f"{what}: the checkpoint lacks {len(missing)} trainable tensor(s) of this model, e.g. "
+            f"{missing[:3]} (a checkpoint of another model, LoRA rank or targets?)"
+        )
+    extra = sorted(set(tensors) - names)
+    if extra:
+        raise RlbridgeError(
+            f"{what}: the checkpoint holds {len(extra)} tensor(s) this model does not train, e.g. "
+            f"{extra[:3]} (a checkpoint of another model, LoRA rank or targets?)"
+        )
+    keys = (*MOMENTS, "step")
+    stray = sorted(
+        k for k in moments if k.rpartition(":")[0] not in names or k.rpartition(":")[2] not in keys
+    )
+    partial = sorted(n for n in names if 0 < sum(f"{n}:{k}" in moments for k in keys) < len(keys))
+    if stray or partial:
+        raise RlbridgeError(
+            f"{what}: the checkpoint's optimizer state does not fit this model: "
+            + (f"{len(stray)} entries for no trainable tensor, e.g. {stray[:3]}" if stray else "")
+            + ("; " if stray and partial else "")
+            + (f"{len(partial)} tensor(s) with part of Adam's state, e.g. {partial[:3]}" if partial else "")
+        )
 
 
 def load_state(
@@ -190,27 +284,13 @@ def load_state(
     moments: dict[str, Tensor],
     what: str,
 ) -> None:
-    """Restore this rank's shards from full canonical tensors (see `gather_state`); every trainable
-    parameter must be present with its full shape, and nothing else."""
+    """Collective over the world: restore this rank's shards from full canonical tensors (see
+    `gather_state`). The checkpoint must hold every trainable tensor of the model (of every rank) with its
+    full shape, and nothing else."""
     mains, owners = _main_params(optimizer)
     gated = _gated(model)
     params = list(canonical_params(model))
-    names = {n for n, _ in params}
-    missing = sorted(names - tensors.keys())
-    if missing:
-        raise RlbridgeError(
-            f"{what}: the checkpoint lacks {len(missing)} trainable tensor(s) of this model, e.g. "
-            f"{missing[:3]} (a checkpoint of another model, LoRA rank or targets?)"
-        )
-    from megatron.core.utils import unwrap_model
-
-    num_layers = int(unwrap_model(model)[0].config.num_layers)
-    extra = _extra(tensors.keys(), params, num_layers)
-    if extra:
-        raise RlbridgeError(
-            f"{what}: the checkpoint holds {len(extra)} tensor(s) this model does not train, e.g. "
-            f"{extra[:3]} (a checkpoint of another model, LoRA rank or targets?)"
-        )
+    check_names(tensors, moments, _world_names({n for n, _ in params}), what)
     for owner in {id(o): o for o in owners.values()}.values():
         owner.state.clear()
     with torch.no_grad():
@@ -233,16 +313,3 @@ def load_state(
             }
             state["step"] = moments[f"{name}:step"].clone().to(torch.float32)
             owners[id(p)].state[main] = state
-
-
-def _extra(keys: Any, params: list[tuple[str, torch.nn.Parameter]], num_layers: int) -> list[str]:
-    """Checkpoint tensors this model does not train at any layout. Other pipeline stages' layers are
-    expected here, so a layer tensor is extra when its layer number is beyond the model or its module path
-    is one no layer of this rank has; other names must be this rank's or belong to another stage."""
-    suffixes = {m.group(4) for n, _ in params if (m := _LAYER.match(n)) is not None}
-    out = []
-    for key in keys:
-        m = _LAYER.match(key)
-        if m is not None and suffixes and (int(m.group(3)) >= num_layers or m.group(4) not in suffixes):
-            out.append(key)
-    return sorted(out)
