@@ -411,9 +411,12 @@ class TrainerRole:
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
         (verified first; every rank of a multi-rank trainer reads it); returns its state.json content for
-        the driver to restore the rest."""
+        the driver to restore the rest. A checkpoint of another recipe (another model, LoRA rank, algorithm,
+        ...: any key resume_policy does not let change) is refused naming the keys, before any tensor loads."""
         from rlbridge.run import checkpoint as ckpt
         from rlbridge.run import rng
+        from rlbridge.run.directory import resolved_yaml
+        from rlbridge.run.resume_policy import check_resume_compatible
 
         problem = self.checkpoint_support()
         if problem:
@@ -425,6 +428,12 @@ class TrainerRole:
                 f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
                 f"trainer.engine={self.recipe.trainer.engine}"
             )
+        layout_free = mine.get("layout_free") is True
+        refused = check_resume_compatible(
+            loaded.recipe_yaml, resolved_yaml(self.recipe), layout_free=layout_free
+        )
+        if refused:
+            raise RlbridgeError(f"checkpoint {path} is not of this run's recipe: " + "; ".join(refused))
         if "trainable" not in loaded.tensors:
             raise RlbridgeError(f"checkpoint {path} holds no trainable.safetensors")
         if self.critic is not None and ("critic" not in loaded.tensors or "critic_optimizer" not in mine):
