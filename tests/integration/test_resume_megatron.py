@@ -3,10 +3,13 @@
 random tiny Qwen2 of recipes/smoke-megatron-cpu.yaml, against one uninterrupted 4-step run.
 
 kill -9 of everything once the step-2 checkpoint is complete, then `resume`: the data, the sampled
-completions (rollout_sha), rewards and weight versions equal the uninterrupted run's exactly, the trainer's
-floats and the final adapters and Adam moments within 1e-5 relative. The same checkpoint then resumes at
-tensor 1 x pipeline 1 (one rank; allowed because a megatron checkpoint is layout-free). Helpers are
-test_resume's. 263 s on 2 shared cores (reference, killed run, two resumes).
+completions (rollout_sha), rewards, weight versions, every trainer float of metrics.jsonl (log-prob gaps aside)
+and the final adapters and Adam moments equal the uninterrupted run's bit for bit (RTOL 0: measured 0.0). The
+same checkpoint then resumes at tensor 1 x pipeline 1 (one rank; allowed because a megatron checkpoint is
+layout-free): step 3 samples the same completions, its grad_norm is within RTOL_GRAD_NORM_TP1 (1e-6) and the
+final tensors within RTOL_TP1 (5e-5) of the uninterrupted run's (the measured gaps and their headroom are at
+those constants; the test prints the gaps). Helpers are test_resume's. 263 s on 2 shared cores (reference,
+killed run, two resumes); 588 s at load 12-19.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from tests.integration.test_resume import evals, kill_everything, run, start, tr
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 4
-RTOL = 1e-5
+RTOL = 0.0
+"""Same layout (TP2 x PP2): the resumed run is bit-identical, trainer floats and final tensors alike (measured gap
+0.0 on 2026-12-05; gloo's reductions and the CPU kernels repeat exactly at one layout)."""
+RTOL_TP1 = 5e-5
+"""TP1 x PP1 resume of the TP2 x PP2 checkpoint, final adapters and Adam moments after two more steps (max |got -
+want| / max |want| of a tensor): measured 1.9e-5 (an earlier run) and 8.0e-6 / 4.6e-6 (2026-12-05); 5e-5 leaves
+2.6x headroom over the worst seen. Summation order differs between layouts, and Adam turns a rounding-level
+gradient difference of an entry with a near-zero gradient into a larger relative one."""
+RTOL_GRAD_NORM_TP1 = 1e-6
+"""The same resume's step-3 grad_norm (the first step after it): measured 9.9e-8 (2026-12-05), 10x headroom."""
 EXACT = ("step", "data_epoch", "weight_version", "rollout_sha", "reward_mean", "reward_std")
 
 
@@ -67,8 +79,8 @@ def killed(recipe_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-def _rel(a: float, b: float) -> bool:
-    return abs(a - b) <= RTOL * max(abs(a), abs(b)) + 1e-7
+def _rel(a: float, b: float, rtol: float = RTOL) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
 def assert_same_run(got: Path, want: Path, rtol: float = RTOL) -> None:
@@ -84,22 +96,39 @@ def assert_same_run(got: Path, want: Path, rtol: float = RTOL) -> None:
             if isinstance(a[k], float)
             and k not in EXACT
             and not k.startswith("logprob_diff")
-            and not _rel(a[k], b[k])
+            and not _rel(a[k], b[k], rtol)
         }
         assert not floats, (a["step"], floats)
     assert [(e["step"], e.get("accuracy")) for e in evals(got)] == [
         (e["step"], e.get("accuracy")) for e in evals(want)
     ]
+    gaps = final_gaps(got, want)
+    print(
+        f"resume vs uninterrupted, final tensors, max relative gap: {gaps}; trainer floats: {float_gap(g, w)}"
+    )
+    assert all(gap <= rtol for gap in gaps.values()), gaps
+
+
+def final_gaps(got: Path, want: Path) -> dict[str, float]:
+    """Per group of the step-4 checkpoint: the largest max |got - want| / max |want| of a tensor."""
+    out = {}
     for group in ("trainable", "optimizer"):
         name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
         tg, tw = load_file(str(got / name)), load_file(str(want / name))
         assert tg.keys() == tw.keys(), group
-        bad = {
-            k: float((tg[k] - tw[k]).abs().max())
-            for k in tg
-            if float((tg[k] - tw[k]).abs().max()) > rtol * float(tw[k].abs().max()) + 1e-12
-        }
-        assert not bad, (group, dict(list(bad.items())[:5]))
+        out[group] = max(float((tg[k] - tw[k]).abs().max()) / (float(tw[k].abs().max()) or 1.0) for k in tg)
+    return out
+
+
+def float_gap(g: list[dict[str, Any]], w: list[dict[str, Any]]) -> dict[str, float]:
+    """Per trainer float of metrics.jsonl: the largest relative gap over the steps."""
+    out: dict[str, float] = {}
+    for a, b in zip(g, w, strict=True):
+        for k in a:
+            if isinstance(a[k], float) and k not in EXACT and not k.startswith("logprob_diff") and k in b:
+                gap = abs(a[k] - b[k]) / (max(abs(a[k]), abs(b[k])) or 1.0)
+                out[k] = max(out.get(k, 0.0), gap)
+    return out
 
 
 def test_megatron_kill_9_after_step_2_then_resume_is_exact(
@@ -111,6 +140,7 @@ def test_megatron_kill_9_after_step_2_then_resume_is_exact(
         "tensor": 2,
         "pipeline": 2,
         "virtual_pipeline": None,
+        "expert": 1,
         "data": 1,
         "world": 4,
     }
@@ -148,10 +178,12 @@ def test_megatron_resume_at_tensor_1_pipeline_1(killed: Path, reference: Path, t
     g, w = train_metrics(run_dir), train_metrics(reference)
     assert [r["weight_version"] for r in g] == [1, 2, 3, 4]
     assert g[2]["rollout_sha"] == w[2]["rollout_sha"]  # step 3 samples from the restored weights
-    assert _rel(g[2]["grad_norm"], w[2]["grad_norm"]), (g[2]["grad_norm"], w[2]["grad_norm"])
-    a = load_file(str(run_dir / "checkpoints/step_000004/trainable.safetensors"))
-    b = load_file(str(reference / "checkpoints/step_000004/trainable.safetensors"))
-    assert a.keys() == b.keys()
-    worst = max(float((a[k] - b[k]).abs().max()) / float(b[k].abs().max()) for k in a)
-    print(f"TP1xPP1 resume vs TP2xPP2: worst relative gap after step 4 {worst:.2e}")
-    assert worst < 1e-3  # two more Adam steps from rounding-level differences (sign-like updates near 0)
+    assert _rel(g[2]["grad_norm"], w[2]["grad_norm"], RTOL_GRAD_NORM_TP1), (
+        g[2]["grad_norm"],
+        w[2]["grad_norm"],
+    )
+    gaps = final_gaps(run_dir, reference)
+    print(
+        f"TP1xPP1 resume vs TP2xPP2, final tensors, max relative gap: {gaps}; trainer floats: {float_gap(g, w)}"
+    )
+    assert all(gap <= RTOL_TP1 for gap in gaps.values()), gaps
