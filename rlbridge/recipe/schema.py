@@ -183,7 +183,8 @@ class TrainerCfg(Section):
     off-policy and the clipped ratio limits them; GRPO recipes usually keep 1."""
 
     distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs)."""
+    """Shard optimizer state over data-parallel ranks (megatron engine; needs reduce-scatter, so GPUs). Its
+    checkpoints are not implemented yet, and every run writes checkpoints, so validation refuses true."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the gradient all-reduce (megatron engine)."""
     logprob_chunk_size: PositiveInt | None = None
