@@ -693,13 +693,17 @@ def checkpoint_suite(
     lr: float = 1e-2,
     warmup: int = 0,
     full_ft_dir: str | None = None,
+    save_step3: str | None = None,
+    load_step3: str | None = None,
 ) -> dict[str, Any]:
     """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
     checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
     take the third step. Both report the full canonical state (global rank 0) and log-probs after step 3,
-    so a resume at any layout can be compared with continuing at the original one. `full_ft_dir`: then a full
-    fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one launch for
-    both)."""
+    so a resume at any layout can be compared with continuing at the original one. Then `save_step3`: save
+    step 3 into that run directory and take a fourth step (`step4`: what a resume of it must reproduce);
+    `load_step3`: restore step 3 of that run directory and take the fourth step (`resumed4`). `full_ft_dir`:
+    then a full fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one
+    launch for both)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
@@ -740,6 +744,21 @@ def checkpoint_suite(
     res["logprobs"] = engine.logprobs(batch)
     groups, meta = engine.checkpoint_state()
     res["after"], res["meta"] = groups, meta
+    if save_step3 is not None or load_step3 is not None:
+        from rlbridge.run.directory import resolved_yaml
+
+        if save_step3 is not None:
+            res["saved3"] = role.save_checkpoint(
+                save_step3, 3, {"note": "step3"}, resolved_yaml(recipe), keep=1
+            )
+        else:
+            res["state3"] = role.load_checkpoint(f"{load_step3}/checkpoints/step_000003")
+        step4 = engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+        res["step4" if save_step3 is not None else "resumed4"] = {
+            "step": step4,
+            "logprobs": engine.logprobs(batch),
+            "after": engine.checkpoint_state()[0],
+        }
     engine.close()
     if full_ft_dir is not None:
         res["full_ft"] = full_ft_checkpoint(qwen, full_ft_dir, tp, pp)

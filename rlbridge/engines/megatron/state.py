@@ -86,6 +86,12 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+def _expert_parallel() -> int:
+    from megatron.core import parallel_state as ps
+
+    return int(ps.get_expert_model_parallel_world_size())
+
+
 def canonical_params(model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) of every trainable parameter of this rank."""
     layers = _layers(model)
@@ -99,7 +105,9 @@ def canonical_params(model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.
             rest = m.group(4)
             if (e := _LOCAL_EXPERT.match(rest)) is not None:
                 rest = f"{e.group(1)}{experts[int(e.group(2))]}{e.group(3)}"
-            elif is_expert(rest) and len(experts) > 0 and experts[0] != 0:
+            elif (
+                is_expert(rest) and _expert_parallel() > 1
+            ):  # e.g. TE's grouped `experts.linear_fc1.weight<e>`
                 raise RlbridgeError(
                     f"checkpoint: cannot name expert tensor {local_name} by its global expert (only "
                     "SequentialMLP's `local_experts.<i>` are renumbered; use the local layer spec)"
