@@ -22,10 +22,11 @@ def unsaved_layouts(r: Recipe) -> list[RecipeIssue]:
             RecipeIssue(
                 "trainer.distributed_optimizer",
                 "checkpoints of megatron's distributed optimizer are not implemented (its fp32 main parameters "
-                "and Adam moments live in flat buffers sharded over the data-parallel ranks; it needs "
-                "reduce-scatter, which gloo, the CPU test backend, lacks, so no code saving it could be tested "
-                f"here); every run writes checkpoints (every run.save_every={r.run.save_every} steps, at the end, "
-                "on SIGTERM) and this one could not: a preemption would lose it all",
+                "and Adam moments live in flat buffers sharded over the data-parallel ranks), nor does the engine "
+                "build with it yet (its check that the optimizer holds exactly the trainable tensors does not "
+                "know the optimizer's shard copies); every run writes checkpoints (every "
+                f"run.save_every={r.run.save_every} steps, at the end, on SIGTERM) and this one could not: a "
+                "preemption would lose it all",
                 value="true",
                 fix="set trainer.distributed_optimizer: false (under LoRA the optimizer state is the adapters' "
                 "and small)",
