@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -537,10 +538,19 @@ def role_update_suite(qwen: str) -> dict[str, Any]:
     return res
 
 
-def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") -> dict[str, Any]:
+def critic_suite(
+    qwen: str,
+    tp: int = 1,
+    rank: int = 4,
+    dtype: str = "float32",
+    ckpt_out: str | None = None,
+    ckpt_in: str | None = None,
+) -> dict[str, Any]:
     """PPO's megatron critic next to the policy engine (as in a TrainerRole): values with a given head,
     one critic step (the head's gradient captured before the optimizer applies it), and the policy's
-    log-probs before and after (the critic must not touch the policy)."""
+    log-probs before and after (the critic must not touch the policy). `ckpt_out`: then checkpoint the critic
+    there (its layout-free state after step 1, as TrainerRole writes it) and take step 2 (`step2`); `ckpt_in`
+    (or `ckpt_out`): then restore that checkpoint and take step 2 from it (`resumed2`)."""
     from rlbridge.algo.objective import make_value_loss_fn
     from rlbridge.engines.megatron import params
     from rlbridge.engines.megatron.critic import HEAD, MegatronCritic
@@ -581,7 +591,8 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") 
 
     critic.optimizer.step_with_ready_grads = capture  # type: ignore[method-assign]
     metrics = critic.train_step(batch, value_fn, num_micro_batches=2)
-    return {
+    critic.optimizer.step_with_ready_grads = apply  # type: ignore[method-assign]
+    res = {
         "batch": batch_dict(batch),
         "weight": weight,
         "bias": bias,
@@ -594,6 +605,37 @@ def critic_suite(qwen: str, tp: int = 1, rank: int = 4, dtype: str = "float32") 
         "trainable": sorted(critic.trainable_state()),
         "dtypes": {n: str(p.dtype) for n, p in critic._trainable},
     }
+    return {**res, **_critic_checkpoint_steps(critic, batch, value_fn, ckpt_out, ckpt_in)}
+
+
+def _critic_checkpoint_steps(
+    critic: Any, batch: SeqBatch, value_fn: Any, ckpt_out: str | None, ckpt_in: str | None
+) -> dict[str, Any]:
+    """See critic_suite: the critic's step 2 taken on, and taken again from a checkpoint of step 1."""
+    from rlbridge.run import checkpoint as ckpt
+
+    out: dict[str, Any] = {}
+
+    def step2() -> dict[str, Any]:
+        metrics = critic.train_step(batch, value_fn, num_micro_batches=2)
+        return {"metrics": metrics, "values": critic.values(batch), "state": critic.checkpoint_state()[0]}
+
+    if ckpt_out is not None:
+        groups, meta = critic.checkpoint_state()
+        if torch.distributed.get_rank() == 0:
+            tensors = {"critic": groups["trainable"], "critic_optimizer": groups["optimizer"]}
+            ckpt.save_checkpoint(
+                Path(ckpt_out), 1, tensors=tensors, state={"meta": meta}, recipe_yaml="", keep=1
+            )
+        torch.distributed.barrier()
+        out["step2"] = step2()
+    source = ckpt_in or ckpt_out
+    if source is not None:
+        loaded = ckpt.load_checkpoint(Path(source) / ckpt.CHECKPOINTS / ckpt.step_dir_name(1))
+        groups = {"trainable": loaded.tensors["critic"], "optimizer": loaded.tensors["critic_optimizer"]}
+        critic.load_checkpoint_state(groups, loaded.state["meta"])
+        out["resumed2"] = step2()
+    return out
 
 
 def role_ppo_update_suite(qwen: str) -> dict[str, Any]:
