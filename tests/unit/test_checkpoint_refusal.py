@@ -55,3 +55,12 @@ def test_a_trainer_that_cannot_save_stops_the_run_before_it_starts(tmp_path: Pat
     session = SimpleNamespace(started_trainer=lambda: trainer)
     with pytest.raises(RlbridgeError, match="could not write checkpoints: trainer.distributed_optimizer"):
         Checkpointer(session, StopSignals(), log=lambda msg: None)  # type: ignore[arg-type]
+
+
+def test_the_memory_check_never_suggests_a_refused_layout() -> None:
+    from rlbridge.recipe.checks.training import _memory_changes
+    from rlbridge.recipe.schema import Recipe
+
+    r = Recipe.model_validate({**recipe(), "run": {"save_every": 5}})
+    fixes = [how for how, _ in _memory_changes(r)]
+    assert fixes and not any("distributed_optimizer" in how for how in fixes), fixes

@@ -7,6 +7,7 @@ import math
 from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RecipeIssue
 from rlbridge.model.info import ModelInfo
+from rlbridge.recipe.checks.checkpoints import unsaved_layouts
 from rlbridge.recipe.checks.common import VLLM_LORA_RANKS, Issues
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import (
@@ -394,4 +395,4 @@ def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
     if r.cluster.colocate and ro.gpu_memory_utilization > 0.3:
         out.append(("rollout.gpu_memory_utilization: 0.3", with_("rollout", gpu_memory_utilization=0.3)))
-    return out
+    return [(how, changed) for how, changed in out if not unsaved_layouts(changed)]  # never a refused fix
