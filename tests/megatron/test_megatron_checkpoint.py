@@ -1,8 +1,8 @@
 """Megatron checkpoints (issue 15): layout-free, exact, and portable between tensor/pipeline layouts.
 
 One save at TP2 x PP2 (4 gloo ranks) serves every assertion: it continues one step itself (the reference),
-and the same checkpoint is loaded at TP1 x PP1 and at TP2 x PP1, each taking that step too. The other
-direction rides on those launches: the TP1 one saves its step 3, which the TP2 x PP1 one resumes. CPU float32,
+and the same checkpoint is loaded at TP1 x PP1 x DP2 and at TP2 x PP1, each taking that step too. The other
+directions ride on those launches: the TP1 x DP2 one saves its step 3, which the TP2 x PP1 (DP1) one resumes. CPU float32,
 so continuing at another layout differs by float32 summation order only.
 """
 
@@ -77,16 +77,17 @@ def loaded(
     tiny_dirs: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-    """The step-2 checkpoint resumed at TP2 x PP2, TP1 x PP1 and TP2 x PP1 (global rank 0's results). The TP1
-    launch also saves its step 3 (a checkpoint written at TP1) and takes step 4; the TP2 x PP1 launch then
-    resumes that checkpoint too and takes step 4 (TP1 -> TP2)."""
+    """The step-2 checkpoint resumed at TP2 x PP2, TP1 x PP1 x DP2 (2 ranks, each replica given the same rows,
+    so its step equals one rank's) and TP2 x PP1 (global rank 0's results). The TP1 x DP2 launch also saves its
+    step 3 (a checkpoint written at TP1 x DP2) and takes step 4; the TP2 x PP1 launch (DP1) then resumes that
+    checkpoint too and takes step 4 (TP1 -> TP2 and DP2 -> DP1 at once)."""
     tp1_run = tmp_path_factory.mktemp("mt_ckpt_tp1_run")
     out = {}
-    for tp, pp in ((2, 2), (1, 1), (2, 1)):
+    for tp, pp, dp in ((2, 2, 1), (1, 1, 2), (2, 1, 1)):
         extra = {(1, 1): {"save_step3": str(tp1_run)}, (2, 1): {"load_step3": str(tp1_run)}}.get((tp, pp), {})
         out[(tp, pp)] = run_workers(
             "checkpoint_suite",
-            tp * pp,
+            tp * pp * dp,
             timeout=240,
             qwen=tiny_dirs["qwen2"],
             run_dir=str(saved["run_dir"]),
@@ -122,19 +123,21 @@ def test_resume_at_another_layout_matches(
     print(f"loaded at tp{tp} pp{pp} in {got['load_s']:.2f} s")
 
 
-def test_a_tp1_checkpoint_resumes_at_tp2(loaded: dict[tuple[int, int], dict[str, Any]]) -> None:
-    """The other direction: step 3 saved at TP1 x PP1, resumed at TP2 x PP1; its step 4 equals TP1's own step 4
-    within 1e-5 relative (float32 summation order; measured 8.5e-7 at worst over adapters, Adam moments and
-    log-probs, grad_norm equal; the gaps are printed)."""
+def test_a_tp1_dp2_checkpoint_resumes_at_tp2_dp1(loaded: dict[tuple[int, int], dict[str, Any]]) -> None:
+    """The other directions: step 3 saved at TP1 x PP1 x DP2, resumed at TP2 x PP1 x DP1; its step 4 equals the
+    saving run's own step 4 within 1e-5 relative (float32 summation order; TP1 x DP1 -> TP2 measured 8.5e-7 at
+    worst over adapters, Adam moments and log-probs, grad_norm equal; the gaps are printed)."""
     tp1, tp2 = loaded[(1, 1)], loaded[(2, 1)]
     assert tp1["saved3"]["path"].endswith("step_000003") and tp2["state3"]["note"] == "step3"
+    assert tp1["meta"]["layout"]["data"] == 2 and tp2["meta"]["layout"]["data"] == 1
+    assert tp2["state3"]["trainer"]["optimizer"]["layout"] == tp1["meta"]["layout"]  # written at DP2
     want, got = tp1["step4"], tp2["resumed4"]
     gaps = {"grad_norm": abs(got["step"]["grad_norm"] / want["step"]["grad_norm"] - 1)}
     gaps["logprobs"] = _gap(got["logprobs"], want["logprobs"])
     for group in ("trainable", "optimizer"):
         assert got["after"][group].keys() == want["after"][group].keys()
         gaps[group] = max(_gap(got["after"][group][k], t) for k, t in want["after"][group].items())
-    print(f"TP1 save -> TP2 resume, step 4, max relative gap: {gaps}")
+    print(f"TP1 x DP2 save -> TP2 x DP1 resume, step 4, max relative gap: {gaps}")
     assert all(v <= 1e-5 for v in gaps.values()), gaps
 
 
