@@ -86,3 +86,6 @@ class TrainerEngineSpec:
     """trainer.pass_width_multiple null resolves to this on a CUDA device (1 elsewhere)."""
     smoke: bool = False
     """`rlbridge train --smoke` runs its recipes (the engine's parallel layout is what the smoke run checks)."""
+    distributed_optimizer_checkpoints: bool = False
+    """It checkpoints trainer.distributed_optimizer (every run writes checkpoints: without this the key is
+    refused, recipe/checks/checkpoints.py)."""

@@ -790,8 +790,8 @@ def checkpoint_suite(
         from rlbridge.run.directory import resolved_yaml
 
         if save_step3 is not None:
-            res["saved3"] = role.save_checkpoint(
-                save_step3, 3, {"note": "step3"}, resolved_yaml(recipe), keep=1
+            res["saved3"] = asdict(
+                role.save_checkpoint(save_step3, 3, {"note": "step3"}, resolved_yaml(recipe), keep=1)
             )
         else:
             res["state3"] = role.load_checkpoint(f"{load_step3}/checkpoints/step_000003")
@@ -913,7 +913,9 @@ def _moe_third_step(
     role.is_holder = torch.distributed.get_rank() == 0
     out: dict[str, Any] = {}
     if save_to is not None:
-        out["saved"] = role.save_checkpoint(save_to, 2, {"note": "moe"}, resolved_yaml(recipe), keep=1)
+        out["saved"] = asdict(
+            role.save_checkpoint(save_to, 2, {"note": "moe"}, resolved_yaml(recipe), keep=1)
+        )
     if load_from is not None:
         out["state"] = role.load_checkpoint(f"{load_from}/checkpoints/step_000002")
         out["loaded"] = engine.checkpoint_state()[0]

@@ -29,6 +29,7 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.resume import Checkpointer
 from rlbridge.run.signals import StopSignals
+from rlbridge.trainer.role import SavedCheckpoint
 
 SIZE = "4m"
 
@@ -108,7 +109,7 @@ class Trainer:
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
-    ) -> dict[str, Any]:
+    ) -> SavedCheckpoint:
         path = ckpt.save_checkpoint(
             Path(run_dir),
             step,
@@ -117,7 +118,7 @@ class Trainer:
             recipe_yaml=recipe_yaml,
             keep=keep,
         )
-        return {"path": str(path), "bytes": 0, "seconds": 0.0, "notes": []}
+        return SavedCheckpoint(path=str(path), bytes=0, seconds=0.0, notes=[])
 
 
 def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(

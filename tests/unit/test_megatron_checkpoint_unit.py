@@ -179,10 +179,10 @@ def test_a_checkpoint_of_another_recipe_is_refused_naming_the_key(
     saver = _role(tmp_path)
     saved = saver.save_checkpoint(str(tmp_path / "run"), 2, {}, resolved_yaml(saver.recipe), keep=1)
     layout = _role(tmp_path, **{"trainer.parallel.tensor": 2, "run.steps": 20})
-    layout.load_checkpoint(saved["path"])
+    layout.load_checkpoint(saved.path)
     assert torch.equal(layout.engine.loaded["trainable"]["w"], torch.ones(2))
     other = _role(tmp_path, **{key: value})
     with pytest.raises(RlbridgeError, match="is not of this run's recipe: ") as info:
-        other.load_checkpoint(saved["path"])
+        other.load_checkpoint(saved.path)
     assert f"; {key} changed from" in f"; {str(info.value).split('recipe: ', 1)[1]}"
     assert f"Set {key} back to" in str(info.value) and other.engine.loaded == {}
