@@ -7,8 +7,14 @@ Conventions (see also ``rlbridge.algo.advantages``):
   neither the loss nor its gradient sees them, and padded tokens get a zero gradient.
 * Losses are returned as 0-d tensors (to ``backward``); metrics as a ``dict[str, float]``.  Every metric
   is 0.0 on a batch without valid tokens.
-* Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (as verl does); a token whose log-ratio is
-  beyond that gets no gradient from the ratio.
+* Token log-ratios are clamped to ``[-20, 20]`` before ``exp`` (as verl does); a token whose log-ratio is
+  beyond that gets no gradient from the ratio.  GSPO (``level="sequence"``) clamps only the detached
+  sequence mean to ``[-20, 20]`` and keeps each token's gradient; verl instead clamps the per-token
+  log-ratio at +10 (see ``policy_loss``).
+
+Differences from verl's ``core_algos.py`` are listed, each checked numerically, in
+docs/migrating-from-verl.md ("Loss and advantage formulas"): ``seq-mean-token-sum-norm`` and GSPO's clamp
+differ; the other aggregations, the PPO clip, the KL estimators, entropy and value losses agree.
 """
 
 from __future__ import annotations
@@ -94,7 +100,9 @@ def aggregate(
     * ``seq-mean-token-mean``: per-sequence mean, then mean over sequences.
     * ``seq-mean-token-sum-norm`` (Dr. GRPO): per-sequence sum / ``norm_constant``, then mean over
       sequences, i.e. ``total_sum / (num_seqs * norm_constant)``; ``norm_constant`` defaults to the
-      padded response length ``mask_bt.shape[1]``.  Only this mode accepts ``norm_constant``.
+      padded response length ``mask_bt.shape[1]``.  Only this mode accepts ``norm_constant``.  This is
+      the Dr. GRPO paper's and TRL's ``dr_grpo``; verl's ``agg_loss`` of the same name returns
+      ``total_sum / norm_constant``, larger by the number of sequences.
 
     "Sequences" are those with at least one valid token: fully masked rows (dummy / filtered samples)
     count in no denominator, as in current verl.  An empty batch gives 0, never NaN.
@@ -164,6 +172,10 @@ def policy_loss(
         ``level="sequence"`` is GSPO: the ratio is ``s_i = exp(mean_t(logp - old_logp))`` over the valid
         tokens of sequence i, used per token in the straight-through form ``sg[s_i] * exp(logp_t -
         sg[logp_t])`` so gradients flow per token (the GSPO paper's objective is ``agg="seq-mean-token-mean"``).
+        The clamp to ``[-20, 20]`` applies to the detached ``log s_i`` only, so every token keeps its
+        gradient. verl clamps ``log s_i + logp_t - sg[logp_t]`` at +10 instead: above a mean log-ratio of 10
+        its ratio stays ``exp(10)`` with no gradient (it matters for a negative advantage, where the
+        unclipped term is chosen); verl's GSPO also ignores the dual clip, which is applied here when set.
     ``weight_bt`` (detached, e.g. the rollout correction's importance weights, ``rlbridge.algo.correction``)
     multiplies the per-token loss after both clips, before aggregation; the metrics do not see it.
 
