@@ -165,7 +165,12 @@ class Session:
             RewardPool(r.reward, log_file=rundir.log_file(self.run_dir, "reward"))
         )
         self.metrics = MetricsLog(
-            self.run_dir, r.run.loggers, r.run.steps, name=self.run_dir.name, config=r.model_dump(mode="json")
+            self.run_dir,
+            r.run.loggers,
+            r.run.steps,
+            name=self.run_dir.name,
+            config=r.model_dump(mode="json"),
+            wandb=r.run.wandb,
         )
         stack.callback(self.metrics.close)
         self.drift.seed(self.metrics.history)

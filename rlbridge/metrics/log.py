@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from rlbridge.metrics.sinks import Sink
+from rlbridge.recipe.schema import WandbCfg
 
 console = Console(highlight=False, stderr=True)
 
@@ -90,17 +92,30 @@ def make_sink(
     name: str,
     config: dict[str, Any] | None,
     history: list[dict[str, Any]] | None = None,
+    wandb: WandbCfg | None = None,
 ) -> Sink:
     """The sink of one optional logger (imports its library). history: the records of metrics.jsonl so far (a
-    resumed run), for a sink that may have lost some of them in the crash (wandb offline)."""
+    resumed run): TensorBoard purges the steps after them and W&B rewinds to them, with the libraries' own
+    resume features (see metrics/tensorboard.py, metrics/wandb.py). wandb: run.wandb (project, entity, name,
+    tags)."""
     if logger == "tensorboard":
         from rlbridge.metrics.tensorboard import TensorBoardSink
 
-        return TensorBoardSink(run_dir / "logs" / "tensorboard")
+        tb = run_dir / "logs" / "tensorboard"
+        resumed = bool(history) and any(tb.glob("events.out.tfevents.*"))
+        last = max(int(r.get("step", 0)) for r in history) if history else 0
+        return TensorBoardSink(tb, purge_step=last + 1 if resumed else None)
     if logger == "wandb":
         from rlbridge.metrics.wandb import WandbSink
 
-        return WandbSink(run_dir / "logs", name=name, config=config or {}, history=history)
+        return WandbSink(
+            run_dir / "logs",
+            name=name,
+            config=config or {},
+            history=history,
+            cfg=wandb,
+            warn=lambda msg: console.print(f"[yellow]{escape(msg)}[/]"),
+        )
     raise ValueError(f"unknown logger {logger!r}")
 
 
@@ -129,7 +144,9 @@ class MetricsLog:
         *,
         name: str = "",
         config: dict[str, Any] | None = None,
+        wandb: WandbCfg | None = None,
     ) -> None:
+        """wandb: run.wandb (where the wandb logger files the run)."""
         self.path = run_dir / "metrics.jsonl"
         history = _read_records(self.path)  # a resumed run's records so far (cut back to its checkpoint)
         self.history: list[dict[str, Any]] = history
@@ -140,7 +157,7 @@ class MetricsLog:
         for logger in loggers:
             if logger not in self.sinks:
                 self.sinks[logger] = make_sink(
-                    logger, run_dir, name=name or run_dir.name, config=config, history=history
+                    logger, run_dir, name=name or run_dir.name, config=config, history=history, wandb=wandb
                 )
 
     def write(self, record: dict[str, Any]) -> None:
@@ -162,38 +179,6 @@ class MetricsLog:
                 sink.close()
             except Exception as e:
                 console.print(f"[yellow]warning[/] closing the {key} logger failed: {e!r}")
-
-
-def truncate_loggers(run_dir: Path, step: int) -> list[str]:
-    """A resume from checkpoint `step` recomputes the steps after it: drop them from the TensorBoard event files
-    and the offline W&B runs of `run_dir` too (metrics.jsonl: run/resume.truncate_metrics), so each logger shows
-    every step once. Returns one line per logger that had some; a logger whose files cannot be rewritten is
-    reported, never stops the resume."""
-    notes: list[str] = []
-    tb, wb = run_dir / "logs" / "tensorboard", run_dir / "logs" / "wandb"
-    for name, found in (
-        ("tensorboard", any(tb.glob("events.out.tfevents.*"))),
-        ("wandb", any(wb.glob("offline-run-*/run-*.wandb"))),
-    ):
-        if not found:
-            continue
-        try:
-            if name == "tensorboard":
-                from rlbridge.metrics.tensorboard import truncate
-
-                n, where = truncate(tb, step), "event(s) of its event files"
-            else:
-                from rlbridge.metrics.wandb import truncate_offline
-
-                n, where = truncate_offline(wb, step), "history row(s) of its offline runs"
-        except Exception as e:  # an unreadable file, a missing library: the resume goes on, and says so
-            notes.append(
-                f"warning: could not drop the steps after {step} from the {name} logs ({e!r}): they may show twice"
-            )
-            continue
-        if n:
-            notes.append(f"{name}: dropped {n} {where} after step {step} (they are recomputed)")
-    return notes
 
 
 def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str:

@@ -1,13 +1,23 @@
 """Weights & Biases: online when WANDB_API_KEY is set, offline otherwise; files under RUN_DIR/logs/wandb.
 
-Offline runs land in RUN_DIR/logs/wandb/offline-run-*/ and upload later with `wandb sync <that dir>`.
-WANDB_MODE, WANDB_PROJECT and WANDB_ENTITY are honoured when set (WANDB_MODE=disabled turns it off). The
-API key is read by wandb from the environment or ~/.netrc, never passed or written here; the run config
-is the resolved recipe. The wandb run id is kept in RUN_DIR/logs/wandb/run-id, so a resumed run continues
-the same wandb run.
+Offline runs land in RUN_DIR/logs/wandb/offline-run-*/ and upload later with `wandb sync <those dirs>` (in
+order). Project, entity, run name and tags come from the recipe (`run.wandb`); WANDB_PROJECT, WANDB_ENTITY,
+WANDB_NAME and WANDB_TAGS override them when set, and WANDB_MODE is honoured (disabled turns it off). The API
+key is read by wandb from the environment or ~/.netrc, never passed or written here; the run config is the
+resolved recipe.
+
+The wandb run id is kept in RUN_DIR/logs/wandb/run-id. A resumed run (`rlbridge resume`) continues that run
+with W&B's own rewind, `resume_from="<id>?_step=<N>"`: the history after step N is dropped by W&B (by the
+server online; at `wandb sync` for offline runs, whose run record carries the branch point) and logging
+continues at N + 1, so the steps the resume recomputes show once, with their new values. N is the
+checkpoint's step, or, offline, one before the first step the earlier offline files lack (wandb buffers rows
+in its service process: a kill -9 can lose the last ones); the resume logs the steps from N + 1 up to the
+checkpoint again from metrics.jsonl. Where W&B refuses the rewind (a server without it), the run continues
+with `resume="allow"` and says so; steps below W&B's current one are then dropped by W&B.
 
 `read_history` reads an offline run back without the network (wandb's public API needs the server): the
 `.wandb` file is a LevelDB-style log of protobuf records; its history records hold what `run.log` got.
+`synced_history` replays the offline runs as `wandb sync` gives them to the server, rewinds included.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any
 import wandb
 
 from rlbridge.metrics.sinks import scalars
+from rlbridge.recipe.schema import WandbCfg
 
 
 def mode() -> str:
@@ -36,6 +47,44 @@ def _new_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
+def identity(cfg: WandbCfg, default_name: str) -> dict[str, Any]:
+    """project, entity, name and tags for wandb.init: the recipe's, each overridden by its environment variable."""
+    env = os.environ
+    tags = env["WANDB_TAGS"].split(",") if env.get("WANDB_TAGS") else list(cfg.tags)
+    return {
+        "project": env.get("WANDB_PROJECT") or cfg.project,
+        "entity": env.get("WANDB_ENTITY") or cfg.entity,
+        "name": env.get("WANDB_NAME") or cfg.name or default_name,
+        "tags": [t.strip() for t in tags if t.strip()],
+    }
+
+
+def _steps_held(root: Path) -> set[int]:
+    """The steps the offline runs under `root` hold rows for (an unreadable file holds none)."""
+    have: set[int] = set()
+    for d in root.glob("offline-run-*"):
+        if not any(d.glob("run-*.wandb")):
+            continue
+        try:
+            have |= {int(row["_step"]) for row in read_history(d) if "_step" in row}
+        except (OSError, ValueError):
+            continue  # its rows are logged again rather than lost
+    return have
+
+
+def rewind_step(root: Path, history: list[dict[str, Any]], offline: bool) -> int:
+    """The step a resumed run rewinds to: the newest step of `history` (the checkpoint's), or offline one before
+    the first of its steps that no earlier offline file holds. -1: nothing to keep."""
+    steps = sorted({int(r.get("step", 0)) for r in history})
+    if not steps:
+        return -1
+    if not offline:
+        return steps[-1]
+    have = _steps_held(root)
+    missing = [s for s in steps if s not in have]
+    return steps[-1] if not missing else missing[0] - 1
+
+
 class WandbSink:
     def __init__(
         self,
@@ -44,32 +93,51 @@ class WandbSink:
         name: str,
         config: dict[str, Any],
         history: list[dict[str, Any]] | None = None,
+        cfg: WandbCfg | None = None,
+        warn: Any = print,
     ) -> None:
-        """history: the run's records so far (metrics.jsonl of a resumed run, cut back to its checkpoint); an
-        offline run logs again those of them that no earlier offline run's file holds (see `backfill`)."""
+        """history: the run's records so far (metrics.jsonl of a resumed run, cut back to its checkpoint); a
+        resumed run rewinds the wandb run to it (see the module docstring). name: the run directory's name, the
+        run name unless run.wandb.name or WANDB_NAME says otherwise. warn: where a refused rewind is told."""
         root = logs_dir / "wandb"
         root.mkdir(parents=True, exist_ok=True)
         id_file = root / "run-id"
+        resumed = id_file.is_file() and bool(history)
         run_id = id_file.read_text().strip() if id_file.is_file() else _new_id()
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "rlbridge"),
-            name=name,
-            id=run_id,
-            resume="allow",
+        offline = mode() == "offline"
+        self.rewound_to = rewind_step(root, history or [], offline) if resumed else -1
+        """The step the wandb run was rewound to (-1: a new run, or nothing kept)."""
+        kwargs: dict[str, Any] = dict(
+            **identity(cfg or WandbCfg(), name),
             config=config,
             dir=str(logs_dir),
-            mode=mode(),  # type: ignore[arg-type]  # wandb's stubs type mode as a Literal; mode() returns one of its values
+            mode=mode(),
             settings=wandb.Settings(
                 console="off", silent=True, disable_git=True, save_code=False, x_disable_stats=True
             ),
         )
-
-        if history and mode() == "offline":
-            self.backfilled = backfill(self.run, root, history)
-
-    backfilled: list[int] = []
-    """The steps logged again from metrics.jsonl at start (a resume after a kill; see `backfill`)."""
+        backfill = resumed
+        if self.rewound_to >= 0:
+            try:
+                self.run = wandb.init(resume_from=f"{run_id}?_step={self.rewound_to}", **kwargs)
+            except Exception as e:  # a server without rewind: continue the run as it is
+                warn(
+                    f"warning: W&B refused to rewind run {run_id} to step {self.rewound_to} ({e!r}); continuing it"
+                )
+                backfill = False
+                self.run = wandb.init(id=run_id, resume="allow", **kwargs)
+        else:  # a new run, or (offline) a resume whose earlier files kept no step: all of them are logged again
+            self.run = wandb.init(id=run_id, resume="allow", **kwargs)
+        self.backfilled: list[int] = []
+        """The steps logged again from metrics.jsonl at start: those after the rewind step up to the checkpoint
+        (offline: the rows a kill lost)."""
+        for record in history or [] if backfill else []:
+            step = int(record.get("step", 0))
+            if step > self.rewound_to:
+                self.run.log(scalars(record), step=step)
+                if not self.backfilled or self.backfilled[-1] != step:
+                    self.backfilled.append(step)
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=int(record.get("step", 0)))
@@ -182,11 +250,9 @@ def _step_of(rec: Any) -> int | None:
 
 
 def truncate_offline(wandb_dir: Path, step: int) -> int:
-    """Drop the history rows of steps after `step` from every offline run under `wandb_dir`
-    (RUN_DIR/logs/wandb/offline-run-*; a resume from checkpoint `step` recomputes them and logs them in a new
-    offline run of the same id). Returns how many rows went. Online runs are the server's: W&B itself ignores
-    a step below the run's current one, so there the killed attempt's rows stay (the same numbers after an
-    exact resume; wall-clock timings aside)."""
+    """Drop the history rows of steps after `step` from every offline run under `wandb_dir` (its files
+    rewritten). Not used by a resume (it rewinds with W&B's resume_from); the tests use it to reproduce the
+    rows a kill -9 loses. Returns how many rows went."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     dropped = 0
@@ -207,28 +273,17 @@ def truncate_offline(wandb_dir: Path, step: int) -> int:
     return dropped
 
 
-def backfill(run: Any, root: Path, history: list[dict[str, Any]]) -> list[int]:
-    """Log the records of `history` whose steps no earlier offline run under `root` holds; returns those steps.
-
-    wandb writes an offline run's rows from a buffer of its own service process: a run killed with -9 loses
-    the last rows it had logged (seen: a run killed a minute after its step-1 row had none of its rows on
-    disk). The resume re-logs them from metrics.jsonl, the source of truth, before its first new step, so the
-    offline runs together hold every step once. Online runs are not back-filled (the server's rows cannot be
-    read here)."""
-    current = Path(run.dir).parent.resolve() if getattr(run, "dir", None) else None
-    have: set[int] = set()
-    for d in root.glob("offline-run-*"):
-        if d.resolve() == current or not any(d.glob("run-*.wandb")):
+def synced_history(root: Path) -> list[dict[str, Any]]:
+    """The history the offline runs under `root` give W&B when synced in order (run directories are named by
+    their start time): a run that rewinds (resume_from, its run record's branch point at step N) first drops
+    the rows after N. What the W&B page of the run shows after `wandb sync`."""
+    rows: list[dict[str, Any]] = []
+    for d in sorted(root.glob("offline-run-*")):
+        if not any(d.glob("run-*.wandb")):
             continue
-        try:
-            have |= {int(row["_step"]) for row in read_history(d) if "_step" in row}
-        except (OSError, ValueError):
-            continue  # an unreadable earlier file: its rows are logged again rather than lost
-    steps: list[int] = []
-    for record in history:
-        step = int(record.get("step", 0))
-        if step not in have:
-            run.log(scalars(record), step=step)
-            if not steps or steps[-1] != step:
-                steps.append(step)
-    return steps
+        for rec in read_records(d):
+            if rec.WhichOneof("record_type") == "run" and rec.run.branch_point.run:
+                branch = int(rec.run.branch_point.value)
+                rows = [r for r in rows if int(r.get("_step", 0)) <= branch]
+        rows += read_history(d)
+    return rows

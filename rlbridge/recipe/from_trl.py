@@ -251,6 +251,8 @@ ROWS: tuple[Row, ...] = (
     Row("save_steps", 500, ("run.save_every",), "0 (at the end and on SIGTERM) when not below max_steps", _save_every),
     Row("save_total_limit", None, ("run.keep",), "None keeps every checkpoint; run.keep is a number",
         lambda s: {} if _get(s, "save_total_limit") is None else {"run.keep": _get(s, "save_total_limit")}),
+    Row("run_name", None, ("run.wandb.name",), "None: the run directory's name",
+        lambda s: {} if _get(s, "run_name") is None else {"run.wandb.name": _get(s, "run_name")}),
     Row("report_to", "none", ("run.loggers",), "wandb and tensorboard are carried over; console and jsonl "
         "are always on", _loggers),
 )  # fmt: skip

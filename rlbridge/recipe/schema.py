@@ -577,6 +577,17 @@ class HealthCfg(Section):
     (the command is printed); null: stalls only warn."""
 
 
+class WandbCfg(Section):
+    project: str = "rlbridge"
+    """Weights & Biases project (the environment variable WANDB_PROJECT, when set, overrides it)."""
+    entity: str | None = None
+    """W&B entity, a user or a team (WANDB_ENTITY overrides it); null: the account's default entity."""
+    name: str | None = None
+    """W&B run name (WANDB_NAME overrides it); null: the run directory's name."""
+    tags: list[str] = []
+    """W&B run tags (WANDB_TAGS, comma-separated, overrides them)."""
+
+
 class RunCfg(Section):
     steps: PositiveInt = 100
     """Training steps (one step = generate, reward, update, sync)."""
@@ -594,6 +605,8 @@ class RunCfg(Section):
     """Validation prompts per evaluation (greedy)."""
     loggers: list[Literal["console", "jsonl", "wandb", "tensorboard"]] = ["console", "jsonl"]
     """Metric sinks; jsonl is always written."""
+    wandb: WandbCfg = WandbCfg()
+    """Where the wandb logger files the run (used when run.loggers lists wandb)."""
     health: HealthCfg = HealthCfg()
 
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlbridge.errors import RecipeError, RecipeIssue, RlbridgeError
-from rlbridge.metrics.log import truncate_loggers
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run import resume_policy as policy
 from rlbridge.run.directory import resolved_yaml
@@ -368,8 +367,6 @@ def prepare_resume(
     dropped = truncate_metrics(run_dir, point.step)
     if dropped:
         log(f"{METRICS}: dropped {dropped} record(s) written after step {point.step} (they are recomputed)")
-    for note in truncate_loggers(run_dir, point.step):
-        log(note)
     return ResumePlan(valid, point, diff, dropped)
 
 

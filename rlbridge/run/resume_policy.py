@@ -18,6 +18,7 @@ RESUME_SAFE_KEYS = (
     "run.eval_every",
     "run.eval_samples",
     "run.loggers",
+    "run.wandb",
     "run.health",
     "run.dir",
     "cluster.address",

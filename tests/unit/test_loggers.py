@@ -214,49 +214,150 @@ def _tb_and_wandb_steps(run_dir: Path) -> tuple[list[tuple[str, int, float]], li
     return tb, wb
 
 
-@pytest.mark.parametrize("case", ["resume", "rows lost in the kill", "no truncation (negative control)"])
+def _wait_for_row(run_dir: Path, step: int) -> None:
+    """Until an offline run under run_dir holds `step` (wandb's service may write after finish(), under load)."""
+    from rlbridge.metrics.wandb import read_history
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        runs = sorted((run_dir / "logs" / "wandb").glob("offline-run-*"))
+        if any(r.get("_step") == step for d in runs if any(d.glob("run-*.wandb")) for r in read_history(d)):
+            time.sleep(0.5)  # its closing records
+            return
+        time.sleep(0.2)
+
+
+def _file_bytes(root: Path, pattern: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.glob(pattern))}
+
+
+@pytest.mark.parametrize("case", ["resume", "rows lost in the kill"])
 def test_resume_logs_each_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """Killed after step 3 with checkpoint 2: the resume recomputes step 3. With what prepare_resume does
-    (truncate_metrics, truncate_loggers) TensorBoard's files and the union of the offline W&B runs hold each
-    step once, with the resumed run's values for step 3. "rows lost in the kill": the killed attempt's .wandb
-    file lost its rows (wandb buffers them in its service process; seen after a kill -9 in
-    tests/integration/test_resume.py): the resume logs steps 0-2 again from metrics.jsonl. Without the
-    truncation step 3 is there twice (the test can fail)."""
-    from rlbridge.metrics.log import truncate_loggers
-    from rlbridge.metrics.wandb import truncate_offline
+    """Killed after step 3 with checkpoint 2: the resume recomputes step 3 (metrics.jsonl cut back to step 2 by
+    prepare_resume's truncate_metrics). TensorBoard as it reads the files (its purge marker applied) and W&B as
+    `wandb sync` gives it the offline runs (the rewind applied) hold each step once, with the resumed run's
+    values for step 3; the killed attempt's files are not rewritten, and read raw they do hold step 3 twice (so
+    the checks can fail). "rows lost in the kill": the killed attempt's .wandb file lost its rows (wandb buffers
+    them in its service process; seen after a kill -9 in tests/integration/test_resume.py): the resume logs
+    steps 0-2 again from metrics.jsonl."""
+    from rlbridge.metrics.tensorboard import read_events, read_scalars
+    from rlbridge.metrics.wandb import read_history, read_records, synced_history, truncate_offline
     from rlbridge.run.resume import truncate_metrics
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     _attempt(tmp_path, range(0, 4))  # steps 0..3; the run dies here, its newest checkpoint is step 2
+    _wait_for_row(tmp_path, 3)
     if case == "rows lost in the kill":
         truncate_offline(tmp_path / "logs" / "wandb", -1)  # every row gone, as after the kill -9
-    notes = []
-    if case != "no truncation (negative control)":
-        truncate_metrics(tmp_path, 2)
-        notes = truncate_loggers(tmp_path, 2)
+    truncate_metrics(tmp_path, 2)
+    tb_dir, wb_dir = tmp_path / "logs" / "tensorboard", tmp_path / "logs" / "wandb"
+    before = _file_bytes(tb_dir, "events.out.tfevents.*")
     time.sleep(
         1.1
     )  # wandb names an offline run by the second it started: a resume in the same second shares it
     _attempt(tmp_path, range(3, 5))  # the resume: steps 3 and 4 (reward_mean + 0.25 marks the new values)
-    tb, wb = _tb_and_wandb_steps(tmp_path)
-    rewards = [(s, v) for t, s, v in tb if t == "train/reward_mean"]
-    if case == "no truncation (negative control)":
-        assert [s for s, _ in rewards].count(3) == 2 and [s for s, _ in wb].count(3) == 2
-        return
-    assert notes[0] == "tensorboard: dropped 2 event(s) of its event files after step 2 (they are recomputed)"
-    if case == "resume":  # one row per step (train + checkpoint records of a step are one wandb row)
-        assert (
-            notes[1]
-            == "wandb: dropped 1 history row(s) of its offline runs after step 2 (they are recomputed)"
-        )
-    assert rewards == [(1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)]
-    assert len(tb) == len(set((t, s) for t, s, _ in tb))  # every (tag, step) once
-    assert [s for t, s, _ in tb if t == "checkpoint/time_save"] == [1, 2, 3, 4]
-    assert [s for t, s, _ in tb if t == "eval/eval_accuracy"] == [0]
-    assert wb == [(1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)]
-    from rlbridge.metrics.wandb import read_history
+    after = _file_bytes(tb_dir, "events.out.tfevents.*")
+    assert all(after[name] == data for name, data in before.items())  # not rewritten
 
-    steps = [r["_step"] for d in (tmp_path / "logs" / "wandb").glob("offline-run-*") for r in read_history(d)]
-    assert sorted(steps) == [0, 1, 2, 3, 4]  # each row once over the offline runs (step 0: the evaluation)
-    assert truncate_loggers(tmp_path, 4) == []  # nothing after the last step: files untouched
+    tb = read_scalars(tb_dir)
+    assert tb["train/reward_mean"] == [(1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)]
+    assert [s for s, _ in tb["checkpoint/time_save"]] == [1, 2, 3, 4]
+    assert [s for s, _ in tb["eval/eval_accuracy"]] == [0]
+    raw = [s for t, s, _ in read_events(tb_dir) if t == "train/reward_mean"]
+    assert raw.count(3) == 2  # the purge marker, not a rewrite, hides the killed attempt's step 3
+
+    _tb_and_wandb_steps(tmp_path)  # waits until wandb's service has written the last rows
+    runs = sorted(wb_dir.glob("offline-run-*"))
+    assert len(runs) == 2
+    rows = synced_history(wb_dir)
+    assert sorted(r["_step"] for r in rows) == [0, 1, 2, 3, 4]  # each row once (step 0: the evaluation)
+    assert sorted((r["_step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r) == [
+        (1, 1.0), (2, 2.0), (3, 3.25), (4, 4.25)
+    ]  # fmt: skip
+    branch = [r.run.branch_point for r in read_records(runs[1]) if r.WhichOneof("record_type") == "run"][0]
+    if case == "resume":
+        assert (branch.run, branch.value) == (runs[1].name.split("-")[-1], 2)  # rewound to the checkpoint
+        assert [r["_step"] for r in read_history(runs[1])] == [3, 4]
+        assert [r["_step"] for r in read_history(runs[0])] == [
+            0,
+            1,
+            2,
+            3,
+        ]  # the killed attempt's: not rewritten
+        union = [r["_step"] for d in runs for r in read_history(d)]
+        assert union.count(3) == 2  # without W&B's rewind step 3 would show twice
+    else:
+        assert not branch.run  # nothing to rewind to: steps 0-2 are logged again
+        assert [r["_step"] for r in read_history(runs[1])] == [0, 1, 2, 3, 4]
+
+
+def test_wandb_identity_from_the_recipe_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlbridge.metrics.wandb import identity, read_records
+    from rlbridge.recipe.schema import WandbCfg
+
+    cfg = WandbCfg(project="grpo-runs", entity="lab", name="qwen-lora", tags=["lora", "gsm8k"])
+    for var in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME", "WANDB_TAGS"):
+        monkeypatch.delenv(var, raising=False)
+    assert identity(cfg, "run-dir") == {
+        "project": "grpo-runs", "entity": "lab", "name": "qwen-lora", "tags": ["lora", "gsm8k"]
+    }  # fmt: skip
+    assert identity(WandbCfg(), "run-dir") == {
+        "project": "rlbridge",
+        "entity": None,
+        "name": "run-dir",
+        "tags": [],
+    }
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    monkeypatch.setenv("WANDB_NAME", "env-name")
+    monkeypatch.setenv("WANDB_TAGS", "a, b")
+    assert identity(cfg, "run-dir") == {
+        "project": "env-project",
+        "entity": "lab",
+        "name": "env-name",
+        "tags": ["a", "b"],
+    }
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_NAME")
+    log = MetricsLog(tmp_path, ["jsonl", "wandb"], 1, name="dir-name", config={}, wandb=cfg)
+    log.write(RECORDS[1])
+    log.close()
+    _wait_for_row(tmp_path, 1)
+    (run_dir,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
+    run = [r.run for r in read_records(run_dir) if r.WhichOneof("record_type") == "run"][0]
+    assert (run.project, run.entity, run.display_name, list(run.tags)) == (
+        "env-project",
+        "lab",
+        "qwen-lora",
+        ["a", "b"],
+    )
+
+
+def test_a_refused_rewind_continues_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A W&B server without rewind: the resume says so and continues the run with resume="allow"."""
+    from rlbridge.metrics import wandb as wb
+    from rlbridge.run.resume import truncate_metrics
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _attempt(tmp_path, range(0, 3))
+    truncate_metrics(tmp_path, 2)
+    real_init, calls = wb.wandb.init, []
+
+    def init(**kwargs: object) -> object:
+        calls.append(sorted(k for k in kwargs if k in ("resume_from", "resume", "id")))
+        if "resume_from" in kwargs:
+            raise RuntimeError("rewind is not enabled for this entity")
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wb.wandb, "init", init)
+    told: list[str] = []
+    time.sleep(1.1)
+    sink = wb.WandbSink(tmp_path / "logs", name="x", config={}, history=[{"step": 2}], warn=told.append)
+    sink.close()
+    assert calls == [["resume_from"], ["id", "resume"]]
+    assert "refused to rewind" in told[0] and sink.backfilled == []
