@@ -28,7 +28,7 @@ import secrets
 import string
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ class WandbSink:
         config: dict[str, Any],
         history: list[dict[str, Any]] | None = None,
         cfg: WandbCfg | None = None,
-        warn: Any = print,
+        warn: Callable[[str], None] = print,
     ) -> None:
         """history: the run's records so far (metrics.jsonl of a resumed run, cut back to its checkpoint); a
         resumed run rewinds the wandb run to it (see the module docstring). name: the run directory's name, the
@@ -132,7 +132,7 @@ class WandbSink:
         self.backfilled: list[int] = []
         """The steps logged again from metrics.jsonl at start: those after the rewind step up to the checkpoint
         (offline: the rows a kill lost)."""
-        for record in history or [] if backfill else []:
+        for record in (history or []) if backfill else []:
             step = int(record.get("step", 0))
             if step > self.rewound_to:
                 self.run.log(scalars(record), step=step)
