@@ -113,7 +113,7 @@ def test_trl_defaults_convert_to_a_valid_recipe(tmp_path: Path, monkeypatch: pyt
         recipe_overrides({})
     recipe = nested(recipe_overrides({"max_steps": 10}))
     recipe |= {"name": "trl-defaults", "model": {"path": "smollm2-135m-instruct"}}
-    recipe["data"] |= {"train": {"path": "data/train.jsonl"}}
+    recipe["data"] |= {"train": {"path": "data/train.jsonl", "prompt_key": "prompt"}}
     recipe["reward"] = {"fn": "my_rewards:correct"}
     assert validate(tmp_path, recipe, monkeypatch) == []
     assert recipe["rollout"]["engine"] == "hf" and recipe["data"]["batch_size"] == 1  # 8 completions, n = 8
