@@ -147,7 +147,8 @@ def grpo_advantages(
     """GRPO outcome advantage: ``(r - mean_group) / (std_group + eps)``, one value per sequence ``[b]``.
 
     * ``std`` is the *unbiased* (Bessel, ``n - 1``) group standard deviation, as ``torch.std`` in verl and
-      TRL; ``eps`` is added to the std (not the variance), as both do.
+      TRL; ``eps`` is added to the std (not the variance), as both do (verl's eps is this default, 1e-6;
+      TRL's GRPOTrainer uses 1e-4).
     * ``norm_std=False`` is Dr. GRPO (mean-centred only).
     * Groups whose rewards are all equal get exactly 0 (not a ``1e-17 / eps`` rounding residue).
     """

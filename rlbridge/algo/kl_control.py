@@ -7,7 +7,8 @@ a coefficient beta. A fixed beta is hard to choose; the controller moves it towa
     beta  <- beta * (1 + e * n / horizon)
 
 where KL is this step's mean over sequences of the summed per-token KL estimate (nats per sequence, as in
-Ziegler's code and TRL's AdaptiveKLController), and n the rollouts of the step. The step's rewards use beta
+Ziegler's code and TRL's AdaptiveKLController; verl's controller gets the mean of each sequence's token-mean
+KL instead, docs/migrating-from-verl.md), and n the rollouts of the step. The step's rewards use beta
 *before* the update (the coefficient reacts to the KL it produced). The state is one float, kept by the
 driver and written into every checkpoint so that `rlbridge resume` continues with the same beta.
 """
