@@ -89,6 +89,15 @@ ToPeft = Callable[[Recipe, Path, Any, dict[str, torch.Tensor]], dict[str, torch.
 """(recipe, base model directory, the hf engine's peft model, checkpoint tensors) -> them under peft's names."""
 
 
+def base_model_name(recipe: Recipe, base_dir: Path) -> str:
+    """What an exported adapter names as its base: a Hub id as written in the recipe (peft and vLLM load it from
+    any machine's cache), else the local directory."""
+    from rlbridge.model.hub import is_hub_id
+
+    path = recipe.model.path
+    return path if is_hub_id(path) and not Path(path).expanduser().exists() else str(base_dir)
+
+
 def export_hf(
     source: Path,
     out: Path,
@@ -157,7 +166,7 @@ def hf_exporter(
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.hf import hf_logging
 
-    base_dir = ensure_model(recipe.model.path)
+    base_dir = ensure_model(recipe.model.path, recipe.model.revision)
     loaded = ckpt.load_checkpoint(point.path)
     if "trainable" not in loaded.tensors:
         raise RlbridgeError(f"{point.path} holds no trainable tensors (trainable.safetensors)")
@@ -184,7 +193,9 @@ def hf_exporter(
     if kind == "adapter":
         weights = engine.export_weights("adapter")
         config = dict(weights.adapter_config or {})
-        config["base_model_name_or_path"] = str(base_dir)
+        config["base_model_name_or_path"] = base_model_name(recipe, base_dir)
+        if recipe.model.revision is not None:
+            config["revision"] = recipe.model.revision
         config.setdefault("peft_type", "LORA")
         notes = ["the adapter is DoRA: peft loads it, vLLM does not"] if recipe.lora.type == "dora" else []
         return Exported(WeightExport("adapter", weights.tensors, config), None, base_dir, notes)

@@ -125,7 +125,7 @@ def run(valid: ValidRecipe, run_dir: Path | None, *, resume: ResumePoint | None 
         from rlbridge.loop import train as run_training
         from rlbridge.model.cache import ensure_model
 
-        model_dir = ensure_model(valid.recipe.model.path)
+        model_dir = ensure_model(valid.recipe.model.path, valid.recipe.model.revision)
         if resume is None:
             out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
             render.out.print(f"run directory: {out}")

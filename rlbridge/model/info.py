@@ -1,8 +1,9 @@
 """What the checks and the plan need to know about a model, read from its config.json alone.
 
-No weights, no network, no transformers import: a recipe for a 235B model validates on a laptop. Short
-model names (e.g. `smollm2-135m-instruct`) resolve to a directory in rlbridge's cache; their config is
-known here, so they validate before they are materialized.
+No weights, no transformers import: a recipe for a 235B model validates on a laptop. Short model names (e.g.
+`smollm2-135m-instruct`) resolve to a directory in rlbridge's cache; their config is known here, so they
+validate before they are materialized. A Hub id's config.json comes from the Hugging Face cache, or alone
+from the Hub when it is online (hub.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.errors import RlbridgeError
+from rlbridge.model.hub import is_hub_id
 
 # Short names -> the config.json of the model rlbridge materializes for them (see cache.py).
 _TINY_QWEN3: dict[str, Any] = {
@@ -119,11 +121,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLBRIDGE_CACHE", Path.home() / ".cache" / "rlbridge"))
 
 
-def resolve_model_path(path: str) -> Path:
-    """A short name maps to its cache directory; anything else is a local path."""
+def resolve_model_path(path: str, revision: str | None = None) -> Path:
+    """The directory of a recipe's `model.path`, the one resolver of validation, plan, train and the workers:
+    a short name maps to its cache directory (materialized by cache.ensure_model); a path that exists is that
+    path; a Hub id (`org/name`, at `revision`) is its snapshot in the Hugging Face cache (hub.py; an
+    RlbridgeError naming the fetch command when it is not there); anything else is the local path, which the
+    caller finds missing."""
     if path in SHORT_NAMES:
         return cache_dir() / "models" / path
-    return Path(path).expanduser()
+    local = Path(path).expanduser()
+    if local.exists() or not is_hub_id(path):
+        return local
+    from rlbridge.model.hub import cached_snapshot
+
+    return cached_snapshot(path, revision)
 
 
 @dataclass(frozen=True)
@@ -246,11 +257,23 @@ def dense_layer_count(cfg: dict[str, Any], layers: int) -> int:
     return sum(1 for i in range(layers) if not moe(i))
 
 
-def read_model_info(path: str) -> ModelInfo:
-    """ModelInfo for a short name or a local directory holding config.json."""
+def config_file(path: str, revision: str | None = None, *, download: bool = False) -> Path:
+    """The config.json of a local directory, or of a Hub id (from the cache; with download=True, fetched alone
+    when the Hub is online): validation reads no weights."""
+    local = Path(path).expanduser()
+    if local.exists() or not is_hub_id(path):
+        return local / "config.json"
+    from rlbridge.model.hub import cached_file
+
+    return cached_file(path, revision, "config.json", download=download)
+
+
+def read_model_info(path: str, revision: str | None = None) -> ModelInfo:
+    """ModelInfo for a short name, a local directory holding config.json, or a Hub id (its config.json from
+    the Hugging Face cache, else from the Hub when online)."""
     if path in SHORT_NAMES:
         return ModelInfo.from_config(SHORT_NAMES[path])
-    cfg_file = resolve_model_path(path) / "config.json"
+    cfg_file = config_file(path, revision, download=True)
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except FileNotFoundError:

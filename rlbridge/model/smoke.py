@@ -30,7 +30,7 @@ from typing import Any
 
 from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RlbridgeError
-from rlbridge.model.info import SHORT_NAMES, cache_dir, resolve_model_path
+from rlbridge.model.info import SHORT_NAMES, cache_dir, config_file
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.registry import ROLLOUT_ENGINES, rollout_engine
 
@@ -60,7 +60,7 @@ class SmokePlan:
 def read_config(recipe: Recipe) -> dict[str, Any]:
     if recipe.model.path in SHORT_NAMES:
         return dict(SHORT_NAMES[recipe.model.path])
-    path = resolve_model_path(recipe.model.path) / "config.json"
+    path = config_file(recipe.model.path, recipe.model.revision, download=True)
     try:
         return dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as e:

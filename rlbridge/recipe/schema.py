@@ -43,8 +43,12 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------------------------- model
 class ModelCfg(Section):
     path: str
-    """Local Hugging Face model directory (config.json, safetensors, tokenizer) or a short name that rlbridge
-    materializes into its cache (`smollm2-135m-instruct`)."""
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer), a short name that rlbridge
+    materializes into its cache (`smollm2-135m-instruct`), or a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`)
+    found in the Hugging Face cache (HF_HOME) or, when online, downloaded by `train` (HF_HUB_OFFLINE=1: the cache
+    only; fetch with `hf download ORG/NAME`). An existing local path wins over a Hub id of the same spelling."""
+    revision: str | None = None
+    """Branch, tag or commit of a Hub id (default: main). Only for Hub ids."""
     dtype: Dtype = "bfloat16"
     """Parameter dtype for training and rollout. bfloat16 halves the memory and is the GPU choice; float32 gives
     tight trainer/rollout agreement (and is the CPU quickstart's choice), at twice the memory."""

@@ -257,7 +257,7 @@ def build_mbridge(built: Built, recipe: Recipe) -> Model:
 
     compat.mbridge_model_type()  # megatron-core >= 0.17 removed a name mbridge 0.15 reads (compat.py)
 
-    path = str(resolve_model_path(recipe.model.path))
+    path = str(resolve_model_path(recipe.model.path, recipe.model.revision))
     bridge = MBridge.from_pretrained(path)
     rope = getattr(bridge.hf_config, "rope_parameters", None) or {}
     if not hasattr(bridge.hf_config, "rope_theta") and "rope_theta" in rope:

@@ -58,7 +58,7 @@ def _clip(value: float | None, recipe: Recipe) -> float:
 
 
 def _path(value: str, recipe: Recipe) -> str:
-    return str(resolve_model_path(value))
+    return str(resolve_model_path(value, recipe.model.revision))
 
 
 def _lora_targets(value: list[str], recipe: Recipe) -> list[str]:
@@ -111,6 +111,7 @@ TABLE: tuple[Row, ...] = (
 )
 
 NOT_IN_TABLE: dict[str, str] = {
+    "model.revision": "picks the Hub snapshot that model.path resolves to (the model.path row's converter)",
     "trainer.engine": "selects this engine (megatron) or the hf engine; nothing to set on a provider",
     "trainer.bridge": "selects the loader (AutoBridge or mbridge) that builds the provider",
     "trainer.ppo_epochs": "loop-level: how often each step's rollouts are passed over",
@@ -277,7 +278,7 @@ def build(recipe: Recipe) -> Built:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    path = str(resolve_model_path(recipe.model.path))
+    path = str(resolve_model_path(recipe.model.path, recipe.model.revision))
     bridge = AutoBridge.from_hf_pretrained(path, torch_dtype=TORCH_DTYPES[recipe.model.dtype])
     theta = restore_rope_fields(bridge.hf_pretrained.config)
     provider = bridge.to_megatron_provider(load_weights=True)

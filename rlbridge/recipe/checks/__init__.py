@@ -12,9 +12,11 @@ code, loggers); common (the shared helpers).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
-from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info, resolve_model_path
+from rlbridge.model.hub import is_hub_id
+from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info
 from rlbridge.recipe.checks.checkpoints import check_checkpoints
 from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
@@ -71,24 +73,44 @@ def run_checks(
         rule(r, out)
     if not model_checks:
         return out, None
-    if r.model.path not in SHORT_NAMES and not resolve_model_path(r.model.path).is_dir():
-        out.append(
-            RecipeIssue(
-                "model.path",
-                "model directory not found",
-                value=r.model.path,
-                fix=f"point model.path at a local HF model directory, use a short name ({', '.join(SHORT_NAMES)}), "
-                "or pass --no-model-checks",
-            )
-        )
-        return out, None
-    try:
-        info = read_model_info(r.model.path)
-    except RlbridgeError as e:
-        out.append(RecipeIssue("model.path", str(e), value=r.model.path))
+    info = _model_info(r, out)
+    if info is None:
         return out, None
     check_model_shape(r, info, out)
     check_async_memory(r, info, out)
     if not force and not out:  # the estimate is of a valid recipe (async's own memory issue says enough)
         check_device_memory(r, info, out)
     return out, info
+
+
+def _model_info(r: Recipe, out: Issues) -> ModelInfo | None:
+    """The model's ModelInfo (short name, local directory or Hub id: info.read_model_info), or None with the
+    issue that says why it cannot be read."""
+    m = r.model
+    local = Path(m.path).expanduser()
+    hub = m.path not in SHORT_NAMES and not local.exists() and is_hub_id(m.path)
+    if m.revision is not None and not hub:
+        out.append(
+            RecipeIssue(
+                "model.revision",
+                "a revision applies to a Hugging Face Hub id (org/name), not to a local directory or short name",
+                value=m.revision,
+                fix="remove model.revision, or set model.path to the Hub id",
+            )
+        )
+    if m.path not in SHORT_NAMES and not hub and not local.is_dir():
+        out.append(
+            RecipeIssue(
+                "model.path",
+                "model directory not found" if not local.exists() else "not a directory",
+                value=m.path,
+                fix="point model.path at a local HF model directory, a Hugging Face Hub id (org/name), or a short "
+                f"name ({', '.join(SHORT_NAMES)}); or pass --no-model-checks",
+            )
+        )
+        return None
+    try:
+        return read_model_info(m.path, m.revision)
+    except RlbridgeError as e:
+        out.append(RecipeIssue("model.path", str(e), value=m.path))
+        return None
