@@ -24,7 +24,7 @@ from rlbridge.algo.kl_control import kl_controller
 from rlbridge.batch import Rollouts
 from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
-from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
+from rlbridge.data.datasets import LazyEncoded, PromptSampler, encode_prompts, open_prompts
 from rlbridge.data.reward_pool import RewardPool
 from rlbridge.engines.registry import trainer_engine
 from rlbridge.metrics.log import MetricsLog, console
@@ -57,6 +57,8 @@ class Encoded:
 
     def __init__(self, prompts: list[Any], ids: list[list[int]]) -> None:
         self.prompts, self.ids = prompts, ids
+        self.usable: Callable[[int], bool] | None = None
+        """Set on a source read lazily (LazyEncoded): whether row i is a prompt the sampler may take."""
 
 
 @dataclass
@@ -153,14 +155,23 @@ class Session:
             else self.tokenizer.eos_token_id
         )
         self.train_data = self._encode(
-            load_dataset(r.data.train, r.data, split="train", seed=r.run.seed), "data.train"
+            open_prompts(r.data.train, r.data, split="train", seed=r.run.seed), "data.train"
         )
         self.val_data = (
-            self._encode(load_dataset(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
+            self._encode(open_prompts(r.data.val, r.data, split="val", seed=r.run.seed), "data.val")
             if r.data.val is not None
             else None
         )
-        self.sampler = PromptSampler(self.train_data.prompts, seed=r.run.seed, shuffle=r.data.shuffle)
+        if isinstance(self.val_data, LazyEncoded):  # evaluation reads its first eval_samples prompts: whole
+            self.val_data = Encoded(*self.val_data.first(r.run.eval_samples))
+        lazy = self.train_data if isinstance(self.train_data, LazyEncoded) else None
+        self.sampler = PromptSampler(
+            self.train_data.prompts,
+            seed=r.run.seed,
+            shuffle=r.data.shuffle,
+            usable=None if lazy is None else lazy.usable,
+            fingerprint_of=None if lazy is None else lazy.source.fingerprint,
+        )
         self.rewards = stack.enter_context(
             RewardPool(r.reward, log_file=rundir.log_file(self.run_dir, "reward"))
         )
@@ -199,8 +210,12 @@ class Session:
             self.run_dir, rundir.exit_state(exc_type), error=None if exc is None else str(exc)[:2000]
         )
 
-    def _encode(self, prompts: list[Any], key: str) -> Encoded:
+    def _encode(self, prompts: Any, key: str) -> Encoded | LazyEncoded:
         r = self.recipe
+        if not isinstance(prompts, list):  # read through Hugging Face datasets: encoded when sampled
+            if key == "data.train":
+                log_plain(f"{prompts.description}: {len(prompts)} rows, read and encoded as they are sampled")
+            return LazyEncoded(prompts, self.tokenizer, r.data, r.rollout.max_prompt_tokens)
         ids, kept, filtered = encode_prompts(self.tokenizer, prompts, r.data, r.rollout.max_prompt_tokens)
         if filtered:
             log(
@@ -312,7 +327,10 @@ class Session:
         likely while vLLM starts (TrainerRole.prerecord)."""
         if not self.recipe.trainer.cuda_graphs:
             return {}
-        return {"prompt_lengths": [len(ids) for ids in self.train_data.ids]}
+        data = self.train_data
+        if isinstance(data, LazyEncoded):  # a sample, not every row of a large source
+            return {"prompt_lengths": [len(ids) for ids in data.first(4096)[1]]}
+        return {"prompt_lengths": [len(ids) for ids in data.ids]}
 
     def _placement(self, num_trainer: int) -> rc.Placement:
         """Where the trainer's devices landed, node by node; printed on a cluster of several nodes, with a warning

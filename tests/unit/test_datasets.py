@@ -64,8 +64,8 @@ def test_jsonl_skips_and_counts_malformed_rows(tmp_path: Path) -> None:
     assert skipped.count == 8
     assert skipped.examples == [
         "line 2: not a JSON object but list",
-        "line 3: missing 'question' (data.train.prompt_key)",
-        "line 4: 'question' is int, not a string",
+        "line 3: missing 'question' (data.columns.prompt)",
+        "line 4: 'question' is int, not a string or a list of messages",
         "line 5: empty 'question'",
         "line 6: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
     ]
@@ -80,14 +80,17 @@ def test_jsonl_errors_name_the_key(tmp_path: Path) -> None:
     path.write_text(json.dumps({"problem": "x", "answer": "1"}) + "\n")
     with pytest.raises(
         RlbridgeError,
-        match=r"data\.val\.path: no usable row .*prompt_key='question'.*line 1: missing 'question'",
+        match=r"data\.val\.path: no usable row .*data\.columns\.prompt='question'.*line 1: missing 'question'",
     ):
         read_dataset(*_data(path), split="val", seed=0)
     assert read_dataset(*_data(path, prompt_key="problem"), split="val", seed=0)[0][0].text == "x"
     with pytest.raises(RlbridgeError, match=r"data\.train\.path: file not found"):
         load_dataset(*_data(tmp_path / "missing.jsonl"), split="train", seed=0)
-    with pytest.raises(RlbridgeError, match=r"data\.train\.path: unsupported format '\.csv'"):
-        load_dataset(*_data(tmp_path / "x.csv"), split="train", seed=0)
+    (tmp_path / "x.txt").write_text("a")
+    with pytest.raises(RlbridgeError, match=r"data\.train\.path: unsupported file type '\.txt'"):
+        load_dataset(*_data(tmp_path / "x.txt"), split="train", seed=0)
+    with pytest.raises(RlbridgeError, match=r"data\.train\.path: file not found"):
+        load_dataset(*_data(tmp_path / "missing.csv"), split="train", seed=0)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(RlbridgeError, match="the file has no rows"):
         load_dataset(*_data(tmp_path / "empty.jsonl"), split="train", seed=0)
@@ -116,7 +119,7 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     assert prompts[0].sample["answer"] == "1" and skipped.examples == ["row 3: empty 'prompt'"]
     with pytest.raises(
         RlbridgeError,
-        match=r"data\.train\.answer_key: column 'answer' not in .*columns: prompt, solution, tags",
+        match=r"data\.columns\.answer: column 'answer' not in .*columns: prompt, solution, tags",
     ):
         read_dataset(*_data(path, prompt_key="prompt"), split="train", seed=0)
 
@@ -233,7 +236,7 @@ def test_encode_prompts_plain_and_missing_chat_template() -> None:
         "38",
         "?",
     ]
-    with pytest.raises(RlbridgeError, match=r"data\.chat_template: .*set data\.chat_template: false"):
+    with pytest.raises(RlbridgeError, match=r"data\.chat_template: .*or to false"):
         encode_prompts(tok, [prompt], data.model_copy(update={"chat_template": True}), max_prompt_tokens=100)
 
 

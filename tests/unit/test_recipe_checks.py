@@ -299,9 +299,9 @@ CASES = [
     ),
     (
         "data format unsupported",
-        {"data__train": {"path": "train.csv"}},
+        {"data__train": {"path": str(Path("pyproject.toml").resolve())}},
         "data.train.path",
-        "unsupported dataset format",
+        "unsupported file type '.toml'",
         {"data__train": {"path": "builtin:arithmetic"}},
     ),
     (

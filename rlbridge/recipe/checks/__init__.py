@@ -5,8 +5,8 @@ all problems are reported together. Rules are plain functions of (recipe, model 
 with a failing and a passing recipe.
 
 Rule modules: layout (cluster and batches), checkpoints (layouts that cannot be saved), model (config.json:
-shape, MoE, recompute), training (LoRA, sync, algorithm, rollout correction, async), files (datasets, reward
-code, loggers); common (the shared helpers).
+shape, MoE, recompute), training (LoRA, sync, algorithm, rollout correction, async), data (datasets: their first
+rows), files (reward code, loggers); common (the shared helpers).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from rlbridge.model.hub import is_hub_id
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info
 from rlbridge.recipe.checks.checkpoints import check_checkpoints
 from rlbridge.recipe.checks.common import Issues
-from rlbridge.recipe.checks.files import check_files, check_loggers, check_reward
+from rlbridge.recipe.checks.data import check_data
+from rlbridge.recipe.checks.files import check_loggers, check_reward
 from rlbridge.recipe.checks.layout import (
     check_batches,
     check_cuda_graphs,
@@ -57,7 +58,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_algorithm,
     check_rollout_correction,
     check_async,
-    check_files,
+    check_data,
     check_reward,
     check_loggers,
 )

@@ -1,0 +1,195 @@
+"""Rows through Hugging Face `datasets`: Hub names, local files and folders, memory-mapped.
+
+`datasets` does the reading and the caching (its Arrow cache, `HF_HOME` / `HF_DATASETS_CACHE`, the Hub's
+offline mode and tokens); rlbridge asks it for one split and reads rows by index. A loaded split is Arrow on
+disk, memory-mapped: a file of ten million rows costs its page cache, not the process's memory, and row `i` is
+read when the sampler asks for it (`LazyPrompts`). `preview` reads only the first rows (streaming for local
+files, so validation does not convert a large file first).
+
+This is the one module that imports `datasets`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rlbridge.errors import RlbridgeError
+from rlbridge.recipe.schema import DatasetCfg
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+"""datasets' packaged builder for each local file suffix."""
+FINGERPRINT_ROWS = 1024
+"""Rows hashed (evenly spaced) into a lazy source's fingerprint, besides its length."""
+
+
+def _datasets(key: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise RlbridgeError(
+            f"{key}: reading this source needs Hugging Face datasets: pip install datasets"
+        ) from None
+    datasets.disable_progress_bars()  # rlbridge's own lines say what is read
+    datasets.logging.set_verbosity_error()  # "Using the latest cached version ..." on every offline load
+    return datasets
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def is_hub_name(path: str) -> bool:
+    """`org/name` (or a bare `name`) as the Hub spells dataset ids, not a file name with a data suffix."""
+    return bool(_HUB_NAME.match(path)) and ".." not in path and Path(path).suffix.lower() not in BUILDERS
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def default_split(which: str, names: list[str]) -> str | None:
+    """The split a recipe means without data.<which>.split: train, or for val validation then test; a source
+    with one split: that one."""
+    if len(names) == 1:
+        return names[0]
+    wanted = ("train",) if which == "train" else ("validation", "test", "valid", "val")
+    return next((n for n in wanted if n in names), None)
+
+
+def _pick(found: Any, cfg: DatasetCfg, which: str, key: str) -> Any:
+    """One split of a DatasetDict (or the Dataset itself)."""
+    if not hasattr(found, "keys"):
+        return found
+    names = list(found.keys())
+    split = cfg.split or default_split(which, names)
+    if split not in names:
+        raise RlbridgeError(
+            f"{key}.split: {cfg.path} has no split {split!r}; its splits: {', '.join(names)}; "
+            f"set {key}.split to one of them"
+        )
+    return found[split]
+
+
+def _single_file(path: Path, cfg: DatasetCfg, key: str) -> str:
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise RlbridgeError(
+            f"{key}.path: unsupported file type {path.suffix or '(none)'!r} ({cfg.path}); use .jsonl, .json, "
+            ".csv, .parquet or .arrow, a folder, or a Hub dataset name"
+        )
+    if cfg.split not in (None, "train"):
+        raise RlbridgeError(
+            f"{key}.split: a single file has one split; remove {key}.split (got {cfg.split!r}), or point "
+            f"{key}.path at the file of that split"
+        )
+    return builder
+
+
+def open_split(cfg: DatasetCfg, which: str) -> Any:
+    """The split as a memory-mapped `datasets.Dataset` (at most cfg.limit rows)."""
+    key = f"data.{which}"
+    path = Path(cfg.path).expanduser()
+    if not path.exists() and not is_hub_name(cfg.path):
+        raise RlbridgeError(
+            f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory; a Hub "
+            "dataset is named org/name)"
+        )
+    ds_lib = _datasets(key)
+    try:
+        if path.is_file():
+            found = ds_lib.load_dataset(_single_file(path, cfg, key), data_files=str(path), split="train")
+        elif path.is_dir() and is_saved_dataset(path):
+            found = _pick(ds_lib.load_from_disk(str(path)), cfg, which, key)
+        elif path.is_dir():
+            found = _pick(ds_lib.load_dataset(str(path), cfg.config), cfg, which, key)
+        else:
+            found = _pick(ds_lib.load_dataset(cfg.path, cfg.config), cfg, which, key)
+    except RlbridgeError:
+        raise
+    except (
+        Exception
+    ) as e:  # datasets raises ValueError, FileNotFoundError, ConnectionError, DatasetGenerationError
+        raise RlbridgeError(_load_error(cfg, key, path, e)) from None
+    if cfg.limit is not None and cfg.limit < found.num_rows:
+        found = found.select(range(cfg.limit))
+    return found
+
+
+def _load_error(cfg: DatasetCfg, key: str, path: Path, e: Exception) -> str:
+    text = " ".join(str(e).split())[:600]
+    if path.exists():
+        return f"{key}.path: Hugging Face datasets cannot read {cfg.path}: {text}"
+    name = f"{cfg.path}" + (f" (config {cfg.config})" if cfg.config else "")
+    if isinstance(e, ConnectionError) or "offline" in text.lower():
+        cfg_arg = f" {cfg.config}" if cfg.config else ""
+        return (
+            f"{key}.path: {name} is not a local path and not in the Hugging Face datasets cache, and the Hub "
+            f'cannot be reached (offline). Load it once online, e.g. python -c "import datasets; '
+            f"datasets.load_dataset('{cfg.path}'{f', {cfg.config!r}' if cfg.config else ''})\", or download "
+            f"its files (hf download {cfg.path}{cfg_arg} --repo-type dataset) and point {key}.path at the folder"
+        )
+    if "config" in text.lower() and "config" not in (cfg.config or ""):
+        return f"{key}.config: {name}: {text}; set {key}.config to one of its configurations"
+    return f"{key}.path: cannot load {name} with Hugging Face datasets: {text}"
+
+
+def preview(cfg: DatasetCfg, which: str, num_rows: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The first rows of the source and its column names, reading as little as possible: local files and data
+    folders stream (nothing converted), a save_to_disk folder or a Hub dataset opens memory-mapped."""
+    key = f"data.{which}"
+    path = Path(cfg.path).expanduser()
+    if path.exists() and not is_saved_dataset(path):
+        ds_lib = _datasets(key)
+        try:
+            if path.is_file():
+                stream = ds_lib.load_dataset(
+                    _single_file(path, cfg, key), data_files=str(path), split="train", streaming=True
+                )
+            else:
+                stream = _pick(ds_lib.load_dataset(str(path), cfg.config, streaming=True), cfg, which, key)
+            rows = [dict(r) for _, r in zip(range(num_rows), iter(stream), strict=False)]
+        except RlbridgeError:
+            raise
+        except Exception as e:
+            raise RlbridgeError(_load_error(cfg, key, path, e)) from None
+        columns = list(stream.column_names or (rows[0].keys() if rows else []))
+        return rows, columns
+    found = open_split(cfg, which)
+    return [found[i] for i in range(min(num_rows, found.num_rows))], list(found.column_names)
+
+
+class LazyPrompts:
+    """A split's rows as prompts, read by index from the memory-mapped split: `get(i)` is a Prompt, or the
+    reason the row cannot be one (the sampler passes over such rows). `convert` is datasets.to_prompt with the
+    recipe's columns bound."""
+
+    def __init__(self, split: Any, convert: Callable[[Any], Any], description: str) -> None:
+        self.split = split
+        self.convert = convert
+        self.description = description
+
+    def __len__(self) -> int:
+        return int(self.split.num_rows)
+
+    def get(self, i: int) -> Any:
+        return self.convert(self.split[int(i)])
+
+    def rows(self) -> Iterator[tuple[str, Any]]:
+        """(where, row) for every row, in order (for a full read: validation previews, small eval splits)."""
+        for i, row in enumerate(self.split):
+            yield f"row {i + 1}", row
+
+    def fingerprint(self) -> str:
+        """The length and FINGERPRINT_ROWS evenly spaced rows, hashed: a resume on other data is refused without
+        reading ten million rows."""
+        n = len(self)
+        digest = hashlib.sha256(f"{n};".encode())
+        step = max(n // FINGERPRINT_ROWS, 1)
+        for i in range(0, n, step):
+            digest.update(json.dumps(self.split[i], sort_keys=True, default=str).encode() + b"\0")
+        return digest.hexdigest()[:16]

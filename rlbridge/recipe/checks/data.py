@@ -1,0 +1,189 @@
+"""The datasets a recipe points at, checked on their first rows: that the source opens, that the prompt and answer
+columns are there, that data.template's fields are columns of the rows, and that conversations (prompts given as
+messages) meet a chat template. Each issue names the split, the row and the recipe key to change.
+
+Only the first PREVIEW_ROWS rows are read (a local file is streamed, never converted), so validation stays fast
+on a file of millions of rows; rows further down are checked when they are sampled.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+from rlbridge.errors import RecipeIssue, RlbridgeError
+from rlbridge.recipe.checks.common import Issues
+from rlbridge.recipe.schema import DataCfg, DatasetCfg, Recipe
+
+PREVIEW_ROWS = 20
+"""Rows of each split read by validate-recipe."""
+
+
+def check_data(r: Recipe, out: Issues) -> None:
+    template_fields = _template_fields(r.data, out)
+    _check_chat_template(r.data, out)
+    for which, ds in (("train", r.data.train), ("val", r.data.val)):
+        if ds is None:
+            continue
+        if ds.path.startswith("builtin:"):
+            if ds.path != "builtin:arithmetic":
+                out.append(
+                    RecipeIssue(
+                        f"data.{which}.path",
+                        f"unknown builtin dataset {ds.path!r}",
+                        fix="use builtin:arithmetic, a data file (.jsonl, .parquet, .json, .csv), a folder or a "
+                        "Hugging Face Hub dataset name",
+                    )
+                )
+            continue
+        _check_rows(r.data, ds, which, template_fields, out)
+
+
+def _template_fields(data: DataCfg, out: Issues) -> set[str] | None:
+    """The row fields data.template names (None when it is not a valid format string: an issue)."""
+    try:
+        parsed = list(string.Formatter().parse(data.template))
+    except ValueError as e:
+        out.append(
+            RecipeIssue(
+                "data.template",
+                f"not a valid format string: {e}",
+                value=data.template,
+                fix="use {prompt} and {column} placeholders; write literal braces twice ({{ and }})",
+            )
+        )
+        return None
+    fields: set[str] = set()
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        head = name.split(".")[0].split("[")[0]
+        if not head or head.isdigit():
+            out.append(
+                RecipeIssue(
+                    "data.template",
+                    f"the placeholder {{{name}}} names no column",
+                    value=data.template,
+                    fix="name a column, e.g. {prompt} or {question}; write literal braces twice ({{ and }})",
+                )
+            )
+            return None
+        fields.add(head)
+    return fields - {"prompt"}
+
+
+def _check_chat_template(data: DataCfg, out: Issues) -> None:
+    if not isinstance(data.chat_template, str):
+        return
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # transformers brings jinja2; without it the run fails at the tokenizer anyway
+        return
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(data.chat_template)
+    except Exception as e:  # jinja2.TemplateSyntaxError
+        out.append(
+            RecipeIssue(
+                "data.chat_template",
+                f"not a valid Jinja template: {e}",
+                fix="give a chat template as in a tokenizer's chat_template (messages, add_generation_prompt), "
+                "or true for the tokenizer's own",
+            )
+        )
+
+
+def _check_rows(
+    data: DataCfg, ds: DatasetCfg, which: str, template_fields: set[str] | None, out: Issues
+) -> None:
+    from rlbridge.data.datasets import Columns, Prompt, preview, to_prompt
+
+    key = f"data.{which}"
+    try:
+        rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)  # type: ignore[arg-type]
+    except RlbridgeError as e:  # the loaders' messages begin with the key to change ("data.val.split: ...")
+        head, _, rest = str(e).partition(": ")
+        named = head.startswith("data.") and " " not in head and rest
+        out.append(RecipeIssue(head if named else f"{key}.path", rest if named else str(e), value=ds.path))
+        return
+    if not rows:
+        out.append(RecipeIssue(f"{key}.path", "the source has no rows", value=ds.path))
+        return
+    columns = Columns.of(ds, data, which)
+    results: list[tuple[str, Any, Prompt | str]] = [
+        (where, row, to_prompt(row, columns) if problem is None else problem) for where, row, problem in rows
+    ]
+    usable = [(where, row, p) for where, row, p in results if isinstance(p, Prompt)]
+    if not usable:
+        _no_usable_row(ds, which, columns, results, names, out)
+        return
+    conversations = [(where, p) for where, _, p in usable if p.messages is not None]
+    if conversations and data.template != "{prompt}":
+        out.append(
+            RecipeIssue(
+                "data.template",
+                f"applies to string prompts, but {key} {conversations[0][0]}'s {columns.prompt!r} is a "
+                "conversation (a list of messages), given to the chat template as it is",
+                value=data.template,
+                fix="remove data.template (put instructions into the conversation or data.system_prompt)",
+            )
+        )
+    if conversations and data.chat_template is False:
+        out.append(
+            RecipeIssue(
+                "data.chat_template",
+                f"is false, but {key} {conversations[0][0]}'s {columns.prompt!r} is a conversation, which only "
+                "a chat template turns into text",
+                fix="set data.chat_template: true (the tokenizer's) or a Jinja chat template",
+            )
+        )
+    if template_fields:
+        for where, row, p in usable:
+            if p.messages is not None:
+                continue
+            missing = sorted(template_fields - set(row))
+            if missing:
+                out.append(
+                    RecipeIssue(
+                        "data.template",
+                        f"names the field {{{missing[0]}}}, but {key} {where} has no such column "
+                        f"(columns: {', '.join(sorted(row))})",
+                        value=data.template,
+                        fix=f"use one of the row's columns, or fix {key}.path",
+                    )
+                )
+                break
+
+
+def _no_usable_row(
+    ds: DatasetCfg,
+    which: str,
+    columns: Any,
+    results: list[tuple[str, Any, Any]],
+    names: list[str] | None,
+    out: Issues,
+) -> None:
+    """No row among the first ones is a prompt: blame the column key when the column is missing."""
+    where, row, why = results[0]
+    have = names if names is not None else sorted(row) if isinstance(row, dict) else None
+    listed = f"; its columns: {', '.join(have)}" if have else ""
+    for name, which_key in ((columns.prompt, columns.prompt_key), (columns.answer, columns.answer_key)):
+        if have is not None and name not in have:
+            out.append(
+                RecipeIssue(
+                    which_key,
+                    f"column {name!r} is not in data.{which} ({Path(ds.path).name} {where}{listed})",
+                    value=name,
+                    fix=f"set {which_key} to the column holding the "
+                    f"{'prompt' if which_key == columns.prompt_key else 'reference answer'}",
+                )
+            )
+            return
+    out.append(
+        RecipeIssue(
+            f"data.{which}.path",
+            f"none of the first {len(results)} rows is usable: {where}: {why}{listed}",
+            value=ds.path,
+            fix="fix the rows, or point data.columns at the prompt and answer columns",
+        )
+    )
