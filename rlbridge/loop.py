@@ -331,11 +331,32 @@ def _merge(items: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     return out
 
 
+def reward_batch(
+    s: Session, prompts: list[Any], ro: Rollouts, *, n: int, split: str = "train"
+) -> dict[str, Any] | None:
+    """The keyword lists of the batched (TRL-style) reward terms, as TRL builds them (rewards.batch_kwargs):
+    the dataset's prompts (strings or conversations) and raw columns, n per prompt; None without such terms."""
+    if not s.rewards.has_batched:
+        return None
+    from rlbridge.data.datasets import Columns
+    from rlbridge.data.rewards import batch_kwargs
+
+    ds = s.recipe.data.train if split == "train" else s.recipe.data.val
+    column = Columns.of(ds, s.recipe.data, split).prompt if ds is not None else None
+    return batch_kwargs(
+        [p.messages if p.messages is not None else p.text for p in prompts for _ in range(n)],
+        list(ro.texts),
+        [p.row for p in prompts for _ in range(n)],
+        prompt_column=column,
+        completion_ids=[list(ids) for ids in ro.response_ids],
+    )
+
+
 def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards for each completion; failed samples (None) get the group mean so they push no gradient."""
     texts = [p.text for p in prompts for _ in range(n)]
     rows = [p.sample for p in prompts for _ in range(n)]
-    res = s.rewards.score(texts, ro.texts, rows)
+    res = s.rewards.score(texts, ro.texts, rows, batch=reward_batch(s, prompts, ro, n=n))
     values = torch.tensor([float("nan") if v is None else v for v in res.scores], dtype=torch.float32).view(
         -1, n
     )
@@ -435,7 +456,12 @@ def evaluate(s: Session, step: int) -> dict[str, float]:
     start = time.perf_counter()
     with s.stall("eval"):  # stall warnings and the stall stop (run.health.stall_*) watch evaluations too
         ro = s.generate(ids, greedy=True, seed=rollout_seed(s.recipe.run.seed, step, "eval"))
-        res = s.rewards.score([p.text for p in prompts], ro.texts, [p.sample for p in prompts])
+        res = s.rewards.score(
+            [p.text for p in prompts],
+            ro.texts,
+            [p.sample for p in prompts],
+            batch=reward_batch(s, prompts, ro, n=1, split="val"),
+        )
     first = next(iter(res.terms.values())) if res.terms else res.scores
     out = {
         "eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),

@@ -12,7 +12,9 @@ that started it: create the pool in a thread that outlives it). Workers live acr
 scores every step) and import the user functions once, at start.
 
 Builtin rewards (ours, pure string parsing that cannot hang) run in-process: a builtin-only recipe
-starts no worker at all.
+starts no worker at all. A batched user function (TRL's form, rewards.py) is one task of the batch: it runs in a
+worker beside the per-sample tasks, with reward.timeout_s times the batch size to finish; a failure of that call
+fails the term on every sample of the batch.
 
 Every failure of a user function (an exception, NaN/inf or a non-number, a timeout, `sys.exit`,
 `os._exit`) makes that sample's score None and counts against `reward.error_budget`, kept over the
@@ -37,7 +39,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlbridge.data.rewards import BUILTINS, RewardFn, resolve_reward_fn
+from rlbridge.data.rewards import (
+    BUILTINS,
+    RewardFn,
+    batch_kwargs,
+    call_batched,
+    is_batched,
+    resolve_reward_fn,
+)
 from rlbridge.errors import RlbridgeError
 from rlbridge.run import faults
 
@@ -47,6 +56,9 @@ if TYPE_CHECKING:  # workers import this module: keep pydantic out of their star
 Outcome = tuple[float | None, str | None]
 """(value, None) or (None, traceback text) for one reward term on one sample."""
 Task = tuple[str, str, dict[str, Any]]
+Job = tuple[str, Any]
+"""What a worker is sent: ("sample", Task), scored by every per-sample user function, or ("batch", (j, kwargs)),
+one call of the j-th batched user function."""
 _TRACEBACK_CHARS = 4000
 _WORKER_CODE = "import sys; from rlbridge.data.reward_pool import worker_main; worker_main(int(sys.argv[1]))"
 _PR_SET_PDEATHSIG = 1
@@ -84,6 +96,24 @@ def _call(fn: RewardFn, prompt: str, completion: str, sample: dict[str, Any]) ->
         return None, traceback.format_exc()[-_TRACEBACK_CHARS:]
 
 
+def _call_batch(fn: Any, kwargs: dict[str, Any]) -> list[Outcome]:
+    """A batched function's outcomes, one per completion: None is "not scored" (TRL's NaN), not an error."""
+    n = len(kwargs["completions"])
+    try:
+        values = call_batched(fn, kwargs)
+    except (Exception, SystemExit):
+        return [(None, traceback.format_exc()[-_TRACEBACK_CHARS:])] * n
+    out: list[Outcome] = []
+    for i, value in enumerate(values):
+        if value is None:
+            out.append((None, None))
+        elif not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            out.append((None, f"ValueError: batched reward {i} is {str(value)[:100]!r}, not a finite number"))
+        else:
+            out.append((float(value), None))
+    return out
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
@@ -96,16 +126,22 @@ def worker_main(fd: int) -> None:
     conn = Connection(fd)
     _die_with_parent()
     try:
-        sys.path[:], specs = conn.recv()
-        fns = [resolve_reward_fn(spec) for spec in specs]
+        sys.path[:], specs, batch_specs = conn.recv()
+        fns = [resolve_reward_fn(spec, False) for spec in specs]
+        batch_fns = [resolve_reward_fn(spec, True) for spec in batch_specs]
     except BaseException:  # noqa: B036
         conn.send(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
         return
     conn.send(("ready", None))
     try:
-        while (task := conn.recv()) is not None:
+        while (job := conn.recv()) is not None:
             faults.pause("reward")  # tests kill this worker here (rlbridge/run/faults.py); a no-op otherwise
-            conn.send(("done", [_call(fn, *task) for fn in fns]))
+            kind, payload = job
+            if kind == "batch":
+                j, kwargs = payload
+                conn.send(("done", _call_batch(batch_fns[j], kwargs)))
+            else:
+                conn.send(("done", [_call(fn, *payload) for fn in fns]))
     except EOFError:  # the trainer went away
         return
 
@@ -122,6 +158,9 @@ class _Worker:
 class RewardPool:
     """Scores batches with the recipe's reward terms; a context manager owning the worker processes."""
 
+    _jobs: list[Job] = []
+    """The jobs of the `score` call in progress (for their time limits and error sizes)."""
+
     def __init__(
         self, cfg: RewardCfg, *, startup_timeout_s: float = 120.0, log_file: Path | None = None
     ) -> None:
@@ -130,12 +169,24 @@ class RewardPool:
         if log_file is not None:
             log_file.parent.mkdir(parents=True, exist_ok=True)
         self.terms = cfg.resolved_terms()
-        for term in self.terms:
-            resolve_reward_fn(term.fn)  # fail here, in the trainer, with the validation message
-        self._user_specs = [t.fn for t in self.terms if t.fn not in BUILTINS]
+        self.batched = [
+            t.batched if t.batched is not None else is_batched(resolve_reward_fn(t.fn)) for t in self.terms
+        ]
+        """Per term: a batched (TRL-style) function."""
+        for term, batched in zip(self.terms, self.batched, strict=True):
+            resolve_reward_fn(term.fn, batched)  # fail here, in the trainer, with the validation message
+        self._user_specs = [
+            t.fn for t, b in zip(self.terms, self.batched, strict=True) if t.fn not in BUILTINS and not b
+        ]
+        self._batch_specs = [t.fn for t, b in zip(self.terms, self.batched, strict=True) if b]
         self._startup_timeout_s = startup_timeout_s
         self._workers: list[_Worker] = []
         self.total_errors = 0
+
+    @property
+    def has_batched(self) -> bool:
+        """Some term is a batched (TRL-style) function: `score` wants its `batch` keyword lists."""
+        return bool(self._batch_specs)
 
     def __enter__(self) -> RewardPool:
         self.start()
@@ -165,7 +216,7 @@ class RewardPool:
             )
         theirs.close()  # so the worker's death reads as EOF here
         conn = Connection(ours.detach())
-        conn.send(([p or os.getcwd() for p in sys.path], self._user_specs))
+        conn.send(([p or os.getcwd() for p in sys.path], self._user_specs, self._batch_specs))
         return _Worker(proc, conn, deadline=time.monotonic() + self._startup_timeout_s)
 
     def _kill(self, w: _Worker) -> None:
@@ -180,7 +231,7 @@ class RewardPool:
 
     def start(self) -> None:
         """Start the workers (only if some term is a user function) and wait until they are ready."""
-        if not self._user_specs or self._workers:
+        if not (self._user_specs or self._batch_specs) or self._workers:
             return
         self._workers = [self._spawn() for _ in range(self.cfg.workers)]
         while not all(w.ready for w in self._workers):
@@ -199,12 +250,13 @@ class RewardPool:
             self._kill(w)
 
     # -------------------------------------------------------------------------------- scheduling
-    def _step(self, queue: deque[int], tasks: list[Task], out: list[list[Outcome] | None]) -> None:
+    def _step(self, queue: deque[int], tasks: list[Job], out: list[list[Outcome] | None]) -> None:
         """Hand queued tasks to idle workers, then handle one round of results, deaths and timeouts."""
+        self._jobs = tasks
         for w in list(self._workers):
             if w.ready and w.task is None and queue:
                 w.task = queue.popleft()
-                w.deadline = time.monotonic() + self.cfg.timeout_s
+                w.deadline = time.monotonic() + self._time_limit(tasks[w.task])
                 try:
                     w.conn.send(tasks[w.task])
                 except OSError:  # died while idle: the task never ran; retry it elsewhere
@@ -242,8 +294,15 @@ class RewardPool:
         elif kind == "done" and w.task is not None:
             out[w.task], w.task = payload, None
         elif kind == "timeout":
+            job = self._jobs[w.task] if w.task is not None else ("sample", None)
+            limit = self._time_limit(job)
             self._replace(
-                w, f"TimeoutError: reward function ran past reward.timeout_s={self.cfg.timeout_s}s", out
+                w,
+                f"TimeoutError: reward function ran past reward.timeout_s={self.cfg.timeout_s}s"
+                if job[0] == "sample"
+                else f"TimeoutError: a batched reward call ran past {limit:g}s (reward.timeout_s="
+                f"{self.cfg.timeout_s}s per sample of the batch)",
+                out,
             )
         else:
             try:
@@ -257,13 +316,20 @@ class RewardPool:
                 out,
             )
 
+    def _time_limit(self, job: Job) -> float:
+        """reward.timeout_s per sample: a batched call scores the whole batch."""
+        kind, payload = job
+        return self.cfg.timeout_s * (len(payload[1]["completions"]) if kind == "batch" else 1)
+
     def _replace(self, w: _Worker, error: str | None, out: list[list[Outcome] | None]) -> None:
         if error is not None and w.task is not None:
-            out[w.task] = [(None, error)] * len(self._user_specs)
+            kind, payload = self._jobs[w.task]
+            size = len(payload[1]["completions"]) if kind == "batch" else len(self._user_specs)
+            out[w.task] = [(None, error)] * size
         self._kill(w)
         self._workers.append(self._spawn())
 
-    def _run_user(self, tasks: list[Task]) -> list[list[Outcome]]:
+    def _run_user(self, tasks: list[Job]) -> list[list[Outcome]]:
         self.start()
         out: list[list[Outcome] | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
@@ -275,15 +341,25 @@ class RewardPool:
 
     # ------------------------------------------------------------------------------------ scoring
     def score(
-        self, prompts: list[str], completions: list[str], samples: list[dict[str, Any]]
+        self,
+        prompts: list[str],
+        completions: list[str],
+        samples: list[dict[str, Any]],
+        *,
+        batch: dict[str, Any] | None = None,
     ) -> RewardResult:
-        """Weighted reward per sample; raises RewardBudgetExceeded once the run's errors pass the budget."""
+        """Weighted reward per sample; raises RewardBudgetExceeded once the run's errors pass the budget.
+
+        batch: the keyword lists of the batched terms (rewards.batch_kwargs; default: built from these prompts,
+        completions and samples)."""
         if not len(prompts) == len(completions) == len(samples):
             raise ValueError(
                 f"{len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples"
             )
         tasks = list(zip(prompts, completions, samples, strict=True))
-        result = _combine(self.terms, self._evaluate(tasks), len(tasks))
+        if self._batch_specs and batch is None:
+            batch = batch_kwargs(list(prompts), list(completions), list(samples))
+        result = _combine(self.terms, self._evaluate(tasks, batch), len(tasks))
         self.total_errors += result.num_errors
         if self.total_errors > self.cfg.error_budget:
             raise RewardBudgetExceeded(
@@ -294,15 +370,29 @@ class RewardPool:
             )
         return result
 
-    def _evaluate(self, tasks: list[Task]) -> list[list[Outcome]]:
-        """Outcomes per term (in recipe order) per sample: builtins in-process, user terms in the workers."""
+    def _evaluate(self, tasks: list[Task], batch: dict[str, Any] | None) -> list[list[Outcome]]:
+        """Outcomes per term (in recipe order) per sample: builtins in-process, user terms in the workers (the
+        per-sample tasks and one task per batched term, all queued together)."""
         if not tasks:
             return [[] for _ in self.terms]
-        user_columns = iter(zip(*self._run_user(tasks), strict=True)) if self._user_specs else iter(())
-        return [
-            [_call(BUILTINS[t.fn], *task) for task in tasks] if t.fn in BUILTINS else list(next(user_columns))
-            for t in self.terms
-        ]
+        jobs: list[Job] = [("sample", t) for t in tasks] if self._user_specs else []
+        jobs += [("batch", (j, batch)) for j in range(len(self._batch_specs))]
+        done = self._run_user(jobs) if jobs else []
+        per_sample, batched = (
+            done[: len(jobs) - len(self._batch_specs)],
+            done[len(jobs) - len(self._batch_specs) :],
+        )
+        user_columns = iter(zip(*per_sample, strict=True)) if self._user_specs else iter(())
+        batch_columns = iter(batched)
+        out: list[list[Outcome]] = []
+        for t, b in zip(self.terms, self.batched, strict=True):
+            if b:
+                out.append(list(next(batch_columns)))
+            elif t.fn in BUILTINS:
+                out.append([_call(BUILTINS[t.fn], *task) for task in tasks])
+            else:
+                out.append(list(next(user_columns)))
+        return out
 
 
 def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples: int) -> RewardResult:

@@ -1,14 +1,30 @@
 """Reward functions: the protocol, the builtins, and the validation-time check of user functions.
 
-A reward function is ``fn(prompt: str, completion: str, sample: dict) -> float``:
+A reward function comes in one of two forms.
 
-- ``prompt`` is the prompt text (the dataset's prompt field, before ``data.template``),
+Per sample, ``fn(prompt: str, completion: str, sample: dict) -> float``:
+
+- ``prompt`` is the prompt text (the dataset's prompt field, before ``data.template``; a conversation's last
+  user message),
 - ``completion`` is the decoded model response,
 - ``sample`` is the dataset row (``Prompt.sample``: every field of the row, with ``answer`` set to the
-  ``answer_key`` field as a string),
+  answer column as a string),
 
-and it returns a finite real number. `RewardPool` (reward_pool.py) runs user functions in worker processes
-and turns exceptions, non-finite or non-numeric results, hangs and exits into per-sample errors.
+and it returns a finite real number.
+
+Batched, as TRL's ``GRPOTrainer`` calls its ``reward_funcs``: ``fn(prompts=[...], completions=[...],
+completion_ids=[...], trainer_state=None, log_extra=..., log_metric=..., **columns) -> list[float | None]``,
+one call per step with every completion of the batch (each prompt repeated once per sample of its group).
+``prompts`` are the dataset's prompts (strings, or message lists for conversational rows), ``completions`` the
+decoded responses (strings, or ``[{"role": "assistant", "content": ...}]`` after a conversational prompt), and
+every other column of the rows comes as a keyword list (TRL's ``**kwargs``). A None in the result means the
+function does not score that sample (TRL's NaN); the other terms still add up. `trainer_state`, `log_extra` and
+`log_metric` are given (as None and no-op functions) so that functions which name them run unchanged. A
+function is batched when its signature has a ``prompts``, ``completions`` or ``completion_ids`` parameter
+(``reward.terms[].batched`` says it explicitly), as every TRL reward function does; it must take ``**kwargs``.
+
+`RewardPool` (reward_pool.py) runs user functions in worker processes and turns exceptions, non-finite or
+non-numeric results, hangs and exits into per-sample errors.
 
 The recipe names a function as a builtin (`arithmetic`, `gsm8k`, `format`, `length`) or as
 ``package.module:function``; `check_reward_fn` imports it and checks its signature during recipe
@@ -164,7 +180,36 @@ def _import_attr(module_name: str, attr: str) -> tuple[Any, str | None]:
     return obj, None
 
 
-def _signature_problem(fn: Any, spec: str) -> str | None:
+BATCH_NAMES = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""The keyword arguments TRL's GRPOTrainer gives every reward function besides the dataset's columns."""
+
+
+def is_batched(fn: Any) -> bool:
+    """Whether `fn` is a TRL-style batched reward function: it names a `prompts`, `completions` or
+    `completion_ids` parameter."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in params for name in ("prompts", "completions", "completion_ids"))
+
+
+def batch_columns_needed(fn: Any) -> list[str]:
+    """The dataset columns a batched function requires by name (parameters without defaults, besides TRL's)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in params
+        if p.name not in BATCH_NAMES
+        and p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+
+
+def _signature_problem(fn: Any, spec: str, batched: bool | None = None) -> str | None:
     if not callable(fn):
         return f"{spec} is a {type(fn).__name__}, not a function"
     if inspect.iscoroutinefunction(fn):
@@ -173,17 +218,35 @@ def _signature_problem(fn: Any, spec: str) -> str | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None  # no introspectable signature (some C callables): checked when called
+    if batched if batched is not None else is_batched(fn):
+        kinds = {p.name: p.kind for p in sig.parameters.values()}
+        keywords = any(k is inspect.Parameter.VAR_KEYWORD for k in kinds.values())
+        if not keywords:
+            return (
+                f"{spec}{sig} is batched but takes no **kwargs: TRL's form is fn(prompts, completions, **kwargs), "
+                "called with every column of the dataset"
+            )
+        if any(k is inspect.Parameter.POSITIONAL_ONLY for k in kinds.values()):
+            return (
+                f"{spec}{sig} is batched: its arguments are passed by keyword, so none may be positional-only"
+            )
+        return None
     try:
         sig.bind("prompt", "completion", {})
     except TypeError:
-        return f"{spec}{sig} must accept 3 positional arguments (prompt, completion, sample)"
+        return (
+            f"{spec}{sig} must accept 3 positional arguments (prompt, completion, sample), or be batched as "
+            "TRL's reward functions are (prompts=..., completions=..., **columns)"
+        )
     return None
 
 
-def _load(spec: Any) -> tuple[RewardFn | None, str | None]:
+def _load(spec: Any, batched: bool | None = None) -> tuple[RewardFn | None, str | None]:
     if not isinstance(spec, str) or not spec.strip():
         return None, f"a reward function must be a builtin name or package.module:function, got {spec!r}"
     if spec in BUILTINS:
+        if batched:
+            return None, f"the builtin {spec!r} scores one sample at a time; remove batched: true"
         return BUILTINS[spec], None
     if ":" not in spec:
         close = difflib.get_close_matches(spec, list(BUILTINS), n=1)
@@ -193,20 +256,66 @@ def _load(spec: Any) -> tuple[RewardFn | None, str | None]:
     if not match:
         return None, f"{spec!r} is not of the form package.module:function"
     fn, problem = _import_attr(match.group("module"), match.group("attr"))
-    return (None, problem) if problem else (fn, _signature_problem(fn, spec))
+    return (None, problem) if problem else (fn, _signature_problem(fn, spec, batched))
 
 
-def check_reward_fn(spec: str) -> str | None:
-    """None if `spec` names a usable reward function, else what is wrong with it. Never raises."""
+def check_reward_fn(spec: str, batched: bool | None = None) -> str | None:
+    """None if `spec` names a usable reward function (batched: None detects the form from its signature),
+    else what is wrong with it. Never raises."""
     try:
-        return _load(spec)[1]
+        return _load(spec, batched)[1]
     except Exception as e:  # belt and braces: validation must report, not crash
         return f"cannot check {spec!r}: {type(e).__name__}: {e}"
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
+def resolve_reward_fn(spec: str, batched: bool | None = None) -> RewardFn:
     """The function `spec` names; RlbridgeError with check_reward_fn's message if it is not usable."""
-    fn, problem = _load(spec)
+    fn, problem = _load(spec, batched)
     if problem or fn is None:
         raise RlbridgeError(f"reward function {spec!r}: {problem}")
     return fn
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    """TRL's log_extra / log_metric, given so that functions calling them run; rlbridge logs nothing of theirs."""
+
+
+def batch_kwargs(
+    prompts: list[Any],
+    completions: list[str],
+    rows: list[dict[str, Any]],
+    *,
+    prompt_column: str | None = None,
+    completion_ids: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of a batched reward call, as TRL's GRPOTrainer builds them: `prompts` (each prompt
+    as the dataset has it: a string or a message list), `completions` (a string, or one assistant message after a
+    conversational prompt), `completion_ids`, and every other column of the rows (the prompt column excluded) as
+    a list. `call_batched` adds TRL's trainer_state / log_extra / log_metric."""
+    conversational = [isinstance(p, list) for p in prompts]
+    out: dict[str, Any] = {
+        "prompts": prompts,
+        "completions": [
+            [{"role": "assistant", "content": c}] if conv else c
+            for c, conv in zip(completions, conversational, strict=True)
+        ],
+        "completion_ids": completion_ids if completion_ids is not None else [[] for _ in completions],
+    }
+    skip = {prompt_column, "prompt", "completion", *BATCH_NAMES}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        if key not in skip:
+            out[key] = [row.get(key) for row in rows]
+    return out
+
+
+def call_batched(fn: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """One batched call, TRL's way: the batch's keyword lists plus trainer_state (None here), log_extra and
+    log_metric (no-ops); returns what the function returns, checked to be one value per completion."""
+    n = len(kwargs["completions"])
+    out = fn(**kwargs, trainer_state=None, log_extra=_no_op, log_metric=_no_op)
+    if isinstance(out, str | bytes | dict) or not hasattr(out, "__len__") or len(out) != n:
+        raise TypeError(
+            f"a batched reward function must return one reward per completion ({n}), got "
+            f"{type(out).__name__} {str(out)[:100]!r}"
+        )
+    return list(out)

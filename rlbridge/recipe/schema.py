@@ -550,6 +550,10 @@ class RewardTerm(Section):
     """Builtin reward name or `package.module:function`."""
     weight: float = 1.0
     """Weight in the sum."""
+    batched: bool | None = None
+    """The function scores the whole batch in one call as TRL's reward_funcs do (`fn(prompts=..., completions=...,
+    **columns) -> list[float]`) rather than one sample (`fn(prompt, completion, sample) -> float`). Default:
+    batched when its signature has a `prompts`, `completions` or `completion_ids` parameter."""
 
 
 class RewardCfg(Section):

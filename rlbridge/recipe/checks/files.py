@@ -13,14 +13,16 @@ def check_reward(r: Recipe, out: Issues) -> None:
 
     for i, term in enumerate(r.reward.resolved_terms()):
         key = "reward.fn" if r.reward.terms is None else f"reward.terms.{i}.fn"
-        problem = check_reward_fn(term.fn)
+        problem = check_reward_fn(term.fn, term.batched)
         if problem:
             out.append(
                 RecipeIssue(
                     key,
                     problem,
                     value=term.fn,
-                    fix="use a builtin (arithmetic, gsm8k, format) or package.module:function(prompt, completion, sample) -> float",
+                    fix="use a builtin (arithmetic, gsm8k, format, length), package.module:function(prompt, "
+                    "completion, sample) -> float, or a TRL-style batched function(prompts, completions, **columns) "
+                    "-> list[float]",
                 )
             )
 
