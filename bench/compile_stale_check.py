@@ -53,6 +53,7 @@ def main() -> None:
                 "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
                 "trainer": {"optim": {"lr": 5e-2}, "micro_batch_size": 8},
                 "rollout": {"n": 2, "max_response_tokens": 32},
+                "reward": {"fn": "arithmetic"},
                 "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
                 "cluster": {"device": "cuda" if args.device.startswith("cuda") else "cpu"},
             }

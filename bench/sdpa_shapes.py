@@ -82,6 +82,7 @@ def main() -> None:
                     "kl": {"coef": 0.0},
                     "rollout_correction": {"weights": "token"},
                 },
+                "reward": {"fn": "arithmetic"},
                 "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8},
                 "cluster": {"device": "cuda" if cuda else "cpu"},
             }

@@ -230,7 +230,7 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
         "name": "bench", "model": {"path": spec["model_dir"], "dtype": "bfloat16"},
         "lora": {"rank": 16 if lora else 0, "alpha": 32, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
         "trainer": {"engine": spec["engine"], "micro_batch_size": spec["micro"], "optim": {"lr": 1e-5, "clip_grad": 1.0}},
-        "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1000},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1000},
         "cluster": {"device": "cuda" if cuda else "cpu"},
     })  # fmt: skip
     if cuda:
@@ -332,7 +332,7 @@ def plan_trainer_gib(row: dict[str, Any], args: argparse.Namespace, model_dir: P
         "lora": {"rank": 16 if row["mode"] == "lora" else 0, "alpha": 32},  # as run_job's recipe
         "trainer": {"engine": row["engine"], "micro_batch_size": args.micro},
         "rollout": {"n": 1, "max_prompt_tokens": args.prompt, "max_response_tokens": args.response},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.batch},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.batch},
         "cluster": {"device": "cuda"},
     })  # fmt: skip
     memory = make_plan(recipe, read_model_info(str(model_dir))).memory

@@ -194,6 +194,7 @@ def bench_recipe(
         "model": {"path": str(model_dir), "dtype": dtype},
         "trainer": trainer,
         "rollout": {"n": 2, "max_response_tokens": response_max},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": batch_size},
         "algorithm": {"name": "grpo", "loss_agg": "token-mean"},
     }

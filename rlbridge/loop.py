@@ -12,6 +12,7 @@ resuming and the stop on SIGTERM / Ctrl-C behind resume.Checkpointer and signals
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,11 @@ from rlbridge.algo.correction import MismatchNotices, health_problems
 from rlbridge.algo.drift import DriftWatch, measures_agreement
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
-from rlbridge.data.rewards import format_reward
 from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.log import Timer
 from rlbridge.pipeline import RolloutSource
 from rlbridge.plan import Plan, num_mini_batches
-from rlbridge.recipe.schema import DapoCfg, Recipe
+from rlbridge.recipe.schema import DapoCfg, EvalMetric, Recipe, RewardCfg
 from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
 from rlbridge.run.signals import StopSignals
 from rlbridge.session import Session, log
@@ -42,6 +42,8 @@ class Summary:
     before: dict[str, float]
     after: dict[str, float]
     seconds: float
+    recipe: dict[str, Any] | None = None
+    """The resolved recipe (JSON form): which eval.metrics `before` and `after` hold."""
 
 
 def train(
@@ -92,7 +94,14 @@ def train(
         after = evaluate(s, step=recipe.run.steps)
         s.wait_loaded()  # async: the last weights' load, sent unwaited (reported if it failed; no-op otherwise)
         saver.save(recipe.run.steps)
-    return Summary(run_dir, recipe.run.steps, saver.eval_before, after, time.perf_counter() - start)
+    return Summary(
+        run_dir,
+        recipe.run.steps,
+        saver.eval_before,
+        after,
+        time.perf_counter() - start,
+        recipe.model_dump(mode="json"),
+    )
 
 
 def train_step(
@@ -448,27 +457,60 @@ def check_drift(
 
 
 def evaluate(s: Session, step: int) -> dict[str, float]:
-    """Greedy completions of the first eval_samples validation prompts: accuracy and format rate."""
+    """The recipe's eval.metrics on the first run.eval_samples validation prompts: one greedy completion per
+    prompt for the metrics with k 1, k sampled ones (the most any metric asks for) for pass@k."""
     if s.val_data is None:
         return {}
-    k = min(s.recipe.run.eval_samples, len(s.val_data.prompts))
-    prompts, ids = s.val_data.prompts[:k], s.val_data.ids[:k]
+    r = s.recipe
+    num = min(r.run.eval_samples, len(s.val_data.prompts))
+    prompts, ids = list(s.val_data.prompts[:num]), list(s.val_data.ids[:num])
     start = time.perf_counter()
+    k_max = max(m.k for m in r.eval.metrics)
+    scored: dict[bool, Any] = {}  # sampled -> the RewardResult of those completions
     with s.stall("eval"):  # stall warnings and the stall stop (run.health.stall_*) watch evaluations too
-        ro = s.generate(ids, greedy=True, seed=rollout_seed(s.recipe.run.seed, step, "eval"))
-        res = s.rewards.score(
-            [p.text for p in prompts],
-            ro.texts,
-            [p.sample for p in prompts],
-            batch=reward_batch(s, prompts, ro, n=1, split="val"),
-        )
-    first = next(iter(res.terms.values())) if res.terms else res.scores
+        if any(m.k == 1 for m in r.eval.metrics):
+            ro = s.generate(ids, greedy=True, seed=rollout_seed(r.run.seed, step, "eval"))
+            scored[False] = _eval_score(s, prompts, ro, n=1)
+        if k_max > 1:
+            ro = s.generate(ids, seed=rollout_seed(r.run.seed, step, "eval-k"), n=k_max)
+            scored[True] = _eval_score(s, prompts, ro, n=k_max)
     out = {
-        "eval_accuracy": sum(1.0 for v in first if v is not None and v >= 1.0) / max(k, 1),
-        "eval_format": sum(format_reward(p.text, t, p.sample) for p, t in zip(prompts, ro.texts, strict=True))
-        / max(k, 1),
-        "eval_reward": sum(v for v in res.scores if v is not None) / max(k, 1),
-        "eval_samples": float(k),
+        m.key: eval_metric(m, scored[m.k > 1], r.reward, n=k_max if m.k > 1 else 1) for m in r.eval.metrics
     }
+    out["eval_samples"] = float(num)
     s.metrics.write({"kind": "eval", "step": step, **out, "time_eval": time.perf_counter() - start})
     return out
+
+
+def _eval_score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> Any:
+    return s.rewards.score(
+        [p.text for p in prompts for _ in range(n)],
+        ro.texts,
+        [p.sample for p in prompts for _ in range(n)],
+        batch=reward_batch(s, prompts, ro, n=n, split="val"),
+    )
+
+
+def eval_metric(m: EvalMetric, res: Any, reward: RewardCfg, *, n: int) -> float:
+    """One eval.metrics entry from a RewardResult of n completions per prompt (prompt-major): the term's mean over
+    the scored completions, the share of prompts whose completion passes the threshold, or pass@k, unbiased from n
+    samples (1 - C(n - c, k) / C(n, k) with c of them passing: Chen et al. 2021), averaged over prompts."""
+    values: list[float | None] = (
+        list(res.scores) if m.term == "reward" else list(res.terms[term_name(reward, m.term)])
+    )
+    if m.threshold is None:
+        scored = [v for v in values if v is not None]
+        return sum(scored) / len(scored) if scored else float("nan")
+    groups = [values[i : i + n] for i in range(0, len(values), n)]
+    rates = []
+    for group in groups:
+        c = sum(1 for v in group if v is not None and v >= m.threshold)
+        rates.append(1.0 - math.comb(n - c, m.k) / math.comb(n, m.k))
+    return sum(rates) / len(rates) if rates else float("nan")
+
+
+def term_name(reward: RewardCfg, term: str) -> str:
+    """The RewardResult.terms key of a term named by its fn (the first term with that fn)."""
+    fns = [t.fn for t in reward.resolved_terms()]
+    j = fns.index(term)
+    return term if fns.count(term) == 1 else f"{term}#{j}"

@@ -381,10 +381,11 @@ class Session:
         assert self.trainer is not None, "the session has not started its workers"
         return self.trainer
 
-    def sampling(self, *, greedy: bool = False) -> SamplingCfg:
+    def sampling(self, *, greedy: bool = False, n: int | None = None) -> SamplingCfg:
+        """The rollout's sampling (n: samples per prompt, default rollout.n), or greedy decoding."""
         ro = self.recipe.rollout
         return SamplingCfg(
-            n=1 if greedy else ro.n,
+            n=1 if greedy else n or ro.n,
             temperature=0.0 if greedy else ro.temperature,
             top_p=ro.top_p,
             top_k=ro.top_k,
@@ -393,12 +394,15 @@ class Session:
             ignore_eos=ro.ignore_eos and not greedy,
         )
 
-    def generate(self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None) -> Rollouts:
-        """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step))."""
+    def generate(
+        self, ids: list[list[int]], *, greedy: bool = False, seed: int | None = None, n: int | None = None
+    ) -> Rollouts:
+        """`seed` re-seeds the rollout's sampler first (the loop passes resume.rollout_seed(run.seed, step)); n:
+        samples per prompt (default rollout.n; evaluation's pass@k asks for k)."""
         assert self.rollout is not None
         self.wait_loaded()
         return self.rollout.generate(
-            ids, self.sampling(greedy=greedy), expect_version=self.version, seed=seed
+            ids, self.sampling(greedy=greedy, n=n), expect_version=self.version, seed=seed
         )
 
     def send_generate(self, ids: list[list[int]], *, seed: int) -> Sent[Rollouts]:

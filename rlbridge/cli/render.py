@@ -103,10 +103,13 @@ def print_summary(s: Any) -> None:
     """s: rlbridge.loop.Summary (not imported here: the loop pulls in torch)."""
     out.print(f"[bold green]done[/] {s.steps} steps in {s.seconds / 60:.1f} min; run directory {s.run_dir}")
     if s.before and s.after:
-        t = Table(title="held-out evaluation (greedy)", title_justify="left")
+        from rlbridge.metrics.evals import eval_columns
+
+        t = Table(title="held-out evaluation (eval.metrics)", title_justify="left")
         for col in ("", "step 0", f"step {s.steps}", "change"):
             t.add_column(col, justify="right")
-        for key, label in (("eval_accuracy", "accuracy"), ("eval_format", "format")):
-            b, a = s.before.get(key, 0.0), s.after.get(key, 0.0)
-            t.add_row(label, f"{b:.1%}", f"{a:.1%}", f"{(a - b) * 100:+.1f} pts")
+        for c in eval_columns(s.recipe, [s.before, s.after]):
+            b, a = s.before.get(c.key, 0.0), s.after.get(c.key, 0.0)
+            change = f"{(a - b) * 100:+.1f} pts" if c.is_rate else f"{a - b:+.3f}"
+            t.add_row(c.label, c.show(b), c.show(a), change)
         out.print(t)

@@ -75,10 +75,17 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int, config: dict[str, Any] | None = None) -> None:
+        from rlbridge.metrics.evals import eval_columns
+
         self.total_steps = total_steps
+        self.evals = eval_columns(config)
+        """The recipe's eval.metrics, printed in an eval record's line."""
 
     def write(self, record: dict[str, Any]) -> None:
+        if record.get("kind") == "eval":
+            console.print(_eval_line(record, self.evals))
+            return
         console.print(_line(record, self.total_steps))
 
     def close(self) -> None:
@@ -153,7 +160,7 @@ class MetricsLog:
         """The records metrics.jsonl held at start: a resumed run's steps so far (empty for a new run)."""
         self.sinks: dict[str, Sink] = {"jsonl": JsonlSink(self.path)}
         if "console" in loggers:
-            self.sinks["console"] = ConsoleSink(total_steps)
+            self.sinks["console"] = ConsoleSink(total_steps, config)
         for logger in loggers:
             if logger not in self.sinks:
                 self.sinks[logger] = make_sink(
@@ -186,6 +193,21 @@ def _fmt(record: dict[str, Any], key: str, label: str, spec: str = ".3f") -> str
     return f"{label} {value:{spec}}" if isinstance(value, (int, float)) else ""
 
 
+def _eval_line(r: dict[str, Any], columns: Sequence[Any]) -> str:
+    """An eval record's line: the recipe's eval.metrics (metrics.evals.EvalColumn) in their order, then any other
+    eval_ number of the record."""
+    shown = [c for c in columns if isinstance(r.get(c.key), (int, float))]
+    named = {c.key for c in shown}
+    parts = [f"{c.label} {c.show(r[c.key])}" for c in shown] + [
+        f"{k.removeprefix('eval_')} {v:.3f}"
+        for k, v in r.items()
+        if k.startswith("eval_") and k not in named and k != "eval_samples" and isinstance(v, (int, float))
+    ]
+    return (
+        f"[bold cyan]eval[/] step {r['step']}: {', '.join(parts)} on {r.get('eval_samples', 0):.0f} prompts"
+    )
+
+
 def _line(r: dict[str, Any], total: int) -> str:
     if r.get("kind") == "checkpoint":
         return (
@@ -193,10 +215,7 @@ def _line(r: dict[str, Any], total: int) -> str:
             f"in {r.get('time_save', 0):.2f} s)"
         )
     if r.get("kind") == "eval":
-        return (
-            f"[bold cyan]eval[/] step {r['step']}: accuracy {r.get('eval_accuracy', 0):.1%}, "
-            f"format {r.get('eval_format', 0):.1%}, reward {r.get('eval_reward', 0):.3f} on {r.get('eval_samples', 0)} prompts"
-        )
+        return _eval_line(r, [])
     phases = " ".join(
         f"{k.removeprefix('time_')} {v:.1f}"
         for k, v in r.items()

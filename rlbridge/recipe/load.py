@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlbridge.errors import RecipeError, RecipeIssue
-from rlbridge.recipe.schema import MAX_INT, Recipe
+from rlbridge.recipe.schema import MAX_INT, NO_REWARD, Recipe
 
 
 @dataclass(frozen=True)
@@ -278,9 +278,8 @@ def issues_from_validation(err: ValidationError, data: Any, source: Source) -> l
             fix = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(allowed)}"
             issues.append(RecipeIssue(key, "unknown key", fix=fix, where=source.where(key)))
         elif kind == "missing":
-            issues.append(
-                RecipeIssue(key, "required key is missing", fix=f"add {key}", where=source.where(key))
-            )
+            fix = NO_REWARD if key == "reward" else f"add {key}"
+            issues.append(RecipeIssue(key, "required key is missing", fix=fix, where=source.where(key)))
         elif kind == "union_tag_invalid":
             issues.append(
                 RecipeIssue(

@@ -556,9 +556,20 @@ class RewardTerm(Section):
     batched when its signature has a `prompts`, `completions` or `completion_ids` parameter."""
 
 
+REWARD_BUILTINS = ("arithmetic", "gsm8k", "format", "length")
+"""The builtin reward names (rlbridge.data.rewards.BUILTINS), for messages: no reward is implied."""
+NO_REWARD = (
+    "every recipe names its reward: reward: {fn: NAME} with a builtin ("
+    + ", ".join(REWARD_BUILTINS)
+    + "), a package.module:function (per sample, or batched as TRL's reward_funcs), or reward.terms for a "
+    "weighted sum"
+)
+
+
 class RewardCfg(Section):
-    fn: str | None = "gsm8k"
-    """Builtin reward (arithmetic, gsm8k, format, length) or `package.module:function`. Use `terms` for a weighted sum."""
+    fn: str | None = None
+    """Builtin reward (arithmetic, gsm8k, format, length) or `package.module:function`. Use `terms` for a weighted sum.
+    There is no default: a recipe names its reward."""
     terms: list[RewardTerm] | None = None
     """Weighted sum of reward functions (instead of fn)."""
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
@@ -583,11 +594,57 @@ class RewardCfg(Section):
         if self.terms is not None and self.fn is not None and "fn" in self.model_fields_set:
             raise ValueError("set either reward.fn or reward.terms, not both")
         if self.terms is None and self.fn is None:
-            raise ValueError("set reward.fn (a builtin name or package.module:function) or reward.terms")
+            raise ValueError(NO_REWARD)
         return self
 
     def resolved_terms(self) -> list[RewardTerm]:
         return list(self.terms) if self.terms is not None else [RewardTerm(fn=str(self.fn))]
+
+
+# ----------------------------------------------------------------------------------------------- eval
+class EvalMetric(Section):
+    term: str = "reward"
+    """What is measured: a reward term's fn as the reward section writes it (`arithmetic`, `pkg.mod:fn`), or `reward`
+    for the weighted sum of the terms."""
+    threshold: float | None = None
+    """None: the mean of the term over the evaluation's completions. A number: the pass rate, the share of prompts
+    whose completion scores >= threshold (a failed or unscored completion does not pass)."""
+    k: PositiveInt = 1
+    """1: one greedy completion per prompt. k > 1: pass@k, k completions per prompt sampled as the rollout samples
+    (rollout.temperature, top_p, top_k); a prompt passes when one of them reaches the threshold (needed)."""
+    name: str | None = None
+    """The metric's name: metrics.jsonl and the console show it as eval_<name>. Default: the term's name (a user
+    function's name after the colon), with _pass_rate or _pass@k added for a threshold."""
+
+    @model_validator(mode="after")
+    def _pass_at_k_needs_a_threshold(self) -> EvalMetric:
+        if self.k > 1 and self.threshold is None:
+            raise ValueError(
+                f"pass@{self.k} needs a threshold (what counts as a pass); set threshold, or k: 1"
+            )
+        return self
+
+    @property
+    def key(self) -> str:
+        """The metric's key in the eval records (eval_...)."""
+        if self.name:
+            return f"eval_{self.name}"
+        base = self.term.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        if self.threshold is None:
+            return f"eval_{base}"
+        return f"eval_{base}_pass@{self.k}" if self.k > 1 else f"eval_{base}_pass_rate"
+
+    @property
+    def is_rate(self) -> bool:
+        """A share of prompts (printed as a percentage) rather than a mean reward."""
+        return self.threshold is not None
+
+
+class EvalCfg(Section):
+    metrics: list[EvalMetric] = [EvalMetric()]
+    """What each evaluation (run.eval_every, and the first and last step, on run.eval_samples prompts of data.val)
+    measures, printed in this order. Default: the mean of the weighted reward (eval_reward). E.g.
+    `[{term: arithmetic, threshold: 1.0, name: accuracy}, {term: format}, {term: arithmetic, threshold: 1.0, k: 4}]`."""
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -695,7 +752,9 @@ class Recipe(Section):
     rollout: RolloutCfg = RolloutCfg()
     algorithm: AlgorithmCfg = GrpoCfg()
     data: DataCfg
-    reward: RewardCfg = RewardCfg()
+    reward: RewardCfg
+    """The reward (required: nothing is implied)."""
+    eval: EvalCfg = EvalCfg()
     run: RunCfg = RunCfg()
     cluster: ClusterCfg = ClusterCfg()
 

@@ -99,10 +99,12 @@ def _reward(run: RunData, path: Path) -> Path:
                 label="± std",
             )
         top.legend(loc="best", fontsize=8)
+    from rlbridge.metrics.evals import eval_columns
+
     ax_x, acc = _series(run.train, "accuracy")
-    ex, eacc = _series(run.evals, "eval_accuracy")
-    fx, efmt = _series(run.evals, "eval_format")
-    if not (_has(acc) or _has(eacc) or _has(efmt)):
+    rates = [(c.label, *_series(run.evals, c.key)) for c in eval_columns(run.recipe, run.evals) if c.is_rate]
+    rates = [(label, x, y) for label, x, y in rates if _has(y)]
+    if not (_has(acc) or rates):
         _empty(bottom, "no accuracy logged yet")
     else:
         if _has(acc):
@@ -114,10 +116,8 @@ def _reward(run: RunData, path: Path) -> Path:
                 markersize=3,
                 label="train accuracy (sampled)",
             )
-        if _has(eacc):
-            bottom.plot(ex, eacc, "o--", color="C2", markersize=7, label="eval accuracy (greedy)")
-        if _has(efmt):
-            bottom.plot(fx, efmt, "s:", color="C4", markersize=6, label="eval format")
+        for j, (label, ex, ey) in enumerate(rates):  # the recipe's eval.metrics that are pass rates
+            bottom.plot(ex, ey, "os^Dv"[j % 5] + "--", color=f"C{2 + j}", markersize=6, label=f"eval {label}")
         bottom.set_ylim(-0.03, 1.03)
         bottom.set_ylabel("fraction")
         bottom.grid(alpha=0.3)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.algo.drift import first_growth, measures_agreement
+from rlbridge.metrics.evals import eval_columns
 from rlbridge.report.plots import PLOTS, phase_keys
 from rlbridge.report.run import RunData
 
@@ -24,7 +25,6 @@ TRAIN_METRICS = (
     ("response_length", "response length (tokens)", ".1f"),
     ("tokens_per_s", "response tokens / s", ".1f"),
 )
-EVAL_METRICS = (("eval_accuracy", "accuracy"), ("eval_format", "format"), ("eval_reward", "reward"))
 
 
 def _num(v: Any, spec: str) -> str:
@@ -97,14 +97,16 @@ def _evaluation(run: RunData) -> list[str]:
         return ["No evaluation logged (no `data.val`, or the run stopped before the first one)."]
     samples = run.evals[-1].get("eval_samples")
     head = (
-        f"Greedy completions of {int(samples)} held-out prompts." if isinstance(samples, (int, float)) else ""
+        f"The recipe's eval.metrics on {int(samples)} held-out prompts."
+        if isinstance(samples, (int, float))
+        else ""
     )
     lines = [head, "", "| metric | first | last | best | change |", "|---|---|---|---|---|"]
-    for key, label in EVAL_METRICS:
+    for key, label, is_rate in eval_columns(run.recipe, run.evals):
         vals = _values(run.evals, key)
         if not vals:
             continue
-        spec = ".3f" if key == "eval_reward" else ".1%"
+        spec = ".1%" if is_rate else ".3f"
         (s0, v0), (s1, v1) = vals[0], vals[-1]
         sb, vb = max(vals, key=lambda sv: sv[1])
         change = f"{(v1 - v0) * 100:+.1f} pts" if spec == ".1%" else f"{v1 - v0:+.3f}"

@@ -42,7 +42,7 @@ def _engine(model_dir: Path, dtype: str, graphs: bool, **trainer: Any) -> Any:
            "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
            "trainer": {"cuda_graphs": graphs, "optim": {"lr": 1e-3}, **trainer},
            "rollout": {"n": 4, "max_response_tokens": 40},
-           "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+           "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
            "cluster": {"device": "cuda"}}  # fmt: skip
     eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device="cuda")
     b_init = torch.Generator().manual_seed(1)

@@ -131,7 +131,7 @@ def trainer(model_dir: Path) -> Iterator[Any]:
         "name": "gpu-ipc", "model": {"path": str(model_dir), "dtype": P.dtype},
         "lora": {"rank": LORA_RANK, "alpha": 2 * LORA_RANK}, "trainer": {"engine": "hf"},
         "rollout": {"engine": "vllm", "weight_sync": "merged", "weight_transport": "cuda_ipc"},
-        "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1},
     })  # fmt: skip
     engine = HFTrainEngine(recipe, model_dir, device="cuda")
     gen = torch.Generator().manual_seed(14)

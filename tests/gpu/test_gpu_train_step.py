@@ -120,7 +120,7 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
                "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
                "trainer": {"shared_prompts": mode, "logprob_chunk_size": 8, "optim": {"lr": 1e-4}},
                "rollout": {"n": 4, "max_response_tokens": 40},
-               "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
+               "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
                "cluster": {"device": "cuda" if P.device == "cuda" else "cpu"}}  # fmt: skip
         eng = HFTrainEngine(Recipe.model_validate(raw), model_dir, device=P.device)
         lora_b.manual_seed(1)

@@ -110,7 +110,7 @@ def trainer(model_dir: Path) -> Any:
         "name": "gpu-test", "model": {"path": str(model_dir), "dtype": "float32"},
         "lora": {"rank": LORA_RANK, "alpha": 2 * LORA_RANK}, "trainer": {"engine": "hf"},
         "rollout": {"engine": "vllm", "max_lora_rank": LORA_RANK, "weight_sync": "adapter"},
-        "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1}, "cluster": {"device": "cpu"},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1}, "cluster": {"device": "cpu"},
     })  # fmt: skip
     engine = HFTrainEngine(recipe, model_dir, device="cpu")
     gen = torch.Generator().manual_seed(14)

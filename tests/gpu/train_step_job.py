@@ -44,7 +44,7 @@ def build(engine_name: str, model_dir: str, device: str) -> tuple[Any, Any]:
         "name": "gpu-train-step", "model": {"path": model_dir, "dtype": "bfloat16"},
         "lora": {"rank": LORA_RANK, "alpha": 2 * LORA_RANK},
         "trainer": {"engine": engine_name, "micro_batch_size": 4, "optim": {"lr": 1e-4, "clip_grad": 1.0}},
-        "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 10},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 10},
         "cluster": {"device": device},
     })  # fmt: skip
     if device == "cuda":

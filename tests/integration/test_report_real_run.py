@@ -57,6 +57,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "arithmetic": {"num_train": 20, "num_val": 4},
         },
         "reward": {"fn": "tests.fixtures.toy_rewards:length", "workers": 1},
+        "eval": {
+            "metrics": [{"term": "tests.fixtures.toy_rewards:length", "threshold": 0.1, "name": "accuracy"}]
+        },
         "run": {"steps": 2, "eval_samples": 4, "loggers": ["console", "jsonl", "tensorboard", "wandb"]},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
     }

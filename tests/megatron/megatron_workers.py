@@ -24,6 +24,7 @@ def make_recipe(model_dir: str, **sections: Any) -> Recipe:
         "name": "megatron-test",
         "model": {"path": model_dir, "dtype": "float32"},
         "trainer": {"engine": "megatron", "optim": {"lr": 1e-2, "clip_grad": None}},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "unused.jsonl"}},
         "run": {"seed": 3, "steps": 10},
     }

@@ -89,7 +89,7 @@ NON_DEFAULT: list[dict[str, Any]] = [
 
 
 def _recipe(path: str, raw: dict[str, Any]) -> Recipe:
-    body = {"name": "t", "data": {"train": {"path": "x.jsonl"}}, **raw}
+    body = {"name": "t", "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "x.jsonl"}}, **raw}
     body["model"] = {"path": path, **raw.get("model", {})}
     return Recipe.model_validate(body)
 

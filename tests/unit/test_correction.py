@@ -404,6 +404,7 @@ def test_loop_warns_by_default_and_stops_when_asked(capsys: pytest.CaptureFixtur
             {
                 "name": "t",
                 "model": {"path": "x"},
+                "reward": {"fn": "arithmetic"},
                 "data": {"train": {"path": "builtin:arithmetic"}},
                 "run": {"health": health},
             }
@@ -496,7 +497,12 @@ def test_a_lasting_gap_is_warned_once_then_every_tenth_step_and_its_end_told(
     from rlbridge.recipe.schema import Recipe
 
     r = Recipe.model_validate(
-        {"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}}}
+        {
+            "name": "t",
+            "model": {"path": "x"},
+            "reward": {"fn": "arithmetic"},
+            "data": {"train": {"path": "builtin:arithmetic"}},
+        }
     )
     bad, good = {"rc_weight_mean": 3.0, "rc_ess": 0.9}, {"rc_weight_mean": 1.0, "rc_ess": 0.9}
     notices = MismatchNotices()

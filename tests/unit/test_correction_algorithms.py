@@ -63,6 +63,7 @@ def recipe(model_dir: Path, algorithm: dict[str, Any], **data: Any) -> Recipe:
             "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}},
             "rollout": {"n": 2, "max_response_tokens": 8},
             "algorithm": algorithm,
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2, **data},
             "cluster": {"device": "cpu"},
         }

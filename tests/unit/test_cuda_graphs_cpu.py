@@ -25,7 +25,7 @@ def test_an_engine_off_cuda_refuses_graphs_by_name(tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path)
     raw = {"name": "t", "model": {"path": str(model), "dtype": "float32"},
            "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}, "trainer": {"cuda_graphs": True},
-           "rollout": {"n": 2}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
+           "rollout": {"n": 2}, "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
            "cluster": {"device": "cpu"}}  # fmt: skip
     with pytest.raises(RlbridgeError, match="trainer.cuda_graphs needs a CUDA device"):
         HFTrainEngine(Recipe.model_validate(raw), model)
@@ -83,7 +83,7 @@ def test_the_role_asks_the_engine_to_prerecord_each_mini_batch_shard() -> None:
     raw = {"name": "t", "model": {"path": "unused", "dtype": "float32"},
            "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
            "trainer": {"cuda_graphs": True, "micro_batch_size": 8}, "rollout": {"n": 4},
-           "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 6, "mini_batch_size": 3},
+           "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 6, "mini_batch_size": 3},
            "cluster": {"device": "cuda"}}  # fmt: skip
     calls: list[tuple[list[int], list[tuple[int, int]]]] = []
 

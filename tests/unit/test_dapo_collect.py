@@ -26,6 +26,7 @@ def recipe(**algo: Any) -> Recipe:
             "model": {"path": "x"},
             "rollout": {"n": N, "max_response_tokens": MAX_LEN},
             "algorithm": {"name": "dapo", **algo},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
         }
     )
@@ -43,7 +44,7 @@ class Script:
             ids=[[i] for i in range(100)],
         )
         self.sampler = SimpleNamespace(next_indices=self.next_indices)
-        self.rewards = SimpleNamespace(score=self.score)
+        self.rewards = SimpleNamespace(score=self.score, has_batched=False)
 
     def next_indices(self, k: int) -> list[int]:
         self.pos += k
@@ -59,7 +60,7 @@ class Script:
                 texts.append("0" if i in self.flat else str(j))
         return Rollouts(p, resp, [[0.0] * len(x) for x in resp], ["stop"] * len(resp), 0, texts)
 
-    def score(self, prompts: list[str], completions: list[str], rows: list[Any]) -> Any:
+    def score(self, prompts: list[str], completions: list[str], rows: list[Any], batch: Any = None) -> Any:
         return SimpleNamespace(scores=[float(c) for c in completions], terms={}, num_errors=0, errors=[])
 
 

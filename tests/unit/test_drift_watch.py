@@ -107,7 +107,14 @@ def test_a_resumed_run_keeps_the_baseline_of_its_first_steps() -> None:
 def recipe(mini: int | None = None, **health: Any) -> Recipe:
     """8 prompts x 4 a step, mini-batches of `mini` prompts, run.health as given."""
     data = {"train": {"path": "builtin:arithmetic"}, "batch_size": 8, "mini_batch_size": mini}
-    body = {"name": "t", "model": {"path": "x"}, "data": data, "rollout": {"n": 4}, "run": {"health": health}}
+    body = {
+        "name": "t",
+        "model": {"path": "x"},
+        "data": data,
+        "reward": {"fn": "arithmetic"},
+        "rollout": {"n": 4},
+        "run": {"health": health},
+    }
     return Recipe.model_validate(body)
 
 

@@ -157,6 +157,7 @@ def critic_recipe(path: Path) -> Recipe:
             "lora": FULL,
             "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-3}},
             "rollout": {"n": 1},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "algorithm": {"name": "ppo", "critic": {"lr": 1e-4}},
             "run": {"steps": 6},

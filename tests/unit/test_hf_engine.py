@@ -40,6 +40,7 @@ def make_recipe(model_dir: Path, **sections: Any) -> Recipe:
     raw: dict[str, Any] = {
         "name": "t",
         "model": {"path": str(model_dir), "dtype": "float32"},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "builtin:arithmetic"}},
         "trainer": {"logprob_chunk_size": 3, "optim": {"lr": 1e-2}},
     }

@@ -53,6 +53,7 @@ def recipe(model_dir: Path, targets: list[str]) -> Recipe:
             "name": "t",
             "model": {"path": str(model_dir), "dtype": "float32"},
             "lora": {"rank": 4, "alpha": 8.0, "targets": targets},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}},
             "trainer": {"optim": {"lr": 1e-2, "clip_grad": None}},
         }
@@ -219,6 +220,7 @@ def moe_role(model_dir: Path) -> Any:
             "lora": {"rank": 4, "targets": ["linear_fc1", "linear_fc2"]},
             "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}},
             "rollout": {"n": 2},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
             "cluster": {"device": "cpu"},
         }

@@ -166,6 +166,7 @@ def test_missing_logger_package_is_a_recipe_issue(monkeypatch: pytest.MonkeyPatc
         {
             "name": "x",
             "model": {"path": "m"},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}},
             "run": {"loggers": ["console", "wandb", "tensorboard"]},
         }

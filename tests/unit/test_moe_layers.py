@@ -73,6 +73,7 @@ def test_lora_parameters_count_one_adapter_per_expert_on_moe_layers_and_one_on_d
         {
             "name": "t",
             "model": {"path": "x"},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}},
             "lora": {
                 "rank": 4,
@@ -113,6 +114,7 @@ def test_routing_replay_is_refused_for_a_model_with_dense_layers(tmp_path: Path)
             "max_prompt_tokens": 64,
             "max_response_tokens": 64,
         },
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8},
         "cluster": {"device": "cuda", "gpus_per_node": 1, "gpu_memory_gib": 139},
     }

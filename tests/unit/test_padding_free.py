@@ -68,6 +68,7 @@ def recipe(
                 "pass_width_multiple": width_multiple,
             },
             "rollout": {"n": 2, "max_response_tokens": 32},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "algorithm": algorithm,
             "cluster": {"device": "cpu"},
@@ -333,6 +334,7 @@ def test_plan_bounds_activations_by_the_token_budget(engine: str) -> None:
             "model": {"path": "x", "dtype": "float32"},
             "trainer": {"engine": engine, **trainer},
             "rollout": rollout,
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "cluster": {"device": "cpu"},
         }
@@ -505,6 +507,7 @@ def test_plan_counts_the_recorded_passes_memory() -> None:
             "lora": {"rank": 16, "alpha": 32, "targets": ["all-linear"]},
             "trainer": {"engine": "hf", "max_tokens_per_micro_batch": budget, "cuda_graphs": graphs},
             "rollout": {"n": 4, "max_prompt_tokens": 128, "max_response_tokens": 48},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 64},
             "cluster": {"device": "cuda", "gpus_per_node": 1, "gpu_memory_gib": 139},
         }

@@ -97,7 +97,7 @@ def sweep_recipe(
         "name": "t", "model": {"path": "x", "dtype": "bfloat16"}, "lora": {"rank": 16 if lora else 0, "alpha": 32},
         "trainer": {"engine": engine, "micro_batch_size": micro},
         "rollout": {"n": 1, "max_prompt_tokens": prompt, "max_response_tokens": response},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8}, "cluster": {"device": "cuda"}, **raw,
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 8}, "cluster": {"device": "cuda"}, **raw,
     })  # fmt: skip
 
 
@@ -276,7 +276,7 @@ def test_update_peaks_at_a_32768_token_budget(engine: str, lora: bool, measured_
         "lora": {"rank": 16, "alpha": 32, "targets": ["all-linear"]} if lora else {"rank": 0},
         "trainer": {"engine": engine, "max_tokens_per_micro_batch": 32768},
         "rollout": {"n": 2, "max_prompt_tokens": 200, "max_response_tokens": 256},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 256}, "cluster": {"device": "cuda"},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 256}, "cluster": {"device": "cuda"},
     })  # fmt: skip
     memory = make_plan(r, QWEN05).memory
     assert memory is not None

@@ -38,6 +38,7 @@ def ppo_recipe(model_dir: Path, rank: int = 4, **algorithm: Any) -> Recipe:
             "lora": {"rank": rank, "targets": ["all-linear"]},
             "trainer": {"micro_batch_size": 2, "logprob_chunk_size": 3, "optim": {"lr": 1e-2}},
             "rollout": {"n": 1},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "algorithm": {"name": "ppo", "critic": {"lr": 1e-2}, **algorithm},
             "run": {"steps": 6},
@@ -151,7 +152,12 @@ def test_a_checkpoint_without_a_critic_is_refused(model_dir: Path, tmp_path: Pat
     grpo = ppo_recipe(model_dir).model_copy(
         update={
             "algorithm": Recipe.model_validate(
-                {"name": "t", "model": {"path": "x"}, "data": {"train": {"path": "builtin:arithmetic"}}}
+                {
+                    "name": "t",
+                    "model": {"path": "x"},
+                    "reward": {"fn": "arithmetic"},
+                    "data": {"train": {"path": "builtin:arithmetic"}},
+                }
             ).algorithm
         }
     )
@@ -182,6 +188,7 @@ def test_plan_counts_the_critic() -> None:
         "lora": {"rank": 16},
         "trainer": {"engine": "hf"},
         "rollout": {"n": 1},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "builtin:arithmetic"}},
         "cluster": {"device": "cpu"},
     }

@@ -16,7 +16,9 @@ name: t
 model: {path: /m}
 data:
   train: {path: "builtin:arithmetic"}
+reward: {fn: arithmetic}
 """
+NO_REWARD = MINIMAL.replace("reward: {fn: arithmetic}\n", "")
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -43,21 +45,29 @@ def test_python_tag_is_refused_not_executed(tmp_path: Path) -> None:
     text = MINIMAL + f"extra: !!python/object/apply:os.system ['touch {marker}']\n"
     issues = issues_of(write(tmp_path, text))
     assert not marker.exists()
-    assert issues[0].key == "<file>" and "tag" in issues[0].message and issues[0].where.endswith(":5")
+    assert issues[0].key == "<file>" and "tag" in issues[0].message and issues[0].where.endswith(":6")
 
 
 def test_unknown_key_suggests_and_gives_line(tmp_path: Path) -> None:
     text = MINIMAL + "trainer:\n  micro_batch_sise: 2\n  paralel: {tensor: 2}\n"
     issues = {i.key: i for i in issues_of(write(tmp_path, text))}
     assert issues["trainer.micro_batch_sise"].fix == "did you mean 'micro_batch_size'?"
-    assert issues["trainer.micro_batch_sise"].where.endswith(":6")
+    assert issues["trainer.micro_batch_sise"].where.endswith(":7")
     assert issues["trainer.paralel"].fix == "did you mean 'parallel'?"
 
 
 def test_wrong_types_and_missing_keys_all_reported(tmp_path: Path) -> None:
     text = "name: t\nrollout: {n: many, temperature: -1}\n"
     keys = {i.key for i in issues_of(write(tmp_path, text))}
-    assert {"model", "data", "rollout.n", "rollout.temperature"} <= keys
+    assert {"model", "data", "reward", "rollout.n", "rollout.temperature"} <= keys
+
+
+def test_no_reward_is_implied(tmp_path: Path) -> None:
+    """A recipe without a reward section, or with an empty one, is an error that lists the builtins."""
+    for text in (NO_REWARD, MINIMAL.replace("{fn: arithmetic}", "{}")):
+        (issue,) = issues_of(write(tmp_path, text))
+        assert issue.key == "reward"
+        assert "arithmetic, gsm8k, format, length" in f"{issue.message} {issue.fix}"
 
 
 def test_algorithm_union_keys_and_unknown_name(tmp_path: Path) -> None:
@@ -120,10 +130,10 @@ def test_missing_and_binary_files(tmp_path: Path) -> None:
 
 def test_reward_fn_or_terms(tmp_path: Path) -> None:
     r = load_recipe(
-        write(tmp_path, MINIMAL + "reward: {terms: [{fn: arithmetic}, {fn: format, weight: 0.5}]}\n")
+        write(tmp_path, NO_REWARD + "reward: {terms: [{fn: arithmetic}, {fn: format, weight: 0.5}]}\n")
     )
     assert [t.fn for t in r.reward.resolved_terms()] == ["arithmetic", "format"]
-    issues = issues_of(write(tmp_path, MINIMAL + "reward: {fn: gsm8k, terms: [{fn: format}]}\n"))
+    issues = issues_of(write(tmp_path, NO_REWARD + "reward: {fn: gsm8k, terms: [{fn: format}]}\n"))
     assert issues[0].key == "reward" and "either" in issues[0].message
 
 

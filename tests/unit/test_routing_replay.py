@@ -144,6 +144,7 @@ def test_hf_engine_replays_in_logprobs(moe_dir: Path, model: Any) -> None:
             "name": "t",
             "model": {"path": str(moe_dir), "dtype": "float32"},
             "lora": {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv"]},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}},
         }
     )

@@ -57,6 +57,7 @@ def recipe(model_dir: Path, mode: str, algorithm: dict[str, Any], **trainer: Any
             "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
             "trainer": {"logprob_chunk_size": 5, "optim": {"lr": 1e-2}, "shared_prompts": mode, **trainer},
             "rollout": {"n": 3, "max_response_tokens": 32},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
             "algorithm": algorithm,
             "cluster": {"device": "cpu"},

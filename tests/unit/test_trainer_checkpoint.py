@@ -34,6 +34,7 @@ def recipe(model_dir: Path, rank: int = 4, dtype: str = "float32") -> Recipe:
                 "optim": {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 1},
             },
             "rollout": {"n": 2},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
             "run": {"steps": 6},
             "cluster": {"device": "cpu"},

@@ -26,6 +26,7 @@ def role(model_dir: Path, **health: object) -> TrainerRole:
             "lora": {"rank": 4, "targets": ["linear_qkv"]},
             "trainer": {"micro_batch_size": 2, "optim": {"lr": 1e-2}},
             "rollout": {"n": 2},
+            "reward": {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
             "run": {"health": health},
             "cluster": {"device": "cpu"},

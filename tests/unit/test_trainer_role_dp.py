@@ -56,7 +56,7 @@ def _recipe(**algorithm: Any) -> Recipe:
         "name": "dp", "model": {"path": "unused", "dtype": "float32"},
         "trainer": {"micro_batch_size": 1}, "rollout": {"n": 2},
         "algorithm": {"name": "grpo", **algorithm},
-        "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4, "mini_batch_size": 2},
+        "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4, "mini_batch_size": 2},
         "run": {"health": {"first_step": False}},
     })  # fmt: skip
 

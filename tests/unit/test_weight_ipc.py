@@ -123,7 +123,7 @@ def session(
     tmp_path: Path, transport: str, fail: str | None = None
 ) -> tuple[Session, list[tuple], FakeTrainer]:
     recipe = Recipe.model_validate({
-        "name": "ipc", "model": {"path": "unused", "dtype": "bfloat16"}, "data": {"train": {"path": "unused.jsonl"}},
+        "name": "ipc", "model": {"path": "unused", "dtype": "bfloat16"}, "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}},
         "rollout": {"engine": "vllm", "weight_sync": "merged", "weight_transport": transport},
     })  # fmt: skip
     s = Session(recipe, None, tmp_path, tmp_path)  # type: ignore[arg-type]  # no plan: nothing is placed
@@ -181,7 +181,7 @@ def test_a_fresh_gpu_run_loads_the_initial_adapter_before_generating(
     """Session.loads_initial_adapter: adapter sync into vLLM on GPUs (its first generation with an adapter is slow:
     better in the warm-up than in step 3); loop.train then syncs version 0 before the first evaluation."""
     recipe = Recipe.model_validate({
-        "name": "first", "model": {"path": "unused", "dtype": "bfloat16"}, "data": {"train": {"path": "unused.jsonl"}},
+        "name": "first", "model": {"path": "unused", "dtype": "bfloat16"}, "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}},
         "lora": {"rank": 4}, "rollout": {"engine": engine, "weight_sync": sync}, "cluster": {"device": device},
     })  # fmt: skip
     assert Session(recipe, None, tmp_path, tmp_path).loads_initial_adapter() is loads  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from rlbridge.model.hub import is_hub_id
 from rlbridge.model.info import SHORT_NAMES, ModelInfo, read_model_info
 from rlbridge.recipe.checks.checkpoints import check_checkpoints
 from rlbridge.recipe.checks.common import Issues
-from rlbridge.recipe.checks.data import check_data
+from rlbridge.recipe.checks.data import check_data, check_eval
 from rlbridge.recipe.checks.files import check_loggers, check_reward
 from rlbridge.recipe.checks.layout import (
     check_batches,
@@ -59,6 +59,7 @@ RULES: tuple[RecipeRule, ...] = (
     check_rollout_correction,
     check_async,
     check_data,
+    check_eval,
     check_reward,
     check_loggers,
 )

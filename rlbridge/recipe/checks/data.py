@@ -187,3 +187,46 @@ def _no_usable_row(
             fix="fix the rows, or point data.columns at the prompt and answer columns",
         )
     )
+
+
+def check_eval(r: Recipe, out: Issues) -> None:
+    """eval.metrics: terms the reward has, distinct names, a data.val to evaluate on, sampling for pass@k."""
+    terms = [t.fn for t in r.reward.resolved_terms()]
+    seen: dict[str, int] = {}
+    for i, m in enumerate(r.eval.metrics):
+        key = f"eval.metrics.{i}"
+        if m.term != "reward" and m.term not in terms:
+            out.append(
+                RecipeIssue(
+                    f"{key}.term",
+                    "not a term of the reward",
+                    value=m.term,
+                    fix=f"use reward (the weighted sum) or one of the reward's terms: {', '.join(dict.fromkeys(terms))}",
+                )
+            )
+        if m.key in seen:
+            out.append(
+                RecipeIssue(
+                    f"{key}.name",
+                    f"eval.metrics.{seen[m.key]} has the same name ({m.key})",
+                    fix=f"give one of them another name (eval.metrics.{i}.name)",
+                )
+            )
+        seen.setdefault(m.key, i)
+        if m.k > 1 and r.rollout.temperature == 0:
+            out.append(
+                RecipeIssue(
+                    f"{key}.k",
+                    f"pass@{m.k} samples {m.k} completions per prompt, but rollout.temperature is 0: all k are the "
+                    "same completion",
+                    fix="set rollout.temperature > 0, or k: 1",
+                )
+            )
+    if r.data.val is None and "eval" in r.model_fields_set:
+        out.append(
+            RecipeIssue(
+                "eval.metrics",
+                "there is no data.val to evaluate on: nothing is measured",
+                fix="add data.val (e.g. the test split of the training data), or remove the eval section",
+            )
+        )
