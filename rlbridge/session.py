@@ -57,8 +57,6 @@ class Encoded:
 
     def __init__(self, prompts: list[Any], ids: list[list[int]]) -> None:
         self.prompts, self.ids = prompts, ids
-        self.usable: Callable[[int], bool] | None = None
-        """Set on a source read lazily (LazyEncoded): whether row i is a prompt the sampler may take."""
 
 
 @dataclass
@@ -169,7 +167,7 @@ class Session:
             self.train_data.prompts,
             seed=r.run.seed,
             shuffle=r.data.shuffle,
-            usable=None if lazy is None else lazy.usable,
+            usable=None if lazy is None else lazy.usable_rows,
             fingerprint_of=None if lazy is None else lazy.source.fingerprint,
         )
         self.rewards = stack.enter_context(

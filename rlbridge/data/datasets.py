@@ -418,7 +418,7 @@ class LazyEncoded:
         data_cfg: DataCfg,
         max_prompt_tokens: int,
         *,
-        cache_rows: int = 1 << 16,
+        cache_rows: int = 8192,
     ) -> None:
         self.source, self.tokenizer, self.data_cfg = source, tokenizer, data_cfg
         self.max_prompt_tokens, self.cache_rows = max_prompt_tokens, cache_rows
@@ -438,7 +438,9 @@ class LazyEncoded:
         if found is not None:
             self._cache.move_to_end(i)
             return found
-        got = self.source.get(i)
+        return self._add(i, self.source.get(i))
+
+    def _add(self, i: int, got: Any) -> tuple[Prompt, list[int]] | str:
         if isinstance(got, Prompt):
             ids = encode_prompt(self.tokenizer, got, self.data_cfg)
             entry: tuple[Prompt, list[int]] | str = (
@@ -457,6 +459,13 @@ class LazyEncoded:
         if len(self._cache) > self.cache_rows:
             self._cache.popitem(last=False)
         return entry
+
+    def usable_rows(self, indices: list[int]) -> list[bool]:
+        """usable(i) of each index, the rows not read yet read together (the sampler's question per batch)."""
+        missing = [i for i in dict.fromkeys(indices) if i not in self._cache]
+        for i, got in zip(missing, self.source.get_many(missing), strict=True):
+            self._add(i, got)
+        return [self.usable(i) for i in indices]
 
     def usable(self, i: int) -> bool:
         return not isinstance(self.entry(i), str)
@@ -514,8 +523,8 @@ class PromptSampler:
     """Endless batches of prompts, reshuffled every epoch from (seed, epoch); resumable exactly.
 
     A batch that runs past the end of an epoch takes the rest from the start of the next epoch's order. With
-    `usable` (a source read lazily: LazyEncoded.usable), a row it refuses is passed over as if absent: the
-    position still moves, so the state stays the same four integers. Such a source (`fingerprint()`, millions of
+    `usable` (a source read lazily: LazyEncoded.usable_rows, asked about the rows of each batch together), a row
+    it refuses is passed over as if absent: the position still moves, so the state stays the same four integers. Such a source (`fingerprint()`, millions of
     rows) is shuffled with numpy, 8 bytes per row.
     """
 
@@ -525,7 +534,7 @@ class PromptSampler:
         *,
         seed: int,
         shuffle: bool = True,
-        usable: Callable[[int], bool] | None = None,
+        usable: Callable[[list[int]], list[bool]] | None = None,
         fingerprint_of: Callable[[], str] | None = None,
     ) -> None:
         if not len(prompts):
@@ -568,7 +577,7 @@ class PromptSampler:
             take = [int(i) for i in order[self.index : self.index + batch_size - len(batch)]]
             self.index += len(take)
             if self.usable is not None:
-                kept = [i for i in take if self.usable(i)]
+                kept = [i for i, ok in zip(take, self.usable(take), strict=True) if ok]
                 passed = 0 if kept else passed + len(take)
                 if passed >= len(order):
                     raise RlbridgeError(

@@ -179,6 +179,17 @@ class LazyPrompts:
     def get(self, i: int) -> Any:
         return self.convert(self.split[int(i)])
 
+    def get_many(self, indices: list[int]) -> list[Any]:
+        """`get` of several rows, read from Arrow in one call (about 5x faster per row than one by one)."""
+        if not indices:
+            return []
+        columns = self.split[[int(i) for i in indices]]
+        names = list(columns)
+        return [
+            self.convert(dict(zip(names, values, strict=True)))
+            for values in zip(*columns.values(), strict=True)
+        ]
+
     def rows(self) -> Iterator[tuple[str, Any]]:
         """(where, row) for every row, in order (for a full read: validation previews, small eval splits)."""
         for i, row in enumerate(self.split):

@@ -196,7 +196,11 @@ def test_lazy_rows_are_skipped_when_sampled_and_the_position_resumes_exactly(tmp
 
     def sampler() -> PromptSampler:
         return PromptSampler(
-            lazy.prompts, seed=5, shuffle=True, usable=lazy.usable, fingerprint_of=lazy.source.fingerprint
+            lazy.prompts,
+            seed=5,
+            shuffle=True,
+            usable=lazy.usable_rows,
+            fingerprint_of=lazy.source.fingerprint,
         )
 
     whole = sampler()
@@ -215,14 +219,18 @@ def test_lazy_rows_are_skipped_when_sampled_and_the_position_resumes_exactly(tmp
         assert [resumed.next_indices(7) for _ in range(15 - cut)] == batches[cut:]
     (tmp_path / "o").mkdir()
     other = _lazy(tmp_path / "o", [{**r, "solution": "x"} for r in rows], max_tokens=20)
-    moved = PromptSampler(other.prompts, seed=5, usable=other.usable, fingerprint_of=other.source.fingerprint)
+    moved = PromptSampler(
+        other.prompts, seed=5, usable=other.usable_rows, fingerprint_of=other.source.fingerprint
+    )
     with pytest.raises(RlbridgeError, match="different prompts"):
         moved.load_state(whole.state())
 
 
 def test_nothing_usable_is_an_error_not_a_hang(tmp_path: Path) -> None:
     lazy = _lazy(tmp_path, [{"problem": "", "solution": "1"}] * 3)
-    sampler = PromptSampler(lazy.prompts, seed=0, usable=lazy.usable, fingerprint_of=lazy.source.fingerprint)
+    sampler = PromptSampler(
+        lazy.prompts, seed=0, usable=lazy.usable_rows, fingerprint_of=lazy.source.fingerprint
+    )
     with pytest.raises(RlbridgeError, match="no row of the training data is usable"):
         sampler.next_indices(2)
 
