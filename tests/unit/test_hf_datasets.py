@@ -288,3 +288,35 @@ def test_validate_reads_the_first_rows(tmp_path: Path) -> None:
     )
     missing = _issues(tmp_path, {"train": {"path": "toy-org/absent"}})
     assert len(missing) == 1 and missing[0].startswith("data.train.path: toy-org/absent is not a local path")
+
+
+def test_validate_checks_the_columns_a_batched_reward_takes(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"problem": "What is 1 + 1?", "solution": "2"}))
+    data = {"train": {"path": str(rows)}, "columns": {"prompt": "problem", "answer": "solution"}}
+    reward = {
+        "terms": [
+            {"fn": "tests.fixtures.trl_rewards:reward_len"},
+            {"fn": "tests.fixtures.trl_rewards:reward_func"},
+        ]
+    }
+    assert _issues_with(tmp_path, data, reward) == [
+        "reward.terms.1.fn: the batched function takes the column 'ground_truth' by name, but data.train line 1 "
+        "has no such column (columns besides the prompt: solution)"
+    ]
+
+
+def _issues_with(tmp_path: Path, data: dict[str, Any], reward: dict[str, Any]) -> list[str]:
+    import yaml
+
+    from rlbridge.recipe import load_recipe
+    from rlbridge.recipe.checks import run_checks
+
+    raw = yaml.safe_load(Path("recipes/quickstart.yaml").read_text())
+    raw["data"] = {**raw["data"], "template": "{prompt}", **data}
+    raw["reward"] = reward
+    raw.pop("eval")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    issues, _ = run_checks(load_recipe(path), model_checks=False)
+    return [f"{i.key}: {i.message}" for i in issues]

@@ -37,7 +37,7 @@ def check_data(r: Recipe, out: Issues) -> None:
                     )
                 )
             continue
-        _check_rows(r.data, ds, which, template_fields, out)
+        _check_rows(r, ds, which, template_fields, out)
 
 
 def _template_fields(data: DataCfg, out: Issues) -> set[str] | None:
@@ -93,11 +93,10 @@ def _check_chat_template(data: DataCfg, out: Issues) -> None:
         )
 
 
-def _check_rows(
-    data: DataCfg, ds: DatasetCfg, which: str, template_fields: set[str] | None, out: Issues
-) -> None:
+def _check_rows(r: Recipe, ds: DatasetCfg, which: str, template_fields: set[str] | None, out: Issues) -> None:
     from rlbridge.data.datasets import Columns, Prompt, preview, to_prompt
 
+    data = r.data
     key = f"data.{which}"
     try:
         rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)  # type: ignore[arg-type]
@@ -137,6 +136,7 @@ def _check_rows(
                 fix="set data.chat_template: true (the tokenizer's) or a Jinja chat template",
             )
         )
+    _check_reward_columns(r, which, usable[0][0], usable[0][1], columns.prompt, out)
     if template_fields:
         for where, row, p in usable:
             if p.messages is not None:
@@ -153,6 +153,36 @@ def _check_rows(
                     )
                 )
                 break
+
+
+def _check_reward_columns(
+    r: Recipe, which: str, where: str, row: dict[str, Any], prompt_column: str, out: Issues
+) -> None:
+    """A batched (TRL-style) reward function gets the dataset's columns by name: each one it requires (a
+    parameter without a default) must be a column of the rows, or every call fails."""
+    from rlbridge.data.rewards import BUILTINS, batch_columns_needed, is_batched, resolve_reward_fn
+
+    have = set(row) - {prompt_column}
+    for i, term in enumerate(r.reward.resolved_terms()):
+        if term.fn in BUILTINS:
+            continue
+        try:
+            fn = resolve_reward_fn(term.fn, term.batched)
+        except RlbridgeError:
+            continue  # check_reward reports it
+        if not (term.batched if term.batched is not None else is_batched(fn)):
+            continue
+        missing = [c for c in batch_columns_needed(fn) if c not in have]
+        if missing:
+            out.append(
+                RecipeIssue(
+                    "reward.fn" if r.reward.terms is None else f"reward.terms.{i}.fn",
+                    f"the batched function takes the column {missing[0]!r} by name, but data.{which} {where} has "
+                    f"no such column (columns besides the prompt: {', '.join(sorted(have)) or 'none'})",
+                    value=term.fn,
+                    fix="rename the dataset column, or give the parameter a default",
+                )
+            )
 
 
 def _no_usable_row(
