@@ -510,7 +510,7 @@ def eval_metric(m: EvalMetric, res: Any, reward: RewardCfg, *, n: int) -> float:
 
 
 def term_name(reward: RewardCfg, term: str) -> str:
-    """The RewardResult.terms key of a term named by its fn (the first term with that fn)."""
-    fns = [t.fn for t in reward.resolved_terms()]
+    """The RewardResult.terms key of a term named by its fn or model:<model> (the first term of that name)."""
+    fns = [t.name for t in reward.resolved_terms()]
     j = fns.index(term)
     return term if fns.count(term) == 1 else f"{term}#{j}"

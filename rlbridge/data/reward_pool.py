@@ -114,6 +114,15 @@ def _call_batch(fn: Any, kwargs: dict[str, Any]) -> list[Outcome]:
     return out
 
 
+def _batch_fn(spec: str) -> Any:
+    """A worker's batched scorer: a reward model (`model:<path>`, loaded here, once) or a batched function."""
+    if spec.startswith("model:"):
+        from rlbridge.model.reward_model import RewardModel
+
+        return RewardModel(spec.removeprefix("model:"))
+    return resolve_reward_fn(spec, True)
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
@@ -128,7 +137,7 @@ def worker_main(fd: int) -> None:
     try:
         sys.path[:], specs, batch_specs = conn.recv()
         fns = [resolve_reward_fn(spec, False) for spec in specs]
-        batch_fns = [resolve_reward_fn(spec, True) for spec in batch_specs]
+        batch_fns = [_batch_fn(spec) for spec in batch_specs]
     except BaseException:  # noqa: B036
         conn.send(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
         return
@@ -170,15 +179,17 @@ class RewardPool:
             log_file.parent.mkdir(parents=True, exist_ok=True)
         self.terms = cfg.resolved_terms()
         self.batched = [
-            t.batched if t.batched is not None else is_batched(resolve_reward_fn(t.fn)) for t in self.terms
+            t.fn is None or (t.batched if t.batched is not None else is_batched(resolve_reward_fn(t.fn)))
+            for t in self.terms
         ]
-        """Per term: a batched (TRL-style) function."""
+        """Per term: a batched (TRL-style) function, or a reward model."""
         for term, batched in zip(self.terms, self.batched, strict=True):
-            resolve_reward_fn(term.fn, batched)  # fail here, in the trainer, with the validation message
+            if term.fn is not None:
+                resolve_reward_fn(term.fn, batched)  # fail here, in the trainer, with the validation message
         self._user_specs = [
-            t.fn for t, b in zip(self.terms, self.batched, strict=True) if t.fn not in BUILTINS and not b
+            t.name for t, b in zip(self.terms, self.batched, strict=True) if t.name not in BUILTINS and not b
         ]
-        self._batch_specs = [t.fn for t, b in zip(self.terms, self.batched, strict=True) if b]
+        self._batch_specs = [t.name for t, b in zip(self.terms, self.batched, strict=True) if b]
         self._startup_timeout_s = startup_timeout_s
         self._workers: list[_Worker] = []
         self.total_errors = 0
@@ -388,15 +399,15 @@ class RewardPool:
         for t, b in zip(self.terms, self.batched, strict=True):
             if b:
                 out.append(list(next(batch_columns)))
-            elif t.fn in BUILTINS:
-                out.append([_call(BUILTINS[t.fn], *task) for task in tasks])
+            elif t.name in BUILTINS:
+                out.append([_call(BUILTINS[t.name], *task) for task in tasks])
             else:
                 out.append(list(next(user_columns)))
         return out
 
 
 def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples: int) -> RewardResult:
-    fns = [t.fn for t in terms]
+    fns = [t.name for t in terms]
     names = [fn if fns.count(fn) == 1 else f"{fn}#{j}" for j, fn in enumerate(fns)]
     result = RewardResult(
         scores=[],

@@ -546,14 +546,29 @@ class DataCfg(Section):
 
 # --------------------------------------------------------------------------------------------- reward
 class RewardTerm(Section):
-    fn: str
-    """Builtin reward name or `package.module:function`."""
+    fn: str | None = None
+    """Builtin reward name or `package.module:function` (or `model` instead)."""
+    model: str | None = None
+    """A reward model instead of a function: a sequence-classification model (local directory or Hub id in the
+    Hugging Face cache) whose first logit scores prompt + completion, as TRL's GRPOTrainer scores with one; it runs
+    on the CPU of a reward worker, in batches. Its name in eval.metrics: `model:<this value>`."""
     weight: float = 1.0
     """Weight in the sum."""
     batched: bool | None = None
     """The function scores the whole batch in one call as TRL's reward_funcs do (`fn(prompts=..., completions=...,
     **columns) -> list[float]`) rather than one sample (`fn(prompt, completion, sample) -> float`). Default:
     batched when its signature has a `prompts`, `completions` or `completion_ids` parameter."""
+
+    @model_validator(mode="after")
+    def _fn_or_model(self) -> RewardTerm:
+        if (self.fn is None) == (self.model is None):
+            raise ValueError("a reward term names either fn (a function) or model (a reward model)")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The term's name: its fn, or model:<model> (RewardResult.terms keys, eval.metrics terms)."""
+        return self.fn if self.fn is not None else f"model:{self.model}"
 
 
 REWARD_BUILTINS = ("arithmetic", "gsm8k", "format", "length")

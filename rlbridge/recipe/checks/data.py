@@ -164,7 +164,7 @@ def _check_reward_columns(
 
     have = set(row) - {prompt_column}
     for i, term in enumerate(r.reward.resolved_terms()):
-        if term.fn in BUILTINS:
+        if term.fn is None or term.fn in BUILTINS:
             continue
         try:
             fn = resolve_reward_fn(term.fn, term.batched)
@@ -221,7 +221,7 @@ def _no_usable_row(
 
 def check_eval(r: Recipe, out: Issues) -> None:
     """eval.metrics: terms the reward has, distinct names, a data.val to evaluate on, sampling for pass@k."""
-    terms = [t.fn for t in r.reward.resolved_terms()]
+    terms = [t.name for t in r.reward.resolved_terms()]
     seen: dict[str, int] = {}
     for i, m in enumerate(r.eval.metrics):
         key = f"eval.metrics.{i}"

@@ -12,8 +12,23 @@ def check_reward(r: Recipe, out: Issues) -> None:
     from rlbridge.data.rewards import check_reward_fn  # light module: no heavy imports
 
     for i, term in enumerate(r.reward.resolved_terms()):
+        if term.model is not None:
+            from rlbridge.model.reward_model import model_problem
+
+            problem = model_problem(term.model)
+            if problem:
+                out.append(
+                    RecipeIssue(
+                        f"reward.terms.{i}.model",
+                        problem,
+                        value=term.model,
+                        fix="point it at a sequence-classification model: a local directory, or a Hub id in the "
+                        "Hugging Face cache (hf download ORG/NAME)",
+                    )
+                )
+            continue
         key = "reward.fn" if r.reward.terms is None else f"reward.terms.{i}.fn"
-        problem = check_reward_fn(term.fn, term.batched)
+        problem = check_reward_fn(str(term.fn), term.batched)
         if problem:
             out.append(
                 RecipeIssue(
