@@ -14,6 +14,7 @@ from typing import Any
 
 from rlbridge.errors import RlbridgeError
 
+
 class RewardModel:
     """Callable as a batched reward function: `(prompts=..., completions=..., **columns) -> list[float]`."""
 
