@@ -139,19 +139,22 @@ def _load_error(cfg: DatasetCfg, key: str, path: Path, e: Exception) -> str:
 
 
 def preview(cfg: DatasetCfg, which: str, num_rows: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """The first rows of the source and its column names, reading as little as possible: local files and data
-    folders stream (nothing converted), a save_to_disk folder or a Hub dataset opens memory-mapped."""
+    """The first rows of the source and its column names, reading as little as possible: local files, data folders
+    and (online) Hub datasets stream (nothing converted or downloaded whole); a save_to_disk folder or (offline) a
+    Hub dataset of the local cache opens memory-mapped."""
     key = f"data.{which}"
     path = Path(cfg.path).expanduser()
-    if path.exists() and not is_saved_dataset(path):
+    online_hub = not path.exists() and is_hub_name(cfg.path) and not _datasets(key).config.HF_HUB_OFFLINE
+    if (path.exists() and not is_saved_dataset(path)) or online_hub:
         ds_lib = _datasets(key)
         try:
             if path.is_file():
                 stream = ds_lib.load_dataset(
                     _single_file(path, cfg, key), data_files=str(path), split="train", streaming=True
                 )
-            else:
-                stream = _pick(ds_lib.load_dataset(str(path), cfg.config, streaming=True), cfg, which, key)
+            else:  # a data folder, or a Hub dataset while online: its first shard, not the whole download
+                source = str(path) if path.exists() else cfg.path
+                stream = _pick(ds_lib.load_dataset(source, cfg.config, streaming=True), cfg, which, key)
             rows = [dict(r) for _, r in zip(range(num_rows), iter(stream), strict=False)]
         except RlbridgeError:
             raise
