@@ -371,12 +371,10 @@ def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torc
     )
     group_mean = torch.nanmean(values, dim=1, keepdim=True).nan_to_num(0.0)
     filled = torch.where(values.isnan(), group_mean, values).view(-1)
-    first = next(iter(res.terms.values())) if res.terms else res.scores
-    correct = [1.0 if (v is not None and v >= 1.0) else 0.0 for v in first]
     metrics = {
         "reward_mean": float(filled.mean()),
         "reward_std": float(filled.std()) if filled.numel() > 1 else 0.0,
-        "accuracy": sum(correct) / max(len(correct), 1),
+        **train_accuracy(s.recipe, res),
         "reward_error": float(res.num_errors),
         "response_length": sum(len(x) for x in ro.response_ids) / max(len(ro), 1),
         "clipped_ratio": sum(f == "length" for f in ro.finish_reasons) / max(len(ro), 1),
@@ -384,6 +382,15 @@ def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torc
     for line in res.errors[:3]:
         log(f"[red]reward error[/] {line}")
     return filled, metrics
+
+
+def train_accuracy(r: Recipe, res: Any) -> dict[str, float]:
+    """`accuracy` of a step's samples: the share passing the recipe's first pass-rate metric of eval.metrics (k 1:
+    its term and threshold); nothing when the recipe names none (no task-specific default)."""
+    rate = next((m for m in r.eval.metrics if m.threshold is not None and m.k == 1), None)
+    if rate is None:
+        return {}
+    return {"accuracy": eval_metric(rate, res, r.reward, n=1)}
 
 
 def check_agreement(r: Recipe, m: dict[str, Any]) -> None:

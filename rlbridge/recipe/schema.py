@@ -658,7 +658,8 @@ class EvalMetric(Section):
 class EvalCfg(Section):
     metrics: list[EvalMetric] = [EvalMetric()]
     """What each evaluation (run.eval_every, and the first and last step, on run.eval_samples prompts of data.val)
-    measures, printed in this order. Default: the mean of the weighted reward (eval_reward). E.g.
+    measures, printed in this order. The first pass rate (a threshold, k 1) is also the `accuracy` of every training
+    step's samples (console `acc`). Default: the mean of the weighted reward (eval_reward). E.g.
     `[{term: arithmetic, threshold: 1.0, name: accuracy}, {term: format}, {term: arithmetic, threshold: 1.0, k: 4}]`."""
 
 

@@ -153,3 +153,18 @@ def test_evaluate_writes_what_the_recipe_names(tmp_path: Path) -> None:
     # an older run (no eval section, fixed metrics): the report still finds them
     legacy = [{"kind": "eval", "step": 0, "eval_accuracy": 0.5, "eval_format": 1.0, "eval_reward": 0.7}]
     assert [c.key for c in eval_columns({}, legacy)] == ["eval_reward", "eval_accuracy", "eval_format"]
+
+
+def test_train_accuracy_is_the_first_pass_rate_the_recipe_names(tmp_path: Path) -> None:
+    from rlbridge.loop import train_accuracy
+
+    raw = yaml.safe_load(Path("recipes/quickstart.yaml").read_text())
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    res = _result([1.0, 0.0, None, 1.0], [0.0, 1.0, 1.0, 1.0])
+    assert train_accuracy(load_recipe(path), res) == {
+        "accuracy": 0.5
+    }  # arithmetic >= 1.0 (quickstart's accuracy)
+    raw.pop("eval")
+    path.write_text(yaml.safe_dump(raw))
+    assert train_accuracy(load_recipe(path), res) == {}  # no pass rate named: no accuracy, no implied task
