@@ -47,6 +47,10 @@ def is_hub_name(path: str) -> bool:
     return bool(_HUB_NAME.match(path)) and ".." not in path and Path(path).suffix.lower() not in BUILDERS
 
 
+def _hub_offline(key: str) -> bool:
+    return bool(_datasets(key).config.HF_HUB_OFFLINE)
+
+
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
@@ -99,10 +103,11 @@ def open_split(cfg: DatasetCfg, which: str) -> Any:
             f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory; a Hub "
             "dataset is named org/name)"
         )
+    builder = _single_file(path, cfg, key) if path.is_file() else None  # an unsupported file: said first
     ds_lib = _datasets(key)
     try:
-        if path.is_file():
-            found = ds_lib.load_dataset(_single_file(path, cfg, key), data_files=str(path), split="train")
+        if builder is not None:
+            found = ds_lib.load_dataset(builder, data_files=str(path), split="train")
         elif path.is_dir() and is_saved_dataset(path):
             found = _pick(ds_lib.load_from_disk(str(path)), cfg, which, key)
         elif path.is_dir():
@@ -144,14 +149,13 @@ def preview(cfg: DatasetCfg, which: str, num_rows: int) -> tuple[list[dict[str, 
     Hub dataset of the local cache opens memory-mapped."""
     key = f"data.{which}"
     path = Path(cfg.path).expanduser()
-    online_hub = not path.exists() and is_hub_name(cfg.path) and not _datasets(key).config.HF_HUB_OFFLINE
+    online_hub = not path.exists() and is_hub_name(cfg.path) and not _hub_offline(key)
     if (path.exists() and not is_saved_dataset(path)) or online_hub:
+        builder = _single_file(path, cfg, key) if path.is_file() else None  # an unsupported file: said first
         ds_lib = _datasets(key)
         try:
-            if path.is_file():
-                stream = ds_lib.load_dataset(
-                    _single_file(path, cfg, key), data_files=str(path), split="train", streaming=True
-                )
+            if builder is not None:
+                stream = ds_lib.load_dataset(builder, data_files=str(path), split="train", streaming=True)
             else:  # a data folder, or a Hub dataset while online: its first shard, not the whole download
                 source = str(path) if path.exists() else cfg.path
                 stream = _pick(ds_lib.load_dataset(source, cfg.config, streaming=True), cfg, which, key)
