@@ -257,12 +257,11 @@ def test_validate_reads_the_first_rows(tmp_path: Path) -> None:
         "data.columns.prompt: column 'question' is not in data.train (rows.jsonl line 1; its columns: level, "
         "problem, solution)"
     ]
-    ok = {"train": {"path": str(jsonl)}, "columns": {"prompt": "problem", "answer": "solution"}}
+    ok = {"train": {"path": str(jsonl)}, "val": None, "columns": {"prompt": "problem", "answer": "solution"}}
     assert _issues(tmp_path, ok) == []
     assert _issues(tmp_path, {**ok, "template": "{prompt} (level {level})"}) == []
     assert _issues(tmp_path, {**ok, "template": "{prompt} {topic}"}) == [
-        "data.template: names the field {topic}, but data.train line 1 has no such column (columns: level, "
-        "problem, solution)"
+        "data.template: names the field {topic}, but data.train line 1 has no such column"
     ]
     braces = _issues(tmp_path, {**ok, "template": '{prompt} Reply as {"answer": 1}'})
     assert len(braces) == 1 and braces[0].startswith("data.template: ")

@@ -664,9 +664,9 @@ def test_dataset_rows_are_read_at_validation(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as e:
         validate_recipe(f)
     found = {i.key: i for i in e.value.issues}
-    assert set(found) == {"data.train.prompt_key"}, [str(i) for i in e.value.issues]
-    issue = found["data.train.prompt_key"]
-    assert issue.where == f"{f}:13" and "'question'" in issue.message and "line 1" in issue.message
+    assert set(found) == {"data.columns.prompt"}, [str(i) for i in e.value.issues]  # the default column
+    issue = found["data.columns.prompt"]
+    assert issue.where == f"{f}:12" and "'question'" in issue.message and "line 1" in issue.message
     assert issue.fix is not None and "problem" in issue.fix and "solution" in issue.fix
     fixed = validate_recipe(f, ["data.train.prompt_key=problem", "data.train.answer_key=solution"])
     assert fixed.recipe.data.train.prompt_key == "problem"

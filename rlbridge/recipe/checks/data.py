@@ -8,6 +8,7 @@ on a file of millions of rows; rows further down are checked when they are sampl
 
 from __future__ import annotations
 
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.schema import DataCfg, DatasetCfg, Recipe
 
-PREVIEW_ROWS = 20
+PREVIEW_ROWS = 100
 """Rows of each split read by validate-recipe."""
 
 
@@ -36,41 +37,33 @@ def check_data(r: Recipe, out: Issues) -> None:
                         "Hugging Face Hub dataset name",
                     )
                 )
+            elif template_fields:
+                from rlbridge.data.arithmetic import arithmetic_rows
+
+                row = arithmetic_rows(r.data.arithmetic, split="train" if which == "train" else "val", seed=0)[0]
+                _check_template_fields(template_fields, f"data.{which}", "row 1", row, r.data, out)
             continue
         _check_rows(r, ds, which, template_fields, out)
 
 
 def _template_fields(data: DataCfg, out: Issues) -> set[str] | None:
-    """The row fields data.template names (None when it is not a valid format string: an issue)."""
-    try:
-        parsed = list(string.Formatter().parse(data.template))
-    except ValueError as e:
+    """The row fields data.template names (None when str.format cannot fill it by name: an issue whose fix is the
+    template with the braces of its literal text doubled)."""
+    from rlbridge.data.datasets import escape_template, template_problem
+
+    problem = template_problem(data.template)
+    if problem is not None:
         out.append(
             RecipeIssue(
                 "data.template",
-                f"not a valid format string: {e}",
+                problem,
                 value=data.template,
-                fix="use {prompt} and {column} placeholders; write literal braces twice ({{ and }})",
+                fix=f"double the braces of literal text: template: {escape_template(data.template)!r}",
             )
         )
         return None
-    fields: set[str] = set()
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        head = name.split(".")[0].split("[")[0]
-        if not head or head.isdigit():
-            out.append(
-                RecipeIssue(
-                    "data.template",
-                    f"the placeholder {{{name}}} names no column",
-                    value=data.template,
-                    fix="name a column, e.g. {prompt} or {question}; write literal braces twice ({{ and }})",
-                )
-            )
-            return None
-        fields.add(head)
-    return fields - {"prompt"}
+    names = {name for _, name, _, _ in string.Formatter().parse(data.template) if name}
+    return {re.split(r"[.\[]", name, maxsplit=1)[0] for name in names} - {"prompt"}
 
 
 def _check_chat_template(data: DataCfg, out: Issues) -> None:
@@ -139,20 +132,27 @@ def _check_rows(r: Recipe, ds: DatasetCfg, which: str, template_fields: set[str]
     _check_reward_columns(r, which, usable[0][0], usable[0][1], columns.prompt, out)
     if template_fields:
         for where, row, p in usable:
-            if p.messages is not None:
-                continue
-            missing = sorted(template_fields - set(row))
-            if missing:
-                out.append(
-                    RecipeIssue(
-                        "data.template",
-                        f"names the field {{{missing[0]}}}, but {key} {where} has no such column "
-                        f"(columns: {', '.join(sorted(row))})",
-                        value=data.template,
-                        fix=f"use one of the row's columns, or fix {key}.path",
-                    )
-                )
+            if p.messages is None and _check_template_fields(template_fields, key, where, row, data, out):
                 break
+
+
+def _check_template_fields(
+    fields: set[str], key: str, where: str, row: dict[str, Any], data: DataCfg, out: Issues
+) -> bool:
+    """An issue when data.template names a field the row lacks (True), naming the row and listing its fields."""
+    missing = sorted(fields - set(row))
+    if not missing:
+        return False
+    have = ", ".join("{" + f + "}" for f in sorted({*row, "prompt"}))
+    out.append(
+        RecipeIssue(
+            "data.template",
+            f"names the field {{{missing[0]}}}, but {key} {where} has no such column",
+            value=data.template,
+            fix=f"use the row's fields ({have}), or double the braces of literal text",
+        )
+    )
+    return True
 
 
 def _check_reward_columns(
@@ -205,7 +205,8 @@ def _no_usable_row(
                     f"column {name!r} is not in data.{which} ({Path(ds.path).name} {where}{listed})",
                     value=name,
                     fix=f"set {which_key} to the column holding the "
-                    f"{'prompt' if which_key == columns.prompt_key else 'reference answer'}",
+                    f"{'prompt' if which_key == columns.prompt_key else 'reference answer'}, one of: "
+                    f"{', '.join(have)}",
                 )
             )
             return
