@@ -142,6 +142,7 @@ def _recipe(engine: str, **trainer: Any) -> Recipe:
     """A valid recipe whose trainer.engine is then set to `engine` (the schema's choices do not name the toy)."""
     r = Recipe.model_validate({
         "name": "toy", "model": {"path": "unused", "dtype": "float32"}, "rollout": {"n": 2},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 2},
     })  # fmt: skip
     return r.model_copy(update={"trainer": r.trainer.model_copy(update={"engine": engine, **trainer})})

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.recipe.checks.common import Issues
-from rlbridge.recipe.schema import DataCfg, DatasetCfg, Recipe
+from rlbridge.recipe.schema import DataCfg, DatasetCfg, EvalCfg, Recipe
 
 PREVIEW_ROWS = 100
 """Rows of each split read by validate-recipe."""
@@ -24,7 +24,11 @@ PREVIEW_ROWS = 100
 def check_data(r: Recipe, out: Issues) -> None:
     template_fields = _template_fields(r.data, out)
     _check_chat_template(r.data, out)
-    for which, ds in (("train", r.data.train), ("val", r.data.val)):
+    splits: tuple[tuple[Literal["train", "val"], DatasetCfg | None], ...] = (
+        ("train", r.data.train),
+        ("val", r.data.val),
+    )
+    for which, ds in splits:
         if ds is None:
             continue
         if ds.path.startswith("builtin:"):
@@ -40,7 +44,7 @@ def check_data(r: Recipe, out: Issues) -> None:
             elif template_fields:
                 from rlbridge.data.arithmetic import arithmetic_rows
 
-                row = arithmetic_rows(r.data.arithmetic, split="train" if which == "train" else "val", seed=0)[0]
+                row = arithmetic_rows(r.data.arithmetic, split=which, seed=0)[0]
                 _check_template_fields(template_fields, f"data.{which}", "row 1", row, r.data, out)
             continue
         _check_rows(r, ds, which, template_fields, out)
@@ -86,13 +90,15 @@ def _check_chat_template(data: DataCfg, out: Issues) -> None:
         )
 
 
-def _check_rows(r: Recipe, ds: DatasetCfg, which: str, template_fields: set[str] | None, out: Issues) -> None:
+def _check_rows(
+    r: Recipe, ds: DatasetCfg, which: Literal["train", "val"], template_fields: set[str] | None, out: Issues
+) -> None:
     from rlbridge.data.datasets import Columns, Prompt, preview, to_prompt
 
     data = r.data
     key = f"data.{which}"
     try:
-        rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)  # type: ignore[arg-type]
+        rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)
     except RlbridgeError as e:  # the loaders' messages begin with the key to change ("data.val.split: ...")
         head, _, rest = str(e).partition(": ")
         named = head.startswith("data.") and " " not in head and rest
@@ -253,7 +259,7 @@ def check_eval(r: Recipe, out: Issues) -> None:
                     fix="set rollout.temperature > 0, or k: 1",
                 )
             )
-    if r.data.val is None and "eval" in r.model_fields_set:
+    if r.data.val is None and r.eval != EvalCfg():  # metrics named, nothing to measure them on
         out.append(
             RecipeIssue(
                 "eval.metrics",

@@ -52,6 +52,6 @@ def check_loggers(r: Recipe, out: Issues) -> None:
                     f"run.loggers.{i}",
                     f"the {logger} logger needs the {logger} package, which is not installed",
                     value=logger,
-                    fix="pip install 'rlbridge[report]', or remove it from run.loggers",
+                    fix="pip install 'rlbridge-cli[report]', or remove it from run.loggers",
                 )
             )
