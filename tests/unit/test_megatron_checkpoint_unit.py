@@ -147,6 +147,7 @@ def _role(tmp_path: Path, **over: Any) -> Any:
         "model": {"path": str(tmp_path / "model-a"), "dtype": "float32"},
         "lora": {"rank": 4, "alpha": 8},
         "trainer": {"engine": "megatron"},
+        "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "unused.jsonl"}},
         "run": {"seed": 3, "steps": 10},
     }
