@@ -18,6 +18,7 @@ from rlbridge.engines.hf_critic import HFCritic
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe
+from rlbridge.run.directory import resolved_yaml
 from rlbridge.trainer.role import UPDATE_SECONDS, TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
@@ -126,7 +127,9 @@ def test_critic_state_round_trips_through_a_checkpoint_bit_for_bit(model_dir: Pa
     for scale in (1.0, -0.5):
         _ppo_update(a, scale)
     assert a.critic is not None
-    info = a.save_checkpoint(str(tmp_path), 2, {"step": 2, "weight_version": 2}, "name: t\n", keep=2)
+    info = a.save_checkpoint(
+        str(tmp_path), 2, {"step": 2, "weight_version": 2}, resolved_yaml(a.recipe), keep=2
+    )
     path = Path(info.path)
     critic_file = load_file(str(path / "critic.safetensors"))
     saved_optim = load_file(str(path / "critic_optimizer.safetensors"))
@@ -162,9 +165,10 @@ def test_a_checkpoint_without_a_critic_is_refused(model_dir: Path, tmp_path: Pat
         }
     )
     info = TrainerRole(grpo, str(model_dir)).save_checkpoint(
-        str(tmp_path), 1, {"step": 1}, "name: t\n", keep=1
+        str(tmp_path), 1, {"step": 1}, resolved_yaml(grpo), keep=1
     )
-    with pytest.raises(Exception, match="holds no critic"):
+    # refused by the recipe comparison (the algorithm differs) before the missing critic.safetensors
+    with pytest.raises(Exception, match="algorithm.name changed from"):
         TrainerRole(ppo_recipe(model_dir), str(model_dir)).load_checkpoint(info.path)
 
 
