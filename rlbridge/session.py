@@ -260,10 +260,8 @@ class Session:
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.send_started()))
         rollout_client, engines = self._start_rollout(place, rollout_threads)
-        self.rollout, self._rollout_workers = (
-            rollout_client,
-            engines,
-        )  # stopped on the way out even if the start fails
+        self.rollout = rollout_client  # stopped on the way out even if the start fails
+        self._rollout_workers = engines
         self._announced += engines
         starting += [(w, w.send_started()) for w in engines]
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
