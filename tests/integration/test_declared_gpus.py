@@ -95,11 +95,11 @@ def place(tmp: Path, *sets: str) -> Seen:
         for spec in specs:
             actor = start(spec.name, spec.bundles[0], spec.num_gpus, spec.num_cpus)
             if (
-                spec.vllm.get("executor") == "ray"
+                spec.parallel.get("executor") == "ray"
             ):  # vLLM's Ray workers, one per bundle (VLLM_RAY_BUNDLE_INDICES)
-                per = float(spec.vllm["ray_gpus_per_worker"])
+                per = float(spec.parallel["ray_gpus_per_worker"])
                 engines.append(
-                    [start(f"{spec.name} worker {b}", b, per, 0.0) for b in spec.vllm["ray_bundles"]]
+                    [start(f"{spec.name} worker {b}", b, per, 0.0) for b in spec.parallel["ray_bundles"]]
                 )
                 assert spec.num_gpus == 0.0 and actor.call("where", timeout=60)[0] == []
             else:
