@@ -111,16 +111,35 @@ class Plan:
     bundles_per_node: list[list[dict[str, float]]]
     """Ray bundles of the trainer (and of the colocated rollout), one list per node."""
     rollout_bundles: list[dict[str, float]]
-    """Extra bundles of a rollout that is not colocated (empty when colocated)."""
+    """Extra bundles of a rollout that is not colocated, one per engine holding its rollout.tensor_parallel
+    devices (so that vLLM's tensor-parallel workers share a node); empty when colocated."""
     trainer_ranks: list[RankCoord]
     rollout_engines: int
     rollout_tp: int
+    rollout_devices: list[list[int]]
+    """Each rollout engine's devices. Colocated: the trainer devices (ranks) it shares, engine i on ranks
+    i*tp .. i*tp+tp-1, on their node. Separate: its own devices, numbered 0.. after the trainer's (engine i on
+    devices i*tp .. i*tp+tp-1, in bundle len(trainer bundles) + i, on whichever node Ray finds room)."""
     batches: Batches
     memory: Memory | None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def engine_places(self) -> list[str]:
+        """Where each rollout engine sits, one phrase per engine: colocated on trainer devices (and their node),
+        or on rollout devices of its own (any node)."""
+        nodes = {c.rank: c.node for c in self.trainer_ranks}
+        out = []
+        for i, devices in enumerate(self.rollout_devices):
+            span = f"{devices[0]}" if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"
+            if self.colocate:
+                on = sorted({nodes.get(d, 0) for d in devices})
+                out.append(f"engine {i}: trainer device(s) {span} (node {', '.join(map(str, on))})")
+            else:
+                out.append(f"engine {i}: rollout device(s) {span} of its own")
+        return out
 
 
 def rank_coords(r: Recipe) -> list[RankCoord]:
@@ -449,7 +468,11 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     bundle = {"GPU": 1.0, "CPU": 1.0} if unit == "GPU" else {"CPU": 1.0}
     bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
     rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
-    rollout_bundles = [] if c.colocate else [dict(bundle) for _ in range(rollout_gpus)]
+    rtp = r.rollout.tensor_parallel
+    num_engines = max(rollout_gpus // rtp, 1)
+    rollout_bundles = (
+        [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(num_engines)]
+    )
     b = batches(r, dp)
     notes = []
     if c.device == "cpu":
@@ -497,8 +520,9 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         bundles_per_node=bundles,
         rollout_bundles=rollout_bundles,
         trainer_ranks=rank_coords(r),
-        rollout_engines=max(rollout_gpus // r.rollout.tensor_parallel, 1),
-        rollout_tp=r.rollout.tensor_parallel,
+        rollout_engines=num_engines,
+        rollout_tp=rtp,
+        rollout_devices=[list(range(i * rtp, (i + 1) * rtp)) for i in range(num_engines)],
         batches=b,
         memory=mem,
         notes=notes,

@@ -33,6 +33,7 @@ from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.client import RayRollout, RolloutClient, Sent
+from rlbridge.rollout.group import RolloutGroup
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import directory as rundir
@@ -95,7 +96,6 @@ class Session:
         """The trainer's typed client: the hf engine's one worker, or the megatron ranks behind one group."""
         self.rollout: RolloutClient | None = None
         """The rollout's typed client."""
-        self._rollout_worker: rc.Worker | None = None
         self.kl_control = kl_controller(recipe.algorithm)
         """PPO's adaptive KL coefficient (algorithm.adaptive_kl_target), or None; checkpointed by run/resume.py."""
         self.mismatch_notices = MismatchNotices()
@@ -129,7 +129,8 @@ class Session:
         self._multi_node = False
         """The workers run on a cluster of several nodes (cluster.address or cluster.nodes > 1)."""
         self._announced: list[rc.Worker] = []
-        """The workers whose start-up gets its own line (the hf trainer, the rollout; not megatron ranks)."""
+        """The workers whose start-up gets its own line (the hf trainer, the rollout engines; not megatron ranks)."""
+        self._rollout_workers: list[rc.Worker] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
@@ -271,24 +272,11 @@ class Session:
             self._announced = [trainer]
             client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.send_started()))
-        rollout_spec = rollout_engine(r)
-        rollout_bundle = rollout_slot(plan, place)
-        rollout = self._rollout_worker = rc.start_worker(
-            rollout_spec.worker(),
-            "rollout",
-            self._pg,
-            rollout_bundle,
-            num_cpus=share,
-            num_gpus=gpu * share,
-            log_file=rundir.log_file(self.run_dir, "rollout"),
-            echo=self.echo,
-            args=(str(self.model_dir), r.rollout, r.model),
-            kwargs=rollout_spec.worker_kwargs(r, rollout_threads),
-            node=self._node(place, 0) if r.cluster.colocate else self._rollout_node(place),
-        )
-        rollout_client = self.rollout = RayRollout(rollout)  # stopped on the way out even if the start fails
-        self._announced.append(rollout)
-        starting.append((rollout, rollout.send_started()))
+        rollout_client, engines = self._start_rollout(place, rollout_threads)
+        self.rollout = rollout_client  # stopped on the way out even if the start fails
+        self._rollout_workers = engines
+        self._announced += engines
+        starting += [(w, w.send_started()) for w in engines]
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
         memory = RolloutMemory(rollout_client, enabled=sleeps)
         joins: list[Any] = []
@@ -308,7 +296,7 @@ class Session:
             client = self.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
         for worker, _ in starting:  # out of GPU memory: the error names the recipe key to change
-            role = "rollout" if worker is rollout else "trainer"
+            role = "rollout" if any(worker is w for w in engines) else "trainer"
             worker.explain = functools.partial(gpu_faults.explain, role=role, recipe=r, plan=plan)
         answers = rc.wait_started(
             starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
@@ -319,6 +307,46 @@ class Session:
             )
             trainer.formed(answers[-len(joins) :], log_plain)
         return Workers(client, rollout_client, memory)
+
+    def _start_rollout(self, place: rc.Placement, threads: int) -> tuple[RolloutGroup, list[rc.Worker]]:
+        """The plan's rollout engines, each a Ray actor placed as `engine_specs` says. On CPU the engines split
+        the cores (they generate at the same time)."""
+        r, kind = self.recipe, rollout_engine(self.recipe)
+        specs = engine_specs(self.plan, place)
+        if r.cluster.device == "cpu":
+            threads = max(threads // len(specs), 1)
+        workers = [
+            rc.start_worker(
+                kind.worker(),
+                spec.name,
+                self._pg,
+                spec.bundles[0],
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                log_file=rundir.log_file(self.run_dir, spec.log),
+                echo=self.echo,
+                args=(str(self.model_dir), r.rollout, r.model),
+                kwargs={
+                    **kind.worker_kwargs(r, threads),
+                    **(spec.parallel if kind.spreads_tensor_parallel else {}),
+                },
+                node=self._engine_node(place, i),
+            )
+            for i, spec in enumerate(specs)
+        ]
+        if len(specs) > 1:
+            log_plain(f"rollout: {len(specs)} engines ({'; '.join(self.plan.engine_places())})")
+        clients: list[RolloutClient] = [RayRollout(w) for w in workers]
+        group = RolloutGroup(clients, seeds_per_group=kind.seeds_per_group, ready=rc.answered)
+        return group, workers
+
+    def _engine_node(self, place: rc.Placement, engine: int) -> rc.NodeInfo | None:
+        """Rollout engine `engine`'s node, named in its errors (clusters of several nodes only)."""
+        if not self._multi_node:
+            return None
+        if self.plan.colocate:
+            return self._node(place, self.plan.rollout_devices[engine][0])
+        return place.rollout_nodes[engine] if engine < len(place.rollout_nodes) else None
 
     def _prerecord_kwargs(self) -> dict[str, Any]:
         """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make
@@ -340,7 +368,7 @@ class Session:
             for line in place.describe():
                 log_plain(
                     f"placement: {line}"
-                    + (" (and the rollout)" if line.startswith("node 0:") and c.colocate else "")
+                    + (" (and their rollout engines)" if line.startswith("node ") and c.colocate else "")
                 )
             counts = [place.node_of_slot.count(j) for j in range(len(place.nodes))]
             if c.address and counts != [c.gpus_per_node] * c.nodes:
@@ -358,9 +386,6 @@ class Session:
         """The node of trainer device `device`, named in its worker's errors (clusters of several nodes only)."""
         return place.nodes[place.node_of_slot[device]] if self._multi_node else None
 
-    def _rollout_node(self, place: rc.Placement) -> rc.NodeInfo | None:
-        return place.rollout_nodes[0] if self._multi_node and place.rollout_nodes else None
-
     def _started(self, worker: rc.Worker, answer: rc.Started) -> None:
         """The start-up line of the hf trainer or the rollout (`Worker.send_started`'s answer): seconds since the
         workers were asked for, of which the Ray worker process took those before its constructor ran."""
@@ -368,7 +393,8 @@ class Session:
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
         phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer.seconds), **answer.phases})
-        what = rollout_engine(self.recipe).started if worker is self._rollout_worker else "model loaded"
+        rollout = any(worker is w for w in self._rollout_workers)
+        what = rollout_engine(self.recipe).started if rollout else "model loaded"
         gpus = answer.gpus
         where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
         log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
@@ -474,7 +500,10 @@ class Session:
         trainer, kind = self.trainer, self.recipe.rollout.weight_sync
         same_node = self.recipe.cluster.nodes == 1 and not self.recipe.cluster.address
         ipc = self._cuda_ipc()
-        ref = trainer.export_weights(kind, as_files=same_node and not ipc, cuda_ipc=ipc)
+        # an adapter directory is handed over to its receiver, which removes it once read: with several engines
+        # the adapter (small) goes through Ray's object store instead, each engine writing its own
+        shared_dir = kind == "merged" or self.plan is None or self.plan.rollout_engines == 1
+        ref = trainer.export_weights(kind, as_files=same_node and not ipc and shared_dir, cuda_ipc=ipc)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version
         if background and self.loads_in_background():
@@ -525,9 +554,52 @@ def release_export(trainer: Trainer, *, failing: bool) -> None:
         log_plain(f"warning: releasing the trainer's CUDA IPC export failed too: {e}")
 
 
-def rollout_slot(plan: Plan, place: rc.Placement) -> int:
-    """The placement-group bundle of the rollout: the first trainer device's when colocated, else the first of
-    the bundles reserved after the trainer's (plan.rollout_bundles)."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """Where one rollout engine's actor goes and what it holds (`engine_specs`)."""
+
+    name: str
+    log: str
+    """Its log file's role name (logs/<log>.log)."""
+    bundles: list[int]
+    """Its placement-group bundles; the actor sits on the first."""
+    num_cpus: float
+    num_gpus: float
+    parallel: dict[str, Any]
+    """At rollout.tensor_parallel > 1, how the engine starts its workers (VllmRollout's executor, ray_bundles,
+    ray_gpus_per_worker); empty at 1."""
+
+
+def engine_specs(plan: Plan, place: rc.Placement) -> list[EngineSpec]:
+    """Each rollout engine of the plan (plan.rollout_devices) as an actor. Colocated, engine i shares its trainer
+    devices' bundles (half of each: the trainer rank holds the other half), its actor on the first; at
+    rollout.tensor_parallel t > 1 one actor cannot hold t bundles, so the actor takes no device and vLLM starts a
+    Ray worker on each bundle (rollout/vllm.py "Tensor parallelism"). Separate, engine i's actor holds the whole
+    bundle of t devices reserved for it after the trainer's, and vLLM's workers run in its processes."""
+    gpu = 1.0 if plan.device == "cuda" else 0.0
+    tp, num = plan.rollout_tp, len(plan.rollout_devices)
+    out = []
+    for i, bundles in enumerate(engine_bundles(plan, place)):
+        name, log = ("rollout", "rollout") if num == 1 else (f"rollout engine {i}", f"rollout-engine{i}")
+        if plan.colocate:
+            spread = tp > 1
+            parallel = (
+                {"executor": "ray", "ray_bundles": bundles, "ray_gpus_per_worker": gpu * 0.5}
+                if spread
+                else {}
+            )
+            out.append(EngineSpec(name, log, bundles, 0.5, 0.0 if spread else gpu * 0.5, parallel))
+        else:
+            parallel = {"executor": "mp"} if tp > 1 else {}
+            out.append(EngineSpec(name, log, bundles, float(tp), gpu * tp, parallel))
+    return out
+
+
+def engine_bundles(plan: Plan, place: rc.Placement) -> list[list[int]]:
+    """The placement-group bundles of each rollout engine (plan.rollout_devices): colocated, the bundles of its
+    trainer devices (Placement.slots, node by node); separate, its one bundle of rollout.tensor_parallel devices
+    among those reserved after the trainer's (plan.rollout_bundles)."""
     if plan.colocate:
-        return place.slots[0]
-    return sum(len(node) for node in plan.bundles_per_node)
+        return [[place.slots[d] for d in devices] for devices in plan.rollout_devices]
+    first = sum(len(node) for node in plan.bundles_per_node)
+    return [[first + i] for i in range(len(plan.rollout_devices))]

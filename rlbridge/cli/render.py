@@ -92,6 +92,10 @@ def plan_full(p: Plan) -> None:
     out.print(t)
     if len(p.trainer_ranks) > len(shown):
         out.print(f"... {len(p.trainer_ranks) - len(shown)} more ranks (see --json)")
+    out.print(
+        f"[bold]rollout engines[/] {'; '.join(p.engine_places()[:16])}"
+        + (" ..." if p.rollout_engines > 16 else "")
+    )
     bundles = ", ".join(f"node {i}: {len(b)} x {b[0] if b else {}}" for i, b in enumerate(p.bundles_per_node))
     out.print(
         f"[bold]Ray bundles[/] {bundles}"

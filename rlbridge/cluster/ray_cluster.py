@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -226,14 +226,15 @@ class Placement:
     node_of_slot: list[int]
     """Plan node index of each trainer device (same order as slots)."""
     rollout_nodes: list[NodeInfo]
-    """The nodes of a separate rollout's bundles (after the trainer's), in bundle order; empty when colocated."""
+    """The nodes of separate rollout engines' bundles (after the trainer's, one per engine), in bundle order; empty
+    when colocated."""
 
     def describe(self) -> list[str]:
         lines = [
             f"node {j}: {n.label()}: trainer devices {', '.join(str(i) for i, k in enumerate(self.node_of_slot) if k == j)}"
             for j, n in enumerate(self.nodes)
         ]
-        return lines + [f"rollout device {i}: {n.label()}" for i, n in enumerate(self.rollout_nodes)]
+        return lines + [f"rollout engine {i}: {n.label()}" for i, n in enumerate(self.rollout_nodes)]
 
 
 def placement(pg: PlacementGroup, num_trainer: int) -> Placement:
@@ -337,6 +338,12 @@ class Worker:
             raise RlbridgeError(
                 f"{self.name} worker died{self._on_node()}: {_tail(str(e), 6)}{self._last_lines()}"
             ) from None
+        except OutOfMemoryError as e:  # Ray's memory monitor killed it (its call's process) to save the node
+            raise RlbridgeError(
+                f"{self.name} worker was killed by Ray's memory monitor: the node ran low on host memory "
+                f"({_tail(str(e).split(chr(10) + 'OOM kill reason')[0], 2)}). Free memory on the node, or lower "
+                f"what the workers hold (rollout.kv_cache_gib on CPU, fewer rollout engines){self._last_lines()}"
+            ) from None
         except GetTimeoutError:
             raise RlbridgeError(
                 f"{self.name} worker did not answer within {timeout} s{self._where()}"
@@ -433,6 +440,8 @@ class Started:
     """The start-up phases vLLM logged meanwhile (logs.vllm_phases)."""
     gpus: list[str]
     """The devices Ray gave it (CUDA_VISIBLE_DEVICES)."""
+    pid: int = 0
+    """Its process id."""
 
 
 @functools.cache
@@ -456,6 +465,7 @@ def _logged(cls: Any) -> type:
             seconds=self._rlbridge_startup_s,
             phases=logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
             gpus=[str(i) for i in ray.get_gpu_ids()],
+            pid=os.getpid(),
         )
 
     return type(
@@ -556,3 +566,10 @@ def shutdown(pg: PlacementGroup | None = None) -> None:
             pass
     if ray.is_initialized():
         ray.shutdown()
+
+
+def answered(refs: list[Any]) -> list[int]:
+    """Waits until at least one of these calls has answered; the positions of those that have."""
+    ready, _ = ray.wait(refs, num_returns=1, timeout=None, fetch_local=False)
+    done = set(ready)
+    return [i for i, ref in enumerate(refs) if ref in done]

@@ -45,9 +45,12 @@ class RolloutEngine(Protocol):
         *,
         expect_version: int,
         seed: int | None = None,
+        group_seeds: list[int] | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed the
-        sampling RNG first (same seed, prompts and weights -> same tokens); None continues the RNG."""
+        sampling RNG first (same seed, prompts and weights -> same tokens); None continues the RNG.
+        group_seeds: one seed per prompt, each prompt's completions sampled from their own generator, whatever
+        else the call holds (engines whose spec has seeds_per_group; the others refuse it)."""
         ...
 
     def load_weights(self, weights: WeightExport, version: int) -> None:

@@ -58,16 +58,42 @@ class RolloutClient(ABC):
         """Stop the worker(s) now (any thread): a call waiting on them fails at once."""
 
     def send_generate(
-        self, ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+        self,
+        ids: list[list[int]],
+        sampling: SamplingCfg,
+        *,
+        expect_version: int,
+        seed: int | None = None,
+        group_seeds: list[int] | None = None,
     ) -> Sent[Rollouts]:
         """n completions for each prompt (`ids`: its token ids), grouped by prompt (RolloutEngine.generate),
-        without waiting: it runs after every call sent before it, with the weights they loaded."""
-        return self._send(RolloutEngine.generate, ids, sampling, expect_version=expect_version, seed=seed)
+        without waiting: it runs after every call sent before it, with the weights they loaded. group_seeds: one
+        sampling seed per prompt (engines whose spec has seeds_per_group; rollout/group.py)."""
+        if group_seeds is None:  # engines without per-prompt seeds take no such argument
+            return self._send(RolloutEngine.generate, ids, sampling, expect_version=expect_version, seed=seed)
+        return self._send(
+            RolloutEngine.generate,
+            ids,
+            sampling,
+            expect_version=expect_version,
+            seed=seed,
+            group_seeds=group_seeds,
+        )
 
     def generate(
-        self, ids: list[list[int]], sampling: SamplingCfg, *, expect_version: int, seed: int | None = None
+        self,
+        ids: list[list[int]],
+        sampling: SamplingCfg,
+        *,
+        expect_version: int,
+        seed: int | None = None,
+        group_seeds: list[int] | None = None,
     ) -> Rollouts:
-        return self.wait(self.send_generate(ids, sampling, expect_version=expect_version, seed=seed))
+        return self.wait(
+            self.send_generate(
+                ids, sampling, expect_version=expect_version, seed=seed, group_seeds=group_seeds
+            )
+        )
 
     def send_load_weights(self, weights: Any, version: int) -> Sent[None]:
         """Sample from `weights` (a WeightExport, or a reference to the one the trainer produces) from now on, as

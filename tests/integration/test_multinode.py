@@ -292,7 +292,7 @@ def test_a_lost_node_stops_the_run_and_resume_finishes(
     finally:
         cluster.start_worker()  # a healthy cluster again: node_b back, as a new Ray node
     assert rc == 1 and "Traceback" not in out, out[-6000:]
-    placed = re.findall(r"placement: (node 0|rollout device 0): \S+ \(ray node (\w+)", out)
+    placed = re.findall(r"placement: (node 0|rollout engine 0): \S+ \(ray node (\w+)", out)
     assert len(placed) == 2 and placed[0][1] != placed[1][1], out[
         -6000:
     ]  # trainer and rollout on different nodes

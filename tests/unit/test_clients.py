@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlbridge.rollout.base import RolloutEngine, SleepingRolloutEngine
 from rlbridge.rollout.client import LocalRollout, RayRollout, RolloutClient
+from rlbridge.rollout.group import RolloutGroup
 from rlbridge.trainer.client import LocalTrainer, RayTrainer, Trainer
 
 PKG = Path(__file__).resolve().parents[2] / "rlbridge"
@@ -35,7 +36,7 @@ def public(cls: type) -> set[str]:
 def test_each_client_implements_how_its_calls_travel() -> None:
     """The interfaces hold the calls; a client only says how they reach the worker (nothing left abstract)."""
     for interface, clients in (
-        (RolloutClient, (RayRollout, LocalRollout)),
+        (RolloutClient, (RayRollout, LocalRollout, RolloutGroup)),
         (Trainer, (RayTrainer, LocalTrainer)),
     ):
         for client in clients:

@@ -1,0 +1,78 @@
+"""The plan's rollout engines (plan.rollout_devices) and how the session places them (session.engine_specs), for
+the shipped multi-GPU recipes and the CPU quickstart with engines of its own; pure (no Ray: a Placement is built
+by hand, as ray_cluster.placement reads it back)."""
+
+from __future__ import annotations
+
+from rlbridge.cluster.ray_cluster import NodeInfo, Placement
+from rlbridge.plan import Plan, make_plan
+from rlbridge.recipe.load import load_recipe
+from rlbridge.session import engine_specs
+
+
+def plan_of(recipe: str, *sets: str) -> Plan:
+    return make_plan(load_recipe(f"recipes/{recipe}.yaml", list(sets)), None)
+
+
+def one_node(plan: Plan) -> Placement:
+    node = NodeInfo("n0", "192.0.2.1", True, {})
+    world = plan.world_size
+    return Placement(list(range(world)), [node], [0] * world, [node] * len(plan.rollout_bundles))
+
+
+def test_colocated_tensor_parallel_engines_span_their_ranks() -> None:
+    """qwen2.5-7b: 8 GPUs, rollout.tensor_parallel 2 -> 4 engines, engine i on ranks 2i, 2i+1; each actor on its
+    first rank's bundle without a device, vLLM's Ray workers on both bundles with half a GPU each."""
+    plan = plan_of("qwen2.5-7b-grpo-lora")
+    assert plan.rollout_engines == 4 and plan.rollout_devices == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.rollout_bundles == []
+    assert plan.engine_places()[1] == "engine 1: trainer device(s) 2-3 (node 0)"
+    specs = engine_specs(plan, one_node(plan))
+    assert [s.bundles for s in specs] == plan.rollout_devices
+    assert [s.name for s in specs] == [f"rollout engine {i}" for i in range(4)]
+    assert all(s.num_gpus == 0.0 and s.num_cpus == 0.5 for s in specs)
+    assert specs[3].parallel == {"executor": "ray", "ray_bundles": [6, 7], "ray_gpus_per_worker": 0.5}
+
+
+def test_two_nodes_keep_each_engine_on_its_ranks_node() -> None:
+    """qwen3-30b: 2 nodes x 8 GPUs, rollout.tensor_parallel 4 -> 4 engines, two per node; with Ray's bundles
+    interleaved over the nodes, an engine's bundles are still its ranks' (Placement.slots)."""
+    plan = plan_of("qwen3-30b-a3b-moe-lora")
+    assert plan.rollout_engines == 4 and plan.rollout_tp == 4
+    assert [p.split(" (")[1] for p in plan.engine_places()] == ["node 0)", "node 0)", "node 1)", "node 1)"]
+    a, b = NodeInfo("a", "192.0.2.1", True, {}), NodeInfo("b", "192.0.2.2", False, {})
+    slots = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]  # bundle 2k on node a, 2k+1 on node b
+    place = Placement(slots, [a, b], [0] * 8 + [1] * 8, [])
+    specs = engine_specs(plan, place)
+    assert specs[0].bundles == [0, 2, 4, 6] and specs[2].bundles == [1, 3, 5, 7]
+
+
+def test_separate_engines_get_bundles_of_their_own() -> None:
+    """The CPU quickstart with two engines of its own: bundles 1 and 2 after the trainer's; at tensor_parallel 2 on
+    GPUs each engine's one bundle holds 2 GPUs and its actor all of them (vLLM's workers in its processes)."""
+    plan = plan_of("quickstart", "cluster.colocate=false", "rollout.gpus=2")
+    assert plan.rollout_engines == 2 and plan.rollout_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    specs = engine_specs(plan, one_node(plan))
+    assert [(s.bundles, s.num_cpus, s.num_gpus, s.parallel) for s in specs] == [
+        ([1], 1.0, 0.0, {}),
+        ([2], 1.0, 0.0, {}),
+    ]
+    assert [s.log for s in specs] == ["rollout-engine0", "rollout-engine1"]
+
+    gpu = plan_of("quickstart-gpu", "cluster.colocate=false", "rollout.gpus=6", "rollout.tensor_parallel=3")
+    assert gpu.rollout_bundles == [{"GPU": 3.0, "CPU": 3.0}] * 2
+    assert gpu.engine_places() == [
+        "engine 0: rollout device(s) 0-2 of its own",
+        "engine 1: rollout device(s) 3-5 of its own",
+    ]
+    specs = engine_specs(gpu, one_node(gpu))
+    assert [(s.bundles, s.num_gpus, s.parallel) for s in specs] == [
+        ([1], 3.0, {"executor": "mp"}),
+        ([2], 3.0, {"executor": "mp"}),
+    ]
+
+
+def test_one_engine_keeps_its_old_name() -> None:
+    plan = plan_of("quickstart")
+    (spec,) = engine_specs(plan, one_node(plan))
+    assert (spec.name, spec.log, spec.bundles, spec.num_cpus) == ("rollout", "rollout", [0], 0.5)
