@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from rlbridge.errors import RecipeIssue, RlbridgeError
 from rlbridge.recipe.checks.common import Issues
-from rlbridge.recipe.schema import DataCfg, DatasetCfg, EvalCfg, Recipe
+from rlbridge.recipe.schema import DataCfg, DatasetCfg, Recipe
 
 PREVIEW_ROWS = 100
 """Rows of each split read by validate-recipe."""
@@ -259,11 +259,13 @@ def check_eval(r: Recipe, out: Issues) -> None:
                     fix="set rollout.temperature > 0, or k: 1",
                 )
             )
-    if r.data.val is None and r.eval != EvalCfg():  # metrics named, nothing to measure them on
+    # without data.val the metrics still name the training steps' columns (the first pass rate is `acc`); pass@k
+    # exists only in evaluations
+    if r.data.val is None and any(m.k > 1 for m in r.eval.metrics):
         out.append(
             RecipeIssue(
                 "eval.metrics",
-                "there is no data.val to evaluate on: nothing is measured",
-                fix="add data.val (e.g. the test split of the training data), or remove the eval section",
+                "there is no data.val to evaluate on: pass@k is measured only in evaluations",
+                fix="add data.val (e.g. the test split of the training data), or k: 1",
             )
         )
