@@ -27,19 +27,9 @@ from rlbridge.recipe.schema import AUTO_WIDTH_MULTIPLE, Recipe, RolloutCfg, Trai
 from rlbridge.rollout.registry import ROLLOUT_ENGINES
 from rlbridge.trainer.client import LocalTrainer
 from rlbridge.trainer.role import TrainerRole
+from tests.unit.test_import_rules import SPEC_MODULES  # the modules that may know engines by name
 
 PKG = Path(__file__).resolve().parents[2] / "rlbridge"
-SPEC_MODULES = {
-    "engines/spec.py",
-    "engines/registry.py",
-    "engines/hf_spec.py",
-    "engines/megatron/spec.py",
-    "rollout/spec.py",
-    "rollout/registry.py",
-    "rollout/vllm_spec.py",
-    "rollout/hf_spec.py",
-}
-"""The modules that may know engines by name."""
 NAME_COMPARE = re.compile(r"engine\s*(==|!=|in\s*\(|not\s+in\b)")
 
 
