@@ -65,8 +65,19 @@ def cli(*args: str) -> list[str]:
 def overrides(args: argparse.Namespace, *extra: str) -> list[str]:
     sets = [*ONE_GPU, f"model.path={args.model}", f"cluster.device={args.device}", *extra, *args.set]
     if args.device == "cuda":
-        sets.insert(0, "cluster.gpu_memory_gib=139")  # one H200
+        sets.insert(0, f"cluster.gpu_memory_gib={card_gib()}")
     return [x for s in sets for x in ("--set", s)]
+
+
+def card_gib() -> int:
+    """The first GPU's memory in whole GiB as nvidia-smi reports it (139 on an H200, 79 on an H100)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(float(out.split()[0]) / 1024)
 
 
 class GpuMemory:

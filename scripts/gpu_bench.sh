@@ -4,6 +4,7 @@
 # ./gpu_out) and stops at GPU_BENCH_BUDGET_S (default 560 s) from its start; results then go into bench/results/
 # by hand, with the date and this command.
 #
+#   bash scripts/gpu_bench.sh smoke     # the GPU quickstart via the CLI, 3 steps: a guard before long parts (~1.5 min)
 #   bash scripts/gpu_bench.sh async3    # issue 18: async seed 3 of the 30-step quickstart (ran 2026-12-02 in 252 s on a
 #                                       # fresh machine: bench/results/async_runs-gpu-2026-12-02b.md)
 #   bash scripts/gpu_bench.sh inloop    # issue 16 goal 1: the GPU quickstart at 64 x 8 = 512 rollouts, <= 256 tokens,
@@ -121,6 +122,12 @@ for part in "$@"; do
   mkdir -p "$OUT/$part"
   echo "== $part, $(date -u +%H:%M:%SZ), $(left) s left"
   case "$part" in
+    smoke)  # the GPU quickstart through the CLI, 3 steps (one vLLM engine through the rollout group): a guard before
+            # the long parts, its step lines and metrics kept in $OUT/smoke
+      timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir /tmp/rlb-smoke --set run.steps=3 \
+        > "$OUT/$part/log.txt" 2>&1
+      echo "rc $?"; cp /tmp/rlb-smoke/metrics.jsonl "$OUT/$part/" 2>/dev/null; rm -rf /tmp/rlb-smoke
+      grep -E "^step|Error|error:" "$OUT/$part/log.txt" | tail -8 ;;
     async3)
       timeout "$(left)" "$PY" bench/async_runs.py --recipe recipes/quickstart-gpu.yaml --steps 30 --seeds 3 --modes async --no-save \
         --json "$OUT/$part/async_seed3.json" --out "$OUT/$part/runs" > "$OUT/$part/log.txt" 2>&1
@@ -304,7 +311,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
