@@ -63,8 +63,11 @@ class Batches:
     sequences_per_dp_rank: int
     """Sequences each data-parallel rank trains on per mini-batch."""
     micro_batches_per_mini_batch: int
-    """Gradient-accumulation steps per optimizer step on each data-parallel rank."""
+    """Gradient-accumulation steps per optimizer step on each data-parallel rank by micro_batch_size rows; under a
+    token budget the count depends on the lengths and this is only its bound for full-length rows."""
     max_sequence_tokens: int
+    tokens_per_micro_batch: int | None = None
+    """trainer.max_tokens_per_micro_batch: passes are packed by tokens, not by micro_batch_size rows."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ def batches(r: Recipe, dp: int) -> Batches:
         sequences_per_dp_rank=per_rank,
         micro_batches_per_mini_batch=max(num_micro_batches(r, per_rank), 1),
         max_sequence_tokens=r.rollout.max_prompt_tokens + r.rollout.max_response_tokens,
+        tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
     )
 
 

@@ -44,7 +44,12 @@ def plan_summary(p: Plan) -> None:
     out.print(
         f"[bold]batch[/] {b.prompts_per_step} prompts -> {b.rollouts_per_step} rollouts/step; "
         f"{b.mini_batches_per_step} mini-batch(es), {b.optimizer_steps_per_step} optimizer step(s)/step; "
-        f"{b.sequences_per_dp_rank} seqs per dp rank per mini-batch = {b.micro_batches_per_mini_batch} micro-batch(es)"
+        f"{b.sequences_per_dp_rank} seqs per dp rank per mini-batch = "
+        + (
+            f"{b.micro_batches_per_mini_batch} micro-batch(es)"
+            if b.tokens_per_micro_batch is None
+            else f"passes of <= {b.tokens_per_micro_batch} tokens (as many as the lengths need)"
+        )
     )
     if p.memory is not None:
         m = p.memory
