@@ -122,7 +122,14 @@ class Plan:
     rollout_devices: list[list[int]]
     """Each rollout engine's devices. Colocated: the trainer devices (ranks) it shares, engine i on ranks
     i*tp .. i*tp+tp-1, on their node. Separate: its own devices, numbered 0.. after the trainer's (engine i on
-    devices i*tp .. i*tp+tp-1, in bundle len(trainer bundles) + i, on whichever node Ray finds room)."""
+    devices i*tp .. i*tp+tp-1, in bundle len(trainer bundles) + i, on whichever node Ray finds room). With
+    rollout.engines_per_device k > 1 (tensor_parallel 1) engines k*d .. k*d+k-1 share device d."""
+
+    @property
+    def engines_per_device(self) -> int:
+        """Rollout engines on each rollout device (rollout.engines_per_device; 1 at tensor_parallel > 1)."""
+        return max(sum(1 for d in self.rollout_devices if d == self.rollout_devices[0]), 1)
+
     batches: Batches
     memory: Memory | None
     notes: list[str] = field(default_factory=list)
@@ -137,6 +144,8 @@ class Plan:
         out = []
         for i, devices in enumerate(self.rollout_devices):
             span = f"{devices[0]}" if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"
+            if self.engines_per_device > 1:
+                span += f" (shared by {self.engines_per_device} engines)"
             if self.colocate:
                 on = sorted({nodes.get(d, 0) for d in devices})
                 out.append(f"engine {i}: trainer device(s) {span} (node {', '.join(map(str, on))})")
@@ -261,7 +270,8 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     full_total = weights + full_grads + full_opt + act + full_critic
     # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up;
     # rollout.mode async keeps it resident while the trainer updates, so they do.
-    rollout_total = rollout_w + kv
+    per_device = r.rollout.engines_per_device if r.rollout.tensor_parallel == 1 else 1
+    rollout_total = (rollout_w + kv) * per_device  # rollout.engines_per_device engines, each its own copy
     sleeps = False
     if r.cluster.device == "cpu":
         peak = trainer_total + rollout_total
@@ -473,9 +483,13 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
     rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
     rtp = r.rollout.tensor_parallel
-    num_engines = max(rollout_gpus // rtp, 1)
+    per_device = r.rollout.engines_per_device if rtp == 1 else 1
+    engine_groups = max(
+        rollout_gpus // rtp, 1
+    )  # one per rtp devices; each device then holds `per_device` engines
+    num_engines = engine_groups * per_device
     rollout_bundles = (
-        [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(num_engines)]
+        [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(engine_groups)]
     )
     b = batches(r, dp)
     notes = []
@@ -526,7 +540,9 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         trainer_ranks=rank_coords(r),
         rollout_engines=num_engines,
         rollout_tp=rtp,
-        rollout_devices=[list(range(i * rtp, (i + 1) * rtp)) for i in range(num_engines)],
+        rollout_devices=[
+            list(range(g * rtp, (g + 1) * rtp)) for g in range(engine_groups) for _ in range(per_device)
+        ],
         batches=b,
         memory=mem,
         notes=notes,

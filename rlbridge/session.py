@@ -575,9 +575,11 @@ def engine_specs(plan: Plan, place: rc.Placement) -> list[EngineSpec]:
     devices' bundles (half of each: the trainer rank holds the other half), its actor on the first; at
     rollout.tensor_parallel t > 1 one actor cannot hold t bundles, so the actor takes no device and vLLM starts a
     Ray worker on each bundle (rollout/vllm.py "Tensor parallelism"). Separate, engine i's actor holds the whole
-    bundle of t devices reserved for it after the trainer's, and vLLM's workers run in its processes."""
+    bundle of t devices reserved for it after the trainer's, and vLLM's workers run in its processes. Engines
+    sharing a device (rollout.engines_per_device k) each hold 1/k of what one engine would."""
     gpu = 1.0 if plan.device == "cuda" else 0.0
     tp, num = plan.rollout_tp, len(plan.rollout_devices)
+    gpu /= plan.engines_per_device  # rollout.engines_per_device engines share a device (tensor_parallel 1)
     out = []
     for i, bundles in enumerate(engine_bundles(plan, place)):
         name, log = ("rollout", "rollout") if num == 1 else (f"rollout engine {i}", f"rollout-engine{i}")
@@ -588,10 +590,11 @@ def engine_specs(plan: Plan, place: rc.Placement) -> list[EngineSpec]:
                 if spread
                 else {}
             )
-            out.append(EngineSpec(name, log, bundles, 0.5, 0.0 if spread else gpu * 0.5, parallel))
+            cpus = 0.5 / plan.engines_per_device
+            out.append(EngineSpec(name, log, bundles, cpus, 0.0 if spread else gpu * 0.5, parallel))
         else:
             parallel = {"executor": "mp"} if tp > 1 else {}
-            out.append(EngineSpec(name, log, bundles, float(tp), gpu * tp, parallel))
+            out.append(EngineSpec(name, log, bundles, tp / plan.engines_per_device, gpu * tp, parallel))
     return out
 
 
@@ -602,4 +605,4 @@ def engine_bundles(plan: Plan, place: rc.Placement) -> list[list[int]]:
     if plan.colocate:
         return [[place.slots[d] for d in devices] for devices in plan.rollout_devices]
     first = sum(len(node) for node in plan.bundles_per_node)
-    return [[first + i] for i in range(len(plan.rollout_devices))]
+    return [[first + i // plan.engines_per_device] for i in range(len(plan.rollout_devices))]

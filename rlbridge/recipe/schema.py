@@ -222,6 +222,10 @@ class RolloutCfg(Section):
     """Completions sampled per prompt (the group size of GRPO-family algorithms)."""
     tensor_parallel: PositiveInt = 1
     """Tensor-parallel size of each vLLM engine: raise it when one GPU cannot hold the model and its KV cache."""
+    engines_per_device: PositiveInt = 1
+    """Rollout engines sharing each rollout device (tensor_parallel 1 only). A small model's one engine can leave
+    a large GPU's compute idle; two engines each take rollout.gpu_memory_utilization of the device, so lower it
+    (e.g. 0.3 each) until all of them and, colocated, the trainer fit: `rlbridge plan` shows the peak."""
     temperature: Annotated[float, Field(ge=0)] = 1.0
     """Sampling temperature. 1.0 samples from the policy the trainer scores (its log-probs are not tempered);
     lower values explore less."""

@@ -11,7 +11,9 @@ node) is compared with the plan's placement (plan.rollout_devices, `rlbridge pla
 * separate, `rollout.gpus: 3` at `rollout.tensor_parallel: 3`: one engine whose actor holds three GPUs (vLLM's
   workers run in its processes);
 * colocated, 3 ranks at `rollout.tensor_parallel: 3`: one engine spanning the ranks' bundles; its actor takes no
-  GPU and vLLM's Ray workers (probed here, as vLLM's Ray executor places them) get a share of each rank's GPU.
+  GPU and vLLM's Ray workers (probed here, as vLLM's Ray executor places them) get a share of each rank's GPU;
+* `rollout.engines_per_device: 2`, colocated on one GPU and separate on one rollout GPU: both engines on the same
+  GPU (and, colocated, the trainer's).
 
 The workers' start-up answer carries their GPU ids (printed on the start-up line on GPUs: "rollout engine 1: vLLM
 engine up on GPU 2 (...)").
@@ -138,10 +140,11 @@ def check_separate(s: Seen) -> None:
     trainer = {g for ids in s.trainer for g in ids}
     assert len(s.engines) == s.plan.rollout_engines
     first = len(s.trainer)
+    k = s.plan.engines_per_device
     for i, ids in enumerate(s.engines):
         assert len(ids) == s.plan.rollout_tp and not trainer & set(ids), (s.trainer, s.engines)
-        assert s.engine_bundles[i] == [first + i]
-    assert len({g for ids in s.engines for g in ids}) == s.plan.rollout_tp * len(s.engines)
+        assert s.engine_bundles[i] == [first + i // k]
+    assert len({g for ids in s.engines for g in ids}) == s.plan.rollout_tp * len(s.engines) // k
 
 
 def test_colocated_engines_share_their_ranks_gpus(tmp_path: Path, declared_gpus: Any) -> None:
@@ -176,3 +179,26 @@ def test_a_colocated_tensor_parallel_engine_spans_its_ranks(tmp_path: Path, decl
     )
     assert s.plan.engine_places() == ["engine 0: trainer device(s) 0-2 (node 0)"]
     check_colocated(s)
+
+
+def test_two_engines_share_the_trainers_gpu(tmp_path: Path, declared_gpus: Any) -> None:
+    s = place(tmp_path, "rollout.engines_per_device=2", "rollout.gpu_memory_utilization=0.3")
+    assert s.plan.engine_places() == [
+        "engine 0: trainer device(s) 0 (shared by 2 engines) (node 0)",
+        "engine 1: trainer device(s) 0 (shared by 2 engines) (node 0)",
+    ]
+    assert s.engines == [s.trainer[0], s.trainer[0]]
+    check_colocated(s)
+
+
+def test_two_engines_share_a_rollout_gpu_of_their_own(tmp_path: Path, declared_gpus: Any) -> None:
+    s = place(
+        tmp_path,
+        "cluster.colocate=false",
+        "rollout.gpus=1",
+        "rollout.engines_per_device=2",
+        "rollout.gpu_memory_utilization=0.4",
+    )
+    assert s.plan.rollout_engines == 2 and len(s.plan.rollout_bundles) == 1
+    assert s.engines[0] == s.engines[1]
+    check_separate(s)

@@ -4,8 +4,13 @@ by hand, as ray_cluster.placement reads it back)."""
 
 from __future__ import annotations
 
+import pytest
+
 from rlbridge.cluster.ray_cluster import NodeInfo, Placement
+from rlbridge.model.info import read_model_info
 from rlbridge.plan import Plan, make_plan
+from rlbridge.errors import RecipeError
+from rlbridge.recipe import validate_recipe
 from rlbridge.recipe.load import load_recipe
 from rlbridge.session import engine_specs
 
@@ -76,3 +81,59 @@ def test_one_engine_keeps_its_old_name() -> None:
     plan = plan_of("quickstart")
     (spec,) = engine_specs(plan, one_node(plan))
     assert (spec.name, spec.log, spec.bundles, spec.num_cpus) == ("rollout", "rollout", [0], 0.5)
+
+
+def test_engines_sharing_a_device() -> None:
+    """rollout.engines_per_device 2 on the one-GPU quickstart: two engines on device 0 beside the trainer, each
+    actor with a quarter GPU (the trainer rank holds the other half); their memory counts twice in the plan.
+    Separate, both engines in the one rollout bundle, half its GPU each."""
+    one = plan_of("quickstart-gpu", "rollout.gpu_memory_utilization=0.3")
+    plan = plan_of("quickstart-gpu", "rollout.engines_per_device=2", "rollout.gpu_memory_utilization=0.3")
+    assert plan.rollout_engines == 2 and plan.rollout_devices == [[0], [0]] and plan.engines_per_device == 2
+    specs = engine_specs(plan, one_node(plan))
+    assert [(s.bundles, s.num_cpus, s.num_gpus) for s in specs] == [([0], 0.25, 0.25), ([0], 0.25, 0.25)]
+    model = read_model_info(load_recipe("recipes/quickstart-gpu.yaml", []).model.path)
+    a = make_plan(load_recipe("recipes/quickstart-gpu.yaml", ["rollout.gpu_memory_utilization=0.3"]), model)
+    b = make_plan(
+        load_recipe(
+            "recipes/quickstart-gpu.yaml",
+            ["rollout.engines_per_device=2", "rollout.gpu_memory_utilization=0.3"],
+        ),
+        model,
+    )
+    assert a.memory is not None and b.memory is not None and one.rollout_engines == 1
+    assert b.memory.rollout_total == pytest.approx(2 * a.memory.rollout_total, abs=2e-3)
+    sep = plan_of(
+        "quickstart-gpu", "cluster.colocate=false", "rollout.gpus=1", "rollout.engines_per_device=2"
+    )
+    assert sep.rollout_bundles == [{"GPU": 1.0, "CPU": 1.0}]
+    specs = engine_specs(sep, one_node(sep))
+    assert [(s.bundles, s.num_cpus, s.num_gpus) for s in specs] == [([1], 0.5, 0.5), ([1], 0.5, 0.5)]
+
+
+@pytest.mark.parametrize(
+    ("sets", "key"),
+    [
+        (
+            ["rollout.engines_per_device=2", "rollout.gpu_memory_utilization=0.6"],
+            "rollout.gpu_memory_utilization",
+        ),
+        (
+            ["rollout.engines_per_device=2", "rollout.tensor_parallel=2", "cluster.gpus_per_node=2"],
+            "rollout.engines_per_device",
+        ),
+        (
+            [
+                "rollout.engines_per_device=2",
+                "rollout.gpu_memory_utilization=0.3",
+                "rollout.weight_transport=cuda_ipc",
+                "rollout.weight_sync=merged",
+            ],
+            "rollout.engines_per_device",
+        ),
+    ],
+)
+def test_engines_per_device_refused_where_they_cannot_share(sets: list[str], key: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        validate_recipe("recipes/quickstart-gpu.yaml", sets, model_checks=False)
+    assert key in [i.key for i in e.value.issues], e.value.issues

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RecipeIssue
 from rlbridge.recipe.checks.common import Issues, choices, divisors
@@ -131,6 +133,27 @@ def check_rollout_layout(r: Recipe, out: Issues) -> None:
                 "rollout.tensor_parallel",
                 f"rollout tensor_parallel {r.rollout.tensor_parallel} does not divide the {gpus} rollout devices",
                 fix=f"set rollout.tensor_parallel to {choices(divisors(gpus))}",
+            )
+        )
+    k = r.rollout.engines_per_device
+    if k > 1 and r.rollout.tensor_parallel > 1:
+        out.append(
+            RecipeIssue(
+                "rollout.engines_per_device",
+                f"{k} engines per device need rollout.tensor_parallel 1 (an engine of several devices shares none)",
+                value=str(k),
+                fix="set rollout.engines_per_device: 1, or rollout.tensor_parallel: 1",
+            )
+        )
+    elif k > 1 and r.cluster.device == "cuda" and k * r.rollout.gpu_memory_utilization > 1:
+        each = math.floor(0.9 / k * 100) / 100
+        out.append(
+            RecipeIssue(
+                "rollout.gpu_memory_utilization",
+                f"{k} engines per device each take rollout.gpu_memory_utilization {r.rollout.gpu_memory_utilization}"
+                f" of it: {k * r.rollout.gpu_memory_utilization:.2f} of the device",
+                value=str(r.rollout.gpu_memory_utilization),
+                fix=f"set rollout.gpu_memory_utilization: {each} (or lower), or rollout.engines_per_device: 1",
             )
         )
     if r.cluster.colocate and r.rollout.gpus is not None:

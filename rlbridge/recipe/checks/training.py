@@ -103,6 +103,8 @@ def check_weight_transport(r: Recipe, out: Issues) -> None:
          "it moves merged weights (an adapter is small: files cost little)", "set rollout.weight_sync: merged"),
         ("rollout.tensor_parallel", ro.tensor_parallel != 1, str(ro.tensor_parallel),
          "one vLLM worker must hold the whole model on the trainer's GPU", "set rollout.tensor_parallel: 1"),
+        ("rollout.engines_per_device", ro.engines_per_device != 1, str(ro.engines_per_device),
+         "the trainer hands its tensors to one engine", "set rollout.engines_per_device: 1"),
         ("cluster.gpus_per_node", c.nodes == 1 and c.gpus_per_node != 1, str(c.gpus_per_node),
          "one trainer process must hold the whole merged model on the rollout's GPU (a multi-rank trainer's "
          "export is gathered on rank 0; not supported with IPC yet)", "set cluster.gpus_per_node: 1"),
