@@ -281,7 +281,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if rc == 0:
         score = out / "vllm_scores.json"
         job = [sys.executable, str(ROOT / "tests" / "gpu" / "vllm_score_job.py"), "--model", str(export),
-               "--device", args.device, "--dtype", "bfloat16", "--out", str(score)]  # fmt: skip
+               "--device", args.device, "--dtype", "bfloat16", "--out", str(score),
+               "--gpu-memory-utilization", "0.5"]  # fmt: skip
         rc, score_s = run_logged(job, log)
         summary.update(vllm_score_exit=rc, vllm_score_s=round(score_s, 1))
         if rc == 0:

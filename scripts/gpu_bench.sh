@@ -57,7 +57,7 @@
 #                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
 #   bash scripts/gpu_bench.sh 7bhf      # issue 44: the 7B recipe (qwen2.5-7b-random) through the CLI on one GPU, hf engine,
 #                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py; not run yet)
-#   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine
+#   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine (STEPS7B=2: 2 steps, checkpoint at 2)
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
@@ -290,7 +290,7 @@ PYEOF
     7bhf|7bmeg)  # issue 44: recipes/qwen2.5-7b-grpo-lora.yaml on one GPU through the CLI (bench/size7b.py), 5 steps of
                  # 32 x 8, <= 256 tokens, adapter checkpoint at step 5; the run stays in /tmp/rlb7b for 7bresume/7bexport
       engine=hf; [ "$part" = 7bmeg ] && engine=megatron
-      timeout "$(left)" "$PY" bench/size7b.py train --engine $engine --steps 5 --save-every 5 --run-dir /tmp/rlb7b/$engine \
+      timeout "$(left)" "$PY" bench/size7b.py train --engine $engine --steps "${STEPS7B:-5}" --save-every "${STEPS7B:-5}" --run-dir /tmp/rlb7b/$engine \
         --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -30 "$OUT/$part/log.txt" ;;
     7bresume)  # after 7bhf on the same machine: resume to step 8, kill -9 once step 6 is logged, resume again

@@ -2,6 +2,7 @@
 process; test_gpu_kill_resume_export.py starts it on an `export-hf` output).
 
     python tests/gpu/vllm_score_job.py --model DIR --device cuda|cpu --dtype bfloat16 --out SCORES.json
+        [--gpu-memory-utilization 0.1]   # enough for small models; a 7B's weights need ~0.5 of an H200
 
 The engine is built from rlbridge's own `engine_kwargs` (what a run's rollout gets: raw log-probs, the
 dtype), with eager mode on CUDA too (no torch.compile / CUDA graphs: ~1 min less start-up, same kernels for
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1, help="raise for large models (7B: 0.5)")
     args = ap.parse_args()
     os.environ.setdefault(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
@@ -45,7 +47,7 @@ def main() -> int:
 
     rows = fixed_sequences(load_tokenizer(Path(args.model)), len(TEXTS))
     cpu = args.device == "cpu"
-    cfg = RolloutCfg(engine="vllm", max_prompt_tokens=192, max_response_tokens=64, gpu_memory_utilization=0.1,
+    cfg = RolloutCfg(engine="vllm", max_prompt_tokens=192, max_response_tokens=64, gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_gib=0.25)  # fmt: skip
     kwargs = engine_kwargs(
         args.model, cfg, ModelCfg(path=args.model, dtype=args.dtype), lora_rank=0, seed=0, cpu=cpu
