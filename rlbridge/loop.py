@@ -132,6 +132,10 @@ def train_step(
         )
     batch = SeqBatch.from_token_lists(ro.prompt_ids, ro.response_ids, s.pad_id, ro.routed_experts)
     rollout_lp = pad_lists(ro.response_logprobs, batch.response_width)
+    with timer(
+        "update"
+    ):  # colocated GPUs: vLLM sleeps before the trainer's first pass (reference, values, update)
+        s.release_rollout_memory()
     ref = None
     if r.algorithm.kl.coef > 0:  # in the loss, or in the reward (compute_advantages subtracts it there)
         with timer("ref_logprobs"):
@@ -158,7 +162,6 @@ def train_step(
     if kl_ctl is not None and adv.kl_seq_mean is not None:
         kl_ctl.update(adv.kl_seq_mean, batch.size)
     with timer("update"):
-        s.release_rollout_memory()  # colocated GPUs: vLLM sleeps while the trainer needs the memory
         m = trainer.update(batch, adv.adv_bt, rollout_lp, ref, adv.old_values_bt, adv.returns_bt)
     check_agreement(r, m)
     check_mismatch(r, m, step, s.mismatch_notices)

@@ -33,7 +33,9 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1, help="raise for large models (7B: 0.5)")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.1, help="raise for large models (7B: 0.5)"
+    )
     args = ap.parse_args()
     os.environ.setdefault(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0"

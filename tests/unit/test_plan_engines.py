@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from rlbridge.cluster.ray_cluster import NodeInfo, Placement
+from rlbridge.errors import RecipeError
 from rlbridge.model.info import read_model_info
 from rlbridge.plan import Plan, make_plan
-from rlbridge.errors import RecipeError
 from rlbridge.recipe import validate_recipe
 from rlbridge.recipe.load import load_recipe
 from rlbridge.session import engine_specs
