@@ -69,6 +69,26 @@ def overrides(args: argparse.Namespace, *extra: str) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
+def bf16_logprobs(
+    model_dir: Path, prompts: list[list[int]], answers: list[list[int]], device: str
+) -> list[list[float]]:
+    """Log-probs of each answer after its prompt under a bfloat16 transformers forward of `model_dir` (the
+    precision vLLM runs in), log-softmax in float64 as tests/gpu/common.hf_logprobs does in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, answer in zip(prompts, answers, strict=True):
+            ids = torch.tensor([prompt + answer], device=device)
+            logits = model(input_ids=ids).logits[0].double()
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+            out.append(lp.gather(-1, torch.tensor(answer, device=device)[:, None])[:, 0].tolist())
+    del model
+    return out
+
+
 def card_gib() -> int:
     """The first GPU's memory in whole GiB as nvidia-smi reports it (139 on an H200, 79 on an H100)."""
     out = subprocess.run(
@@ -291,9 +311,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
             s = json.loads(score.read_text())
             start = time.monotonic()
-            # vLLM bf16 against a float32 transformers forward of the same export (the bf16 floor is ~3e-2)
-            summary["vllm_vs_transformers"] = gap(load_hf(export), s["prompts"], s["answers"], s["logprobs"])
+            # vLLM bf16 against a float32 transformers forward of the same export; and the bf16 floor at this
+            # size: a bf16 transformers forward (on the GPU when there is one) against the same float32 one
+            reference = load_hf(export)
+            summary["vllm_vs_transformers"] = gap(reference, s["prompts"], s["answers"], s["logprobs"])
             summary["reference_s"] = round(time.monotonic() - start, 1)
+            bf16 = bf16_logprobs(export, s["prompts"], s["answers"], args.device)
+            summary["transformers_bf16_vs_float32"] = gap(reference, s["prompts"], s["answers"], bf16)
             summary["vllm_startup_s"] = s.get("startup_s")
     write_summary(out, summary)
     return rc
