@@ -1,6 +1,7 @@
 """Which recipe changes a resume accepts: `check_resume_compatible` names every key that changed since the
 checkpoint and may not change (RESUME_SAFE_KEYS lists those that may: they do not change what the run
-computes)."""
+computes). A key the checkpoint's recipe lacks is accepted at the schema's default: a later rlbridge added it,
+and its default keeps what the earlier version computed."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def check_resume_compatible(old_yaml: str, new_yaml: str, *, layout_free: bool =
     for key, old, new in recipe_diff(old_yaml, new_yaml):
         if is_resume_safe(key, layout_free=layout_free):
             continue
+        if old is MISSING and new is not MISSING and _same_value(new, schema_default(key)):
+            continue  # a key a later rlbridge added, at its default: what the checkpoint's version computed
         why = (
             " (only a layout-free checkpoint, written by the megatron engine, loads at another parallel layout)"
             if any(key == p for p in LAYOUT_KEYS)
@@ -101,6 +104,39 @@ def check_resume_compatible(old_yaml: str, new_yaml: str, *, layout_free: bool =
             f"continue the same run{why}. Set {key} back to {_show(old)}, or start a new run"
         )
     return out
+
+
+def schema_default(key: str) -> Any:
+    """The recipe schema's default for dotted `key` (MISSING where it has none, or where a section's type
+    depends on the recipe, as the algorithm's does)."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    from rlbridge.recipe.schema import Recipe
+
+    model: Any = Recipe
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return MISSING
+        field = model.model_fields[part]
+        if i == len(parts) - 1:
+            if field.default_factory is not None:
+                value = field.default_factory()  # type: ignore[call-arg]  # pydantic's factories take no data here
+            elif field.default is PydanticUndefined:
+                return MISSING
+            else:
+                value = field.default
+            # as the saved recipe's YAML has it: sections as mappings, tuples as lists
+            return json.loads(
+                json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
+            )
+        model = field.annotation
+    return MISSING
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return b is not MISSING and (a == b and (type(a) is type(b) or _same_number(a, b)))
 
 
 def _show(value: Any) -> str:

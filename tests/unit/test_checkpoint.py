@@ -299,3 +299,17 @@ def test_safe_join_accepts_inside_paths(tmp_path: Path) -> None:
 def test_no_pickle_in_checkpoint_module() -> None:
     source = Path(ck.__file__).read_text(encoding="utf-8")
     assert "torch.load" not in source and "pickle" not in source
+
+
+def test_a_key_added_by_a_later_version_resumes_at_its_default() -> None:
+    """A checkpoint written before rollout.engines_per_device existed resumes when the key is at its default (1),
+    not when it is set to something else; a key the schema does not know is still refused."""
+    old = "name: t\nrollout: {n: 4}\n"
+    assert policy.schema_default("rollout.engines_per_device") == 1
+    assert policy.schema_default("trainer.optim.betas") == [0.9, 0.999]
+    assert policy.schema_default("no.such.key") is policy.MISSING
+    assert policy.check_resume_compatible(old, "name: t\nrollout: {n: 4, engines_per_device: 1}\n") == []
+    [problem] = policy.check_resume_compatible(old, "name: t\nrollout: {n: 4, engines_per_device: 2}\n")
+    assert problem.startswith("rollout.engines_per_device changed from (absent) to 2")
+    [problem] = policy.check_resume_compatible(old, "name: t\nrollout: {n: 4, made_up: 1}\n")
+    assert problem.startswith("rollout.made_up changed from (absent) to 1")
