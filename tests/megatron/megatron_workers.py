@@ -738,6 +738,7 @@ def checkpoint_suite(
     full_ft_dir: str | None = None,
     save_step3: str | None = None,
     load_step3: str | None = None,
+    vpp: int | None = None,
 ) -> dict[str, Any]:
     """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
     checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
@@ -746,14 +747,14 @@ def checkpoint_suite(
     step 3 into that run directory and take a fourth step (`step4`: what a resume of it must reproduce);
     `load_step3`: restore step 3 of that run directory and take the fourth step (`resumed4`). `full_ft_dir`:
     then a full fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one
-    launch for both)."""
+    launch for both). `vpp`: virtual pipeline stages per pipeline rank (None: none)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
     recipe = make_recipe(
         qwen,
         lora=lora(),
-        trainer=trainer(tp=tp, pp=pp, optim={"lr": lr, "clip_grad": 1.0, "warmup_steps": warmup}),
+        trainer=trainer(tp=tp, pp=pp, vpp=vpp, optim={"lr": lr, "clip_grad": 1.0, "warmup_steps": warmup}),
     )
     role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
     role.is_holder = torch.distributed.get_rank() == 0
