@@ -241,6 +241,8 @@ class Session:
             fail_fast=r.cluster.address is None,
         )
         place = self._placement(len(bundles) - len(plan.rollout_bundles))
+        if self._multi_node:  # before any worker starts: every node sees the run directory
+            rc.check_shared_run_dir(self.run_dir, place.nodes + place.rollout_nodes, log_plain)
         gpu = 1.0 if r.cluster.device == "cuda" else 0.0
         share = 0.5 if r.cluster.colocate else 1.0
         threads = os.cpu_count() or 1

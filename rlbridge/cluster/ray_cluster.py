@@ -6,7 +6,9 @@ dies makes the next call raise with the worker's own error instead of hanging.
 
 On a cluster of several nodes (cluster.address): before reserving, the alive nodes are checked against
 cluster.nodes x cluster.gpus_per_node (an error lists every node and what it lacks); after, each bundle's node is
-read back so that ranks are laid out node by node (`Placement`), printed, and named in a dead worker's error.
+read back so that ranks are laid out node by node (`Placement`), printed, and named in a dead worker's error;
+then, before any worker starts, every node of the placement proves that it sees the run directory
+(`check_shared_run_dir`).
 
 Each worker writes its output to its own log file (cluster/logs.py; Ray forwards nothing to the driver's
 terminal). Waiting for the workers to start prints a heartbeat with the last line of each one's log and
@@ -250,6 +252,76 @@ def placement(pg: PlacementGroup, num_trainer: int) -> Placement:
     return Placement(
         slots, [node(nid) for nid in order], node_of_slot, [node(nid) for nid in node_ids[num_trainer:]]
     )
+
+
+SHARED_DIR_TIMEOUT_S = 60.0
+"""How long the shared run directory check waits for each node's answer."""
+
+
+def _read_token(path: str, token: str, reply: str) -> dict[str, str]:
+    """On one node: what it reads at `path` (the driver wrote `token` there), and a reply file written back."""
+    out = {"host": socket.gethostname(), "problem": ""}
+    try:
+        seen = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        out["problem"] = f"cannot read it ({e.strerror or e})"
+        return out
+    if seen != token:
+        out["problem"] = "it holds another token (another directory at the same path?)"
+        return out
+    try:
+        Path(reply).write_text(token, encoding="utf-8")
+    except OSError as e:
+        out["problem"] = f"cannot write next to it ({e.strerror or e})"
+    return out
+
+
+def check_shared_run_dir(run_dir: Path, nodes: list[NodeInfo], log: Log) -> None:
+    """Before any worker starts on a cluster of several nodes: each node proves that it sees the run directory.
+    The driver writes a random token file into it; one Ray task per node (pinned to the node, no CPU) reads the
+    file at the same path and writes a reply beside it, which the driver reads back. A node that cannot read
+    the token, reads another, or whose reply the driver does not see (a node-local directory, a mount missing
+    or mounted elsewhere on that node) stops the run naming the node and the fix: its checkpoints (written on
+    trainer rank 0's node) and its workers' logs would otherwise land where a resume never finds them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    run_dir = Path(run_dir).resolve()
+    token = os.urandom(16).hex()
+    path = run_dir / f".node-check-{token}"
+    path.write_text(token, encoding="utf-8")
+    task = ray.remote(num_cpus=0, max_retries=0)(_read_token)
+    unique = list({n.id: n for n in nodes}.values())
+    replies = [path.with_name(f"{path.name}.{n.id[:12]}") for n in unique]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.id, soft=False)).remote(
+            str(path), token, str(reply)
+        )
+        for n, reply in zip(unique, replies, strict=True)
+    ]
+    problems = []
+    try:
+        for node, ref, reply in zip(unique, refs, replies, strict=True):
+            try:
+                seen = ray.get(ref, timeout=SHARED_DIR_TIMEOUT_S)
+            except (GetTimeoutError, RayTaskError, RayActorError) as e:
+                problems.append(f"{node.label()}: no answer ({_tail(str(e), 1)})")
+                continue
+            if not seen["problem"] and not (reply.is_file() and reply.read_text(encoding="utf-8") == token):
+                seen["problem"] = "its reply file does not reach the driver (a node-local directory?)"
+            if seen["problem"]:
+                problems.append(f"{node.label()}, host {seen['host']}: {seen['problem']}")
+    finally:
+        for file in (path, *replies):
+            file.unlink(missing_ok=True)
+    if problems:
+        raise RlbridgeError(
+            f"the run directory {run_dir} is not shared with every node: the driver wrote {path.name} there; "
+            + "; ".join(problems)
+            + ". Every node must see the run directory at the same path (checkpoints are written on trainer rank "
+            "0's node, logs by every worker, and a resume reads them back): put it on a filesystem all nodes mount "
+            "at the same path (NFS, Lustre, ...) and pass it with `rlbridge train ... --run-dir DIR`"
+        )
+    log(f"run directory {run_dir}: seen by all {len(unique)} nodes")
 
 
 def by_node(node_ids: list[str]) -> tuple[list[int], list[str], list[int]]:

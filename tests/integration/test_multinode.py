@@ -211,6 +211,7 @@ def test_tp2_across_two_nodes_equals_one_node(
     assert rc == 0, out[-6000:]
     placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)[^)]*\): trainer devices (\d)", out)
     assert [(n, d) for n, _, d in placed] == [("0", "0"), ("1", "1")], out[-6000:]
+    assert f"run directory {run.resolve()}: seen by all 2 nodes" in out  # the shared-directory preflight
     ranks = re.findall(
         r"trainer rank (\d): pid \d+, dp 0 tp (\d) pp 0, host (\S+) \(ray node (\w+)\), gloo via (\w+)", out
     )

@@ -6,7 +6,8 @@ Importing megatron-core + Megatron-Bridge takes ~10 s of CPU per process; on a 2
 imports would eat most of a test's budget. So this process activates rlbridge's megatron compat layer once
 (single-threaded, before any parallel op) and *forks* the N ranks, which then join a gloo group on
 localhost. Each rank writes `rank<r>.pt` (torch.save of the function's return value) into OUT_DIR. A rank
-that fails prints its traceback; the others are then stopped and the launcher exits 1.
+that fails prints its traceback; the others are then stopped (after MT_LAUNCHER_GRACE seconds, default 1, in
+which they may report what they saw) and the launcher exits 1.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def main() -> int:
         p.start()
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
-            time.sleep(1.0)  # let the failing rank's traceback flush
+            time.sleep(
+                float(os.environ.get("MT_LAUNCHER_GRACE", "1"))
+            )  # the failing rank's traceback flushes
             for p in procs:
                 if p.is_alive():
                     p.kill()

@@ -738,6 +738,7 @@ def checkpoint_suite(
     full_ft_dir: str | None = None,
     save_step3: str | None = None,
     load_step3: str | None = None,
+    vpp: int | None = None,
 ) -> dict[str, Any]:
     """Checkpoints through TrainerRole on the megatron engine (issue 15). phase "save": two Adam steps, save
     checkpoint step 2, then a third step; phase "load": restore step 2 at this (possibly other) layout and
@@ -746,14 +747,14 @@ def checkpoint_suite(
     step 3 into that run directory and take a fourth step (`step4`: what a resume of it must reproduce);
     `load_step3`: restore step 3 of that run directory and take the fourth step (`resumed4`). `full_ft_dir`:
     then a full fine-tuning run at the same layout saves there too (`full_ft_checkpoint`, under "full_ft"; one
-    launch for both)."""
+    launch for both). `vpp`: virtual pipeline stages per pipeline rank (None: none)."""
     from rlbridge.engines.megatron.engine import MegatronTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
     recipe = make_recipe(
         qwen,
         lora=lora(),
-        trainer=trainer(tp=tp, pp=pp, optim={"lr": lr, "clip_grad": 1.0, "warmup_steps": warmup}),
+        trainer=trainer(tp=tp, pp=pp, vpp=vpp, optim={"lr": lr, "clip_grad": 1.0, "warmup_steps": warmup}),
     )
     role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
     role.is_holder = torch.distributed.get_rank() == 0
@@ -1166,3 +1167,74 @@ def full_ft_checkpoint(model_dir: str, run_dir: str, tp: int = 1, pp: int = 1) -
     res["logits_saved"] = full_logits(engine, full_batch())
     engine.close()
     return res
+
+
+def save_faults_suite(qwen: str, run_dir: str, events: str, phase: str, disk_full: bool = False) -> None:
+    """A 4-rank (TP2 x PP2) LoRA trainer saving through TrainerRole while things go wrong; global rank 0 appends
+    what it saw to the JSON-lines file `events` as it goes (the launch ends with a killed rank, so nothing is
+    returned). phase "first": a step, save step 1, a step; with `disk_full`, fill RUN_DIR/checkpoints (a small
+    tmpfs the test mounted) to within 16 KiB and save step 2 (rank 0, the only writer, runs out of space), then
+    free the space; then save step 2 again, during which the test kills rank 3 (RLBRIDGE_FAULT_PAUSE). Phase
+    "second": load step 1 (still complete after all that), a step, save step 2, during which the test kills rank 0
+    while it writes (tensor files written, manifest not yet)."""
+    import json
+    import shutil
+
+    from rlbridge.engines.megatron.engine import MegatronTrainEngine
+    from rlbridge.errors import RlbridgeError
+    from rlbridge.run import checkpoint as ckpt
+    from rlbridge.run.directory import resolved_yaml
+    from rlbridge.trainer.role import TrainerRole
+
+    recipe = make_recipe(qwen, lora=lora(), trainer=trainer(tp=2, pp=2, optim={"lr": 1e-2, "clip_grad": 1.0}))
+    role = TrainerRole(recipe, qwen, engine_factory=lambda: MegatronTrainEngine(recipe))
+    rank0 = torch.distributed.get_rank() == 0
+    role.is_holder = rank0
+    engine: Any = role.engine
+    batch, yaml = ragged_batch(seed=4, rows=4), resolved_yaml(recipe)
+    root = Path(run_dir) / ckpt.CHECKPOINTS
+
+    def event(what: str, **data: Any) -> None:
+        if rank0:
+            with open(events, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"event": what, **data}) + "\n")
+
+    def listing() -> list[Any]:
+        return [[i.step, i.problem] for i in ckpt.list_checkpoints(Path(run_dir))]
+
+    def step() -> None:
+        engine.train_step(batch, mean_logprob_loss(batch), num_micro_batches=2)
+
+    def save(n: int) -> None:
+        try:
+            saved = role.save_checkpoint(run_dir, n, {"note": f"step{n}"}, yaml, keep=3)
+        except BaseException as e:
+            event("save failed", step=n, error=f"{type(e).__name__}: {e}", listing=listing())
+            raise
+        event("saved", step=n, path=saved.path, listing=listing() if rank0 else None)
+
+    if phase == "first":
+        set_adapters(engine)
+        step()
+        save(1)
+        step()
+        if disk_full:
+            filler = root / "filler"
+            if rank0:
+                with open(filler, "wb") as f:
+                    f.write(b"\0" * (shutil.disk_usage(root).free - 16 * 2**10))
+            torch.distributed.barrier()
+            try:
+                save(2)
+            except RlbridgeError:
+                pass  # recorded by save(); the other ranks returned (only rank 0 writes)
+            event("after disk full", names=sorted(p.name for p in root.iterdir()))
+            torch.distributed.barrier()
+            if rank0:
+                filler.unlink()
+        save(2)  # rank 3 is killed in here
+    else:
+        state = role.load_checkpoint(f"{run_dir}/checkpoints/step_000001")
+        event("loaded", note=state["note"])
+        step()
+        save(2)  # rank 0 is killed in here

