@@ -107,12 +107,43 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "initializer_range": 0.02,
     },
+    # Qwen3-30B-A3B's published architecture (its config.json: 48 layers, hidden 2048, 32 heads / 4 KV heads of
+    # 128, 128 routed experts of width 768, top-8, vocabulary 151936, untied) with random bf16 weights: the MoE of
+    # recipes/qwen3-30b-a3b-moe-lora.yaml at its real size (61 GB of safetensors once materialized).
+    "qwen3-30b-a3b-random": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "initializer_range": 0.02,
+    },
 }
 RANDOM_SHORT_NAMES = frozenset(
-    {"tiny-qwen2-smoke", "tiny-qwen3-moe-smoke", "tiny-qwen3-dense-smoke", "qwen2.5-7b-random"}
+    {
+        "tiny-qwen2-smoke",
+        "tiny-qwen3-moe-smoke",
+        "tiny-qwen3-dense-smoke",
+        "qwen2.5-7b-random",
+        "qwen3-30b-a3b-random",
+    }
 )
 """Short names whose weights are random (built by rlbridge.model.random_weights), not a real model's."""
-FULL_SIZE_SHORT_NAMES = frozenset({"qwen2.5-7b-random"})
+FULL_SIZE_SHORT_NAMES = frozenset({"qwen2.5-7b-random", "qwen3-30b-a3b-random"})
 """Random short names of a real model's full size: vocabulary kept (the byte tokenizer padded to it), bf16."""
 
 

@@ -281,3 +281,52 @@ def test_update_peaks_at_a_32768_token_budget(engine: str, lora: bool, measured_
     memory = make_plan(r, QWEN05).memory
     assert memory is not None
     assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
+
+
+ONE_H200_7B = [
+    "model.path=qwen2.5-7b-random",
+    "cluster.gpu_memory_gib=140",
+    "cluster.gpus_per_node=1",
+    "trainer.parallel.tensor=1",
+    "trainer.parallel.sequence_parallel=false",
+    "rollout.tensor_parallel=1",
+    "data.train.path=builtin:arithmetic",
+    "data.val=null",
+    "run.eval_every=0",
+]
+
+
+def test_a_vllm_share_that_cannot_hold_the_weights_is_refused() -> None:
+    """The 7B's bf16 weights are 14.2 GiB: at 0.1 of 140 GiB vLLM stops at start ("No available memory for the
+    cache blocks", as the 7B export check did); the least share counts weights, 1 GiB of workspace and one
+    1536-token sequence's KV cache, and the memory fix never proposes a share below it (the 30B-A3B's 56.9 GiB)."""
+    from rlbridge.errors import RecipeError
+    from rlbridge.recipe import validate_recipe
+    from rlbridge.recipe.checks.training import least_rollout_share
+
+    path = "recipes/qwen2.5-7b-grpo-lora.yaml"
+    r = load_recipe(path, ONE_H200_7B)
+    least = least_rollout_share(r, read_model_info("qwen2.5-7b-random"))
+    assert least == 0.11
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(path, [*ONE_H200_7B, "rollout.gpu_memory_utilization=0.1"])
+    [issue] = e.value.issues
+    assert issue.key == "rollout.gpu_memory_utilization" and "0.11" in (issue.fix or "")
+    validate_recipe(path, [*ONE_H200_7B, "rollout.gpu_memory_utilization=0.11"])
+    moe = [
+        *ONE_H200_7B,
+        "model.path=qwen3-30b-a3b-random",
+        "cluster.nodes=1",
+        "trainer.parallel.pipeline=1",
+        "trainer.parallel.expert=1",
+        "trainer.distributed_optimizer=false",
+    ]
+    with pytest.raises(RecipeError) as e:
+        validate_recipe("recipes/qwen3-30b-a3b-moe-lora.yaml", moe)
+    [issue] = e.value.issues
+    assert issue.key == "cluster.gpu_memory_gib" and "gpu_memory_utilization: 0.45" in (issue.fix or "")
+    plan = make_plan(
+        load_recipe("recipes/qwen3-30b-a3b-moe-lora.yaml", [*moe, "rollout.gpu_memory_utilization=0.45"]),
+        read_model_info("qwen3-30b-a3b-random"),
+    )
+    assert plan.memory is not None and plan.memory.peak <= 140

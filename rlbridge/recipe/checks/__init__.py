@@ -37,6 +37,7 @@ from rlbridge.recipe.checks.training import (
     check_device_memory,
     check_lora,
     check_rollout_correction,
+    check_rollout_share,
     check_weight_transport,
 )
 from rlbridge.recipe.schema import Recipe
@@ -80,6 +81,8 @@ def run_checks(
         return out, None
     check_model_shape(r, info, out)
     check_async_memory(r, info, out)
+    if not out:  # the estimates below are of a valid recipe
+        check_rollout_share(r, info, out)
     if not force and not out:  # the estimate is of a valid recipe (async's own memory issue says enough)
         check_device_memory(r, info, out)
     return out, info

@@ -322,6 +322,53 @@ def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     )
 
 
+VLLM_WORKSPACE_GIB = 1.0
+"""What a vLLM engine holds on a GPU beyond weights and KV cache (activations of its profiling run, sampler,
+CUDA graphs' pool), at least: its share must leave room for that and one sequence's KV cache."""
+
+
+def least_rollout_share(r: Recipe, m: ModelInfo) -> float:
+    """The smallest rollout.gpu_memory_utilization whose share of the device holds one engine's weights, its
+    workspace and the KV cache of one sequence of max_prompt_tokens + max_response_tokens; else vLLM stops at
+    start with "No available memory for the cache blocks"."""
+    from rlbridge.plan import DTYPE_BYTES, batches, memory
+
+    p = r.trainer.parallel
+    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
+    mem = memory(r, m, dp, batches(r, dp))
+    tp, unit = r.rollout.tensor_parallel, DTYPE_BYTES[r.model.dtype]
+    tokens = r.rollout.max_prompt_tokens + r.rollout.max_response_tokens
+    kv = 2 * m.layers * max(m.kv_heads // tp, 1) * m.head_dim * unit * tokens / 1024**3
+    per_engine = mem.rollout_weights + VLLM_WORKSPACE_GIB + kv
+    return math.ceil(per_engine / mem.capacity * 100) / 100
+
+
+def check_rollout_share(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """GPUs, an engine that reserves its share up front (vLLM): rollout.gpu_memory_utilization x the device must
+    hold the engine's weights, workspace and one full-length sequence's KV cache."""
+    if r.cluster.device != "cuda" or not rollout_engine(r).reserves_memory:
+        return
+    least = least_rollout_share(r, m)
+    if r.rollout.gpu_memory_utilization >= least:
+        return
+    capacity = r.cluster.gpu_memory_gib
+    fix = (
+        f"set rollout.gpu_memory_utilization: {least} (or more)"
+        if least <= 0.95
+        else "raise rollout.tensor_parallel (each engine then holds a part of the weights)"
+    )
+    out.append(
+        RecipeIssue(
+            "rollout.gpu_memory_utilization",
+            f"{r.rollout.gpu_memory_utilization} x {capacity:.0f} GiB cannot hold the rollout engine's weights, its "
+            f"working memory and the KV cache of one {r.rollout.max_prompt_tokens + r.rollout.max_response_tokens}"
+            f"-token sequence ({least} of the device at least): vLLM would stop at start",
+            value=str(r.rollout.gpu_memory_utilization),
+            fix=fix,
+        )
+    )
+
+
 def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     """The plan's estimated peak per device (plan.memory, +-30 %) over cluster.gpu_memory_gib is an error: such a
     run dies of out-of-memory after minutes of start-up. The fix lists the single changes whose estimate fits,
@@ -340,7 +387,7 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     if need <= capacity:
         return
     fits = []
-    for change, changed in _memory_changes(r):
+    for change, changed in _memory_changes(r, least_rollout_share(r, m)):
         after, _ = peak(changed)
         if after <= capacity:
             fits.append(f"{change} (~{after:.0f} GiB)")
@@ -356,8 +403,9 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     )
 
 
-def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
-    """Single recipe changes that lower the memory peak, as (how to write it, the changed recipe)."""
+def _memory_changes(r: Recipe, least_share: float) -> list[tuple[str, Recipe]]:
+    """Single recipe changes that lower the memory peak, as (how to write it, the changed recipe); `least_share`:
+    the smallest rollout.gpu_memory_utilization the engine can start with (least_rollout_share)."""
     t, ro = r.trainer, r.rollout
 
     def with_(section: str, **values: object) -> Recipe:
@@ -395,6 +443,9 @@ def _memory_changes(r: Recipe) -> list[tuple[str, Recipe]]:
     sleeps = rollout_engine(r).reserves_memory
     if r.cluster.colocate and sleeps and (ro.mode == "async" or ro.sleep != "always"):
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
-    if r.cluster.colocate and ro.gpu_memory_utilization > 0.3:
-        out.append(("rollout.gpu_memory_utilization: 0.3", with_("rollout", gpu_memory_utilization=0.3)))
+    share = max(0.3, math.ceil(least_share * 20) / 20)  # a multiple of 0.05 that still holds the engine
+    if r.cluster.colocate and ro.gpu_memory_utilization > share and share <= 0.95:
+        out.append(
+            (f"rollout.gpu_memory_utilization: {share:g}", with_("rollout", gpu_memory_utilization=share))
+        )
     return [(how, changed) for how, changed in out if not unsaved_layouts(changed)]  # never a refused fix
