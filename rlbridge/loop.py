@@ -187,7 +187,8 @@ def train_step(
         "staleness": staleness,
         **s.rollout_memory_seconds(),  # sleep_s inside time_update, wake_s inside time_sync
         "data_epoch": s.sampler.state()["epoch"],
-        "rollout_sha": rollout_digest(ro),
+        "prompt_sha": token_digest(ro.prompt_ids),
+        "rollout_sha": token_digest(ro.response_ids),
         **{f"time_{k}": v for k, v in timer.seconds.items()},
     }
     record["time_step"] = sum(timer.seconds.values())
@@ -218,13 +219,19 @@ def memory_notice(plan: Plan, record: dict[str, Any], told: set[str]) -> None:
         log(f"step {record['step']}: {text}")
 
 
-def rollout_digest(ro: Rollouts) -> str:
-    """A short hash of the sampled token ids: two runs (a resumed one and the uninterrupted one) sampled the
-    same completions iff their records carry the same digest."""
+def token_digest(token_lists: list[list[int]]) -> str:
+    """A short hash of token id lists, in order. Of a step's prompts (`prompt_sha`): two runs (a resumed one and
+    the uninterrupted one) trained on the same prompts in the same order iff their records carry the same
+    digest; of the sampled completions (`rollout_sha`): they sampled the same completions."""
     h = hashlib.sha256()
-    for ids in ro.response_ids:
+    for ids in token_lists:
         h.update(b",".join(str(i).encode() for i in ids) + b";")
     return h.hexdigest()[:16]
+
+
+def rollout_digest(ro: Rollouts) -> str:
+    """`rollout_sha`: the digest of the sampled completions."""
+    return token_digest(ro.response_ids)
 
 
 def collect(

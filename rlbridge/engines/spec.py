@@ -12,8 +12,8 @@ exporter import their engine when called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -86,6 +86,9 @@ class TrainerEngineSpec:
     """trainer.pass_width_multiple null resolves to this on a CUDA device (1 elsewhere)."""
     smoke: bool = False
     """`rlbridge train --smoke` runs its recipes (the engine's parallel layout is what the smoke run checks)."""
+    refused_models: Mapping[str, str] = field(default_factory=dict)
+    """config.json model_type -> why this engine cannot train such a model (the recipe checks refuse it with
+    the reason: recipe/checks/model.py, check_model_family)."""
     distributed_optimizer_checkpoints: bool = False
     """It checkpoints trainer.distributed_optimizer (every run writes checkpoints: without this the key is
     refused, recipe/checks/checkpoints.py)."""

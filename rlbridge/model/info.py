@@ -47,6 +47,26 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-05,
         "rope_theta": 100000.0,
     },
+    # Gemma 3 270M (google/gemma-3-270m, the pretrained model) dequantized from a Q4_K_M GGUF (cache.py): a second
+    # real family. Five of every six layers attend within a sliding window of 512 tokens, queries are scaled by
+    # query_pre_attn_scalar**-0.5, q/k are RMS-normed, the embedding (262,144 tokens, tied) is scaled by
+    # sqrt(hidden); no soft-capping. Its checks: recipe/checks/model.py (check_model_family).
+    "gemma3-270m": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-06,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,
+    },
     # A random tiny Qwen2 (q/k/v biases, untied) with a byte-level tokenizer (random_weights.py), built in a few
     # seconds: the model of recipes/smoke-megatron-cpu.yaml. Heads and layers split at tensor 2 x pipeline
     # 2; head_dim 32 is the smallest vLLM's CPU attention takes.

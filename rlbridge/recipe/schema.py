@@ -44,7 +44,7 @@ class Section(BaseModel):
 class ModelCfg(Section):
     path: str
     """Local Hugging Face model directory (config.json, safetensors, tokenizer), a short name that rlbridge
-    materializes into its cache (`smollm2-135m-instruct`), or a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`)
+    materializes into its cache (`smollm2-135m-instruct`, `gemma3-270m`: docs/models.md), or a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`)
     found in the Hugging Face cache (HF_HOME) or, when online, downloaded by `train` (HF_HUB_OFFLINE=1: the cache
     only; fetch with `hf download ORG/NAME`). An existing local path wins over a Hub id of the same spelling."""
     revision: str | None = None

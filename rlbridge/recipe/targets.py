@@ -40,7 +40,19 @@ CANONICAL_ONLY = frozenset({"linear_q", "linear_k", "linear_v", "linear_fc1_gate
 
 # model_type -> projection names its decoder layers have (the Llama-style naming shared by these families).
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "olmo2", "granite"}
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "olmo2",
+        "granite",
+    }
 )
 
 

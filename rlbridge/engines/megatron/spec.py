@@ -87,6 +87,32 @@ def _to_peft(recipe: Recipe, base_dir: Path, model: Any, trainable: dict[str, Te
     return out
 
 
+_GEMMA_TE_ONLY = (
+    "Megatron-Bridge maps {family}'s weights ({bridge}) but builds its layers only from Transformer Engine "
+    "modules ({spec}: {features}); this engine builds megatron-core's local layers without TE, which have none "
+    "of them, so the model would compute other log-probs than {family} (and with Megatron-Bridge 0.3.1 and "
+    "transformers 5 the bridge cannot even read the config: no rope_local_base_freq)"
+)
+REFUSED_MODELS = {
+    "gemma3_text": _GEMMA_TE_ONLY.format(
+        family="Gemma 3",
+        bridge="Gemma3ModelBridge",
+        spec="gemma3_layer_spec",
+        features="sliding-window attention with per-layer RoPE bases, the norms after attention and MLP, "
+        "zero-centred RMSNorm, q/k norms",
+    ),
+    "gemma2": _GEMMA_TE_ONLY.format(
+        family="Gemma 2",
+        bridge="Gemma2ModelBridge",
+        spec="gemma2_layer_spec",
+        features="attention-logit and final-logit soft-capping, sliding-window attention, the norms after "
+        "attention and MLP",
+    ),
+}
+"""Model types whose Megatron-Bridge layers need Transformer Engine (read in its gemma2/gemma3 providers; a
+Gemma 3 provider built without TE holds placeholders instead of layers)."""
+REFUSED_MODELS["gemma3"] = REFUSED_MODELS["gemma3_text"]  # the multimodal wrapper's language model
+
 MEGATRON = TrainerEngineSpec(
     name="megatron",
     build=_engine,
@@ -104,4 +130,5 @@ MEGATRON = TrainerEngineSpec(
     fused_projections=True,
     budget_flat_only=True,
     smoke=True,
+    refused_models=REFUSED_MODELS,
 )

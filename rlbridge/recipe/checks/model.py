@@ -92,6 +92,7 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 fix=f"set {key}: 1",
             )
         )
+    check_model_family(r, m, out)
     check_positions(r, m, out)
     check_recompute(r, m, out)
     if r.lora.enabled and m.model_type not in SUPPORTED_MODEL_TYPES:
@@ -102,6 +103,22 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
                 fix=f"use a model of type {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, or full fine-tuning (lora.rank: 0)",
             )
         )
+
+
+def check_model_family(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """A model family the trainer engine cannot build faithfully (its spec's refused_models says why)."""
+    why = trainer_engine(r).refused_models.get(m.model_type)
+    if why is None:
+        return
+    others = trainer_engines_that(lambda e: m.model_type not in e.refused_models)
+    out.append(
+        RecipeIssue(
+            "trainer.engine",
+            f"{m.architecture} (model_type {m.model_type}): {why}",
+            value=r.trainer.engine,
+            fix=f"set trainer.engine: {others}" if others else "use another model",
+        )
+    )
 
 
 def check_moe_lora(r: Recipe, out: Issues) -> None:
