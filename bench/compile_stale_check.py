@@ -34,7 +34,7 @@ def main() -> None:
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.recipe.schema import Recipe
     from tests.fixtures.spread import spread_lists
     from tests.fixtures.tiny_llama import build_tiny_llama

@@ -41,7 +41,7 @@ def child(recipe_path: str, sets: list[str], mode: str, steps: int, eos: bool, o
     import torch
 
     from rlbridge.data.datasets import PromptSampler, encode_prompts, load_dataset
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe

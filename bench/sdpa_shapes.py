@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all 30)")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     ap.add_argument("--width-multiple", type=int, default=1, help="trainer.pass_width_multiple (default 1)")
-    ap.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (engines/graphs.py)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (engines/hf/graphs.py)")
     ap.add_argument(
         "--no-profile", action="store_true", help="no cProfile around the updates (it adds host time)"
     )

@@ -71,7 +71,7 @@ def main() -> None:
     import torch
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
-    from rlbridge.engines import shared_prompts
+    from rlbridge.engines.hf import shared_prompts
     from rlbridge.engines.micro import micro_batch_rows
 
     if args.threads:

@@ -1,4 +1,4 @@
-"""The hf engine's update on a CPU with the log-prob/entropy pass of engines/token_stats.py against autograd's
+"""The hf engine's update on a CPU with the log-prob/entropy pass of engines/hf/token_stats.py against autograd's
 `gather - logsumexp` + softmax entropy (the former code), alternating step by step in one process, with the
 process's page faults and kernel time per step. Run it twice to see the allocator's part: once plainly, once
 with the glibc settings rlbridge gives its CPU workers (cluster/ray_cluster.CPU_MALLOC):
@@ -41,8 +41,8 @@ def main() -> None:
     import torch
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
-    from rlbridge.engines import hf
-    from rlbridge.engines.token_stats import logprobs_and_entropy
+    from rlbridge.engines.hf import engine as hf
+    from rlbridge.engines.hf.token_stats import logprobs_and_entropy
 
     torch.set_num_threads(args.threads)
 

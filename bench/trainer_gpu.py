@@ -244,7 +244,7 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
 
         engine: Any = MegatronTrainEngine(recipe)
     else:
-        from rlbridge.engines.hf import HFTrainEngine
+        from rlbridge.engines.hf.engine import HFTrainEngine
 
         engine = HFTrainEngine(recipe, Path(spec["model_dir"]), device="cuda" if cuda else "cpu")
     return engine, recipe, time.perf_counter() - start

@@ -228,7 +228,7 @@ def bench_engine(recipe: Any, model_dir: Path, device: str) -> Any:
 
         one_rank_group(recipe.cluster.device == "cuda")
         return MegatronTrainEngine(recipe, total_steps=10**6)
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
 
     return HFTrainEngine(recipe, model_dir, device=device, total_steps=10**6)
 

@@ -162,7 +162,7 @@ def hf_exporter(
 ) -> Exported:
     """The checkpoint's trainable tensors loaded into the hf engine's peft model on CPU, exported from there.
     to_peft: renames an engine's checkpoint names to that model's (engines/megatron/spec.py)."""
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.hf import hf_logging
 

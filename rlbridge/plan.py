@@ -95,7 +95,7 @@ class Memory:
     fit resident); False elsewhere. `peak` is for this choice."""
     critic: float = 0.0
     """PPO's critic, included in trainer_total: a second copy of the backbone (weights; under LoRA the frozen
-    base again, engines/hf_critic.py), its gradients and AdamW state. No extra activations: its forward and
+    base again, engines/hf/critic.py), its gradients and AdamW state. No extra activations: its forward and
     backward run after the policy's, per micro-batch, and hold no vocabulary-sized logits."""
 
 
@@ -254,7 +254,7 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     local_trainable = trainable / (p.tensor * p.pipeline) if r.lora.enabled else stage_params
     weights, grads, opt = trainer_gib(local_trainable)
     act = _activations(r, m, b) / GIB
-    if r.trainer.cuda_graphs:  # engines/graphs.py: the pool's pass and each recorded shape's gradients
+    if r.trainer.cuda_graphs:  # engines/hf/graphs.py: the pool's pass and each recorded shape's gradients
         act += (_activations(r, m, b, cap=MAX_PASS_TOKENS) + MAX_GRAPHS * 4 * local_trainable) / GIB
     rollout_w = total * wbytes / r.rollout.tensor_parallel / GIB
     capacity = r.cluster.gpu_memory_gib
@@ -344,7 +344,7 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
     copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
     per scored position and vocabulary entry ~8 bytes in the hf engine (float32 logits and their gradient:
-    engines/token_stats.py keeps no vocabulary-sized temporary) and ~20 in megatron (float32 logits and their
+    engines/hf/token_stats.py keeps no vocabulary-sized temporary) and ~20 in megatron (float32 logits and their
     transposed copy besides); both fitted to measured peaks (docs/defaults.md#plan-memory). Both score the response
     positions
     only (hf: logits_to_keep; megatron: forward.response_head), megatron every position under sequence or context
@@ -437,7 +437,7 @@ not the estimate."""
 
 def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
     """The hf engine runs the shared-prompt passes on a GPU: shared_prompts always (auto shares on CPUs only), more
-    than one response per prompt, no activation recompute (engines/shared_prompts.py)."""
+    than one response per prompt, no activation recompute (engines/hf/shared_prompts.py)."""
     t = r.trainer
     return (
         r.cluster.device == "cuda"

@@ -148,7 +148,7 @@ class LimitedCheckpointEngine(Protocol):
 
 @runtime_checkable
 class RecordingEngine(Protocol):
-    """A TrainEngine that records its training passes as CUDA graphs (trainer.cuda_graphs: engines/graphs.py)."""
+    """A TrainEngine that records its training passes as CUDA graphs (trainer.cuda_graphs: engines/hf/graphs.py)."""
 
     def prerecord(self, prompt_lengths: list[int], passes: list[tuple[int, int]]) -> int:
         """Record the pass shapes these prompt lengths make likely for `passes` (rows, micro-batches) before the
@@ -161,7 +161,7 @@ ValueLossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[st
 
 
 class Critic(Protocol):
-    """PPO's value model next to the policy engine (engines/hf_critic.py, engines/megatron/critic.py)."""
+    """PPO's value model next to the policy engine (engines/hf/critic.py, engines/megatron/critic.py)."""
 
     def values(self, batch: SeqBatch) -> torch.Tensor:
         """[b, R] values V(s_t) of the response tokens, no gradients."""

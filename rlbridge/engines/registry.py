@@ -1,7 +1,7 @@
 """The trainer engines a recipe can name, and building the one it names: the one place that maps
 `trainer.engine` to its spec (engines/spec.py).
 
-    hf         one trainer process: HFTrainEngine (transformers + peft), HFCritic       engines/hf_spec.py
+    hf         one trainer process: HFTrainEngine (transformers + peft), HFCritic       engines/hf/spec.py
     megatron   one trainer process per device, each a rank of a torch.distributed group formed before the
                engine is built (trainer/group.py): MegatronTrainEngine, MegatronCritic  engines/megatron/spec.py
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlbridge.engines.hf_spec import HF
+from rlbridge.engines.hf.spec import HF
 from rlbridge.engines.megatron.spec import MEGATRON
 from rlbridge.engines.spec import TrainerEngineSpec
 

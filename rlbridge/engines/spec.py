@@ -1,4 +1,4 @@
-"""What a trainer engine is, said once: `TrainerEngineSpec`, one per engine (engines/hf_spec.py,
+"""What a trainer engine is, said once: `TrainerEngineSpec`, one per engine (engines/hf/spec.py,
 engines/megatron/spec.py), listed in engines/registry.py.
 
 Everything that differs between engines outside the engine's own code is a field here: how the engine and its

@@ -130,7 +130,7 @@ so cuDNN attention rarely builds new plans (docs/defaults.md#pass-widths)."""
 
 
 MAX_PASS_TOKENS = 8192
-"""trainer.cuda_graphs: the largest pass (rows x width) recorded (engines/graphs.py)."""
+"""trainer.cuda_graphs: the largest pass (rows x width) recorded (engines/hf/graphs.py)."""
 MAX_GRAPHS = 32
 """trainer.cuda_graphs: pass shapes kept recorded at once (the least recently used dropped beyond)."""
 

@@ -1,4 +1,4 @@
-"""trainer.cuda_graphs (rlbridge/engines/graphs.py) on the device: an engine that replays its recorded passes
+"""trainer.cuda_graphs (rlbridge/engines/hf/graphs.py) on the device: an engine that replays its recorded passes
 against one that runs every pass eagerly, in lockstep over optimizer steps (CUDA only: a CPU has no graphs).
 
 SmolLM2-135M-Instruct with LoRA rank 8 on all linear layers (B ~ N(0, 0.05), so the adapters matter from the
@@ -35,7 +35,7 @@ def _engine(model_dir: Path, dtype: str, graphs: bool, **trainer: Any) -> Any:
     first pass); trainer.cuda_graphs as `graphs`, `trainer` added to the trainer section."""
     import torch
 
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.recipe.schema import Recipe
 
     raw = {"name": "t", "model": {"path": str(model_dir), "dtype": dtype},

@@ -124,7 +124,7 @@ def job(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[J
 def trainer(model_dir: Path) -> Iterator[Any]:
     """TrainerRole around an hf engine on this process's GPU (bfloat16, LoRA rank 8, B ~ N(0, B_STD) instead of
     zero, as test_gpu_vllm_engine.py's trainer): its merged export is the modified model."""
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.trainer.role import TrainerRole
 
     recipe = Recipe.model_validate({

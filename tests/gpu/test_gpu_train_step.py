@@ -79,7 +79,7 @@ def test_moe_logprobs_and_one_step_per_expert(engine: str, moe_dir: Path, tmp_pa
 
 
 def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
-    """trainer.shared_prompts (engines/shared_prompts.py) on the device, in this process: SmolLM2 with LoRA rank 8
+    """trainer.shared_prompts (engines/hf/shared_prompts.py) on the device, in this process: SmolLM2 with LoRA rank 8
     (B ~ N(0, 0.05)), 4 chat prompts x 4 random responses of 3-40 tokens; log-probs and the GRPO gradient of the
     shared passes against the plain ones. float32: |log p diff| <= 1e-4, gradients within 3e-4 relative
     (summation order only; measured 2.5e-5 and 1.9e-4 on an H200, 3e-5 and 7.7e-5 in the CPU dry run). bfloat16: the shared passes are no further
@@ -95,7 +95,7 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
     from rlbridge.model.hf import AutoTokenizer
     from rlbridge.recipe.schema import Recipe
     from tests.gpu.common import TEXTS, chat_prompt_ids

@@ -104,7 +104,7 @@ def trainer(model_dir: Path) -> Any:
     """rlbridge's hf trainer engine (CPU, float32, LoRA rank 8 on every projection) holding known adapter
     weights: B ~ N(0, B_STD) instead of zero, A as initialized. Its peft model is the float32 reference of the
     modified model; its export_weights is the code that feeds the rollout in a run."""
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
 
     recipe = Recipe.model_validate({
         "name": "gpu-test", "model": {"path": str(model_dir), "dtype": "float32"},

@@ -50,7 +50,7 @@ def build(engine_name: str, model_dir: str, device: str) -> tuple[Any, Any]:
     if device == "cuda":
         torch.cuda.set_device(0)
     if engine_name == "hf":
-        from rlbridge.engines.hf import HFTrainEngine
+        from rlbridge.engines.hf.engine import HFTrainEngine
 
         return HFTrainEngine(recipe, Path(model_dir), device=device), recipe
     import torch.distributed as dist

@@ -12,8 +12,8 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import TrainEngine
-from rlbridge.engines.graphs import PassGraphs, likely_widths, shape_batch
-from rlbridge.engines.hf import HFTrainEngine
+from rlbridge.engines.hf.engine import HFTrainEngine
+from rlbridge.engines.hf.graphs import PassGraphs, likely_widths, shape_batch
 from rlbridge.engines.micro import forward_batch
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import MAX_PASS_TOKENS, Recipe

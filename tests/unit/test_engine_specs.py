@@ -18,7 +18,7 @@ import torch
 from rlbridge.batch import SeqBatch
 from rlbridge.engines import registry
 from rlbridge.engines.base import WeightExport
-from rlbridge.engines.hf_spec import HF
+from rlbridge.engines.hf.spec import HF
 from rlbridge.engines.spec import TrainerEngineSpec, TrainerMemory
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan

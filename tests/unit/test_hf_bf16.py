@@ -1,4 +1,4 @@
-"""bfloat16 numerics of the hf engine and its critic (rlbridge/engines/master.py) on tiny random models, CPU.
+"""bfloat16 numerics of the hf engine and its critic (rlbridge/engines/hf/master.py) on tiny random models, CPU.
 
 Tolerances, and why:
 - A full fine-tuning step with a tiny lr (1e-4, weights ~0.4 whose bf16 half-ulp is ~1e-3): three steps of
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from rlbridge.engines.hf import HFTrainEngine
-from rlbridge.engines.hf_critic import HFCritic
+from rlbridge.engines.hf.critic import HFCritic
+from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.tiny_models import BUILDERS
 from tests.unit.test_hf_engine import make_recipe, ragged_batch, token_sum_loss
@@ -194,7 +194,7 @@ def test_bf16_critic_has_float32_masters_and_resumes_exactly(model_dirs: dict[st
 
 
 def test_bf16_output_layer_returns_unrounded_float32_logits(model_dirs: dict[str, Path]) -> None:
-    """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf.float32_logits),
+    """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf/engine.float32_logits),
     and a full fine-tuning reference copy computes with its own (frozen) weight."""
     path, batch = model_dirs["llama-tied"], ragged_batch()
     recipe = make_recipe(

@@ -1,5 +1,5 @@
 """The hf engine on the tiny random Qwen3-MoE (`tiny-qwen3-moe-smoke`: 2 layers, 4 routed experts, top-2), float32,
-LoRA on attention and on the stacked expert weights (rlbridge/engines/hf_moe.py, docs/moe.md).
+LoRA on attention and on the stacked expert weights (rlbridge/engines/hf/moe.py, docs/moe.md).
 
 References: a float64 transformers forward (log-probs, atol 1e-5), transformers' `from_pretrained` of the merged
 export and peft's `PeftModel.from_pretrained` of the adapter export (logits vs the trainer's, rel. error < 1e-5).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.hf import HFTrainEngine, response_logits
+from rlbridge.engines.hf.engine import HFTrainEngine, response_logits
 from rlbridge.engines.micro import micro_batch_rows
 from rlbridge.engines.moe import expert_report
 from rlbridge.engines.weights import save_hf

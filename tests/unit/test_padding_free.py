@@ -25,8 +25,8 @@ import torch
 
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.hf import HFTrainEngine
-from rlbridge.engines.hf_critic import HFCritic
+from rlbridge.engines.hf.critic import HFCritic
+from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.engines.micro import budget_rows, chunk_rows, micro_batch_rows, scoring_passes, scoring_rows
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan

@@ -270,7 +270,7 @@ def test_only_a_colocated_vllm_in_sync_mode_on_gpus_sleeps(path: str, sets: list
 def test_update_peaks_at_a_32768_token_budget(engine: str, lora: bool, measured_gib: float) -> None:
     """bench/results/update_padding-gpu-2026-12-03.md (H200): bench/update_padding.py's 512 rows of a random
     Qwen2.5-0.5B shape (prompts 60-200, responses 20-256 tokens) in passes of at most 32768 tokens, the hf engine
-    with engines/token_stats.py. The plan is an upper bound on every prompt at 200 tokens: 0.93-1.08 of these."""
+    with engines/hf/token_stats.py. The plan is an upper bound on every prompt at 200 tokens: 0.93-1.08 of these."""
     r = Recipe.model_validate({
         "name": "t", "model": {"path": "x", "dtype": "bfloat16"},
         "lora": {"rank": 16, "alpha": 32, "targets": ["all-linear"]} if lora else {"rank": 0},

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlbridge.algo.objective import make_value_loss_fn
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.hf_critic import HFCritic
+from rlbridge.engines.hf.critic import HFCritic
 from rlbridge.model.info import ModelInfo
 from rlbridge.plan import make_plan
 from rlbridge.recipe.schema import Recipe

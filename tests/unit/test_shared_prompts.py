@@ -1,4 +1,4 @@
-"""Shared prompts (rlbridge/engines/shared_prompts.py): passes that run each distinct prompt once and its
+"""Shared prompts (rlbridge/engines/hf/shared_prompts.py): passes that run each distinct prompt once and its
 responses against the prompt's cached keys and values, against the plain passes (trainer.shared_prompts never),
 on a tiny Llama (CPU).
 
@@ -19,8 +19,8 @@ import torch
 
 from rlbridge.algo.objective import make_loss_fn
 from rlbridge.batch import SeqBatch
-from rlbridge.engines import shared_prompts
-from rlbridge.engines.hf import HFTrainEngine
+from rlbridge.engines.hf import shared_prompts
+from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.unit.test_padding_free import assert_grads_close, perturb_lora_b, policy_inputs, summed

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbridge.engines import token_stats
-from rlbridge.engines.token_stats import logprobs_and_entropy
+from rlbridge.engines.hf import token_stats
+from rlbridge.engines.hf.token_stats import logprobs_and_entropy
 
 
 def _reference(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

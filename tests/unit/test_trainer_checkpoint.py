@@ -60,7 +60,7 @@ def update(t: TrainerRole, scale: float) -> dict[str, float]:
 def test_restored_trainer_continues_bit_identically(
     model_dir: Path, tmp_path: Path, rank: int, dtype: str
 ) -> None:
-    """Also bfloat16 full fine-tuning, whose checkpoint must hold the float32 masters (engines/master.py)."""
+    """Also bfloat16 full fine-tuning, whose checkpoint must hold the float32 masters (engines/hf/master.py)."""
     a = TrainerRole(recipe(model_dir, rank, dtype), str(model_dir))
     for scale in (1.0, -0.5):
         update(a, scale)

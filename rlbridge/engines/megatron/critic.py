@@ -1,6 +1,6 @@
 """PPO's critic on the megatron engine: a second megatron model whose output layer is a value head.
 
-Same interface and conventions as the hf engine's critic (engines/hf_critic.py): `values(batch)` gives
+Same interface and conventions as the hf engine's critic (engines/hf/critic.py): `values(batch)` gives
 V(s_t) for every response token, read from the last hidden state at the position that predicts token t
 (P + t - 1); `train_step(batch, value_fn, num_micro_batches)` takes one optimizer step on the value loss.
 

@@ -75,13 +75,13 @@ def _export_full(recipe: Recipe, point: ResumePoint, log: Callable[[str], None])
 
 def _to_peft(recipe: Recipe, base_dir: Path, model: Any, trainable: dict[str, Tensor]) -> dict[str, Tensor]:
     """Canonical Megatron adapter names -> the hf engine's PEFT names (`model`: its peft model)."""
-    from rlbridge.engines.hf_moe import megatron_experts_to_packed
+    from rlbridge.engines.hf.moe import megatron_experts_to_packed
     from rlbridge.engines.megatron.hf_names import lora_to_peft
 
     experts = {k: v for k, v in trainable.items() if ".mlp.experts." in k}
     dense = {k: v for k, v in trainable.items() if k not in experts}
     out = lora_to_peft(dense, json.loads((base_dir / "config.json").read_text(encoding="utf-8")))
-    if experts:  # routed experts: into peft's packed expert LoRA (engines/hf_moe.py)
+    if experts:  # routed experts: into peft's packed expert LoRA (engines/hf/moe.py)
         scale = recipe.lora.alpha / recipe.lora.rank
         out.update(megatron_experts_to_packed(model, experts, scale=scale))
     return out

@@ -284,7 +284,7 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
 
 
 def check_cuda_graphs(r: Recipe, out: Issues) -> None:
-    """trainer.cuda_graphs records the hf engine's passes on a GPU (engines/graphs.py): what it cannot record is
+    """trainer.cuda_graphs records the hf engine's passes on a GPU (engines/hf/graphs.py): what it cannot record is
     refused here, not discovered at the first step."""
     if not r.trainer.cuda_graphs:
         return

@@ -7,13 +7,13 @@ What it takes care of, so the loop does not have to:
   otherwise get no gradient).
 - Log-probs only where they are needed: the output layer runs on the R + 1 last positions only
   (`logits_to_keep`); log-probs and entropies come from one chunked pass over those logits with a
-  hand-written backward (rlbridge/engines/token_stats.py): no [b, R, vocab] log-softmax, probabilities or
+  hand-written backward (rlbridge/engines/hf/token_stats.py): no [b, R, vocab] log-softmax, probabilities or
   zero-filled gather gradient. With a 49k vocabulary that output layer dominates both time and memory.
 - No compute on padding: micro-batches (and log-prob chunks) take rows of similar length and each forward
   runs at its own rows' widths, not the whole batch's (rlbridge/engines/micro.py); per-token results are
   padded back to the batch's R before the loss closure sees them, so the closure is unchanged.
 - trainer.cuda_graphs on a GPU: each training pass shape's forward and backward recorded once as CUDA graphs and
-  replayed (rlbridge/engines/graphs.py), the passes' prompt and response widths each rounded up to
+  replayed (rlbridge/engines/hf/graphs.py), the passes' prompt and response widths each rounded up to
   trainer.pass_width_multiple (SeqBatch.sides_rounded) so that a run meets few shapes.
 - Reference log-probs from the same model with adapters disabled under LoRA; under full fine-tuning a
   frozen copy of the initial weights is kept, but only when algorithm.kl.coef > 0 (it doubles the weight
@@ -24,7 +24,7 @@ What it takes care of, so the loop does not have to:
   adapter export is exactly what peft's save_pretrained writes.
 - bfloat16 / float16 models: the forward and backward run in the model's dtype, logits are cast to float32
   before log-softmax, and every trainable parameter that is not float32 gets a float32 master copy that
-  AdamW steps (moments float32 too) and checkpoints store (rlbridge/engines/master.py). peft keeps LoRA
+  AdamW steps (moments float32 too) and checkpoints store (rlbridge/engines/hf/master.py). peft keeps LoRA
   adapters float32 on a 16-bit base, so under LoRA they are their own masters. docs/engines/hf.md.
 
 Gradient accumulation: train_step runs `num_micro_batches` forward/backward passes (rows grouped by
@@ -51,14 +51,11 @@ import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines import hf_moe
 from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
-from rlbridge.engines.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
-from rlbridge.engines.master import LOW_PRECISION, MasterWeights
-from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
-from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
-from rlbridge.engines.routing import replay_routing
-from rlbridge.engines.shared_prompts import (
+from rlbridge.engines.hf import moe as hf_moe
+from rlbridge.engines.hf.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
+from rlbridge.engines.hf.master import LOW_PRECISION, MasterWeights
+from rlbridge.engines.hf.shared_prompts import (
     AUTO_DEVICES,
     cheaper,
     grouped_rows,
@@ -66,7 +63,10 @@ from rlbridge.engines.shared_prompts import (
     shape_of,
     shared_response_logits,
 )
-from rlbridge.engines.token_stats import logprobs_and_entropy
+from rlbridge.engines.hf.token_stats import logprobs_and_entropy
+from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
+from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
+from rlbridge.engines.routing import replay_routing
 from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
@@ -211,7 +211,7 @@ class HFTrainEngine:
         """Shared prompts (trainer.shared_prompts) need the model's KV cache in the training forward: no recompute
         (transformers drops the cache of checkpointed layers), plain dynamic layers (no sliding window)."""
         self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
-        """Float32 masters of low-precision trainable parameters (rlbridge/engines/master.py)."""
+        """Float32 masters of low-precision trainable parameters (rlbridge/engines/hf/master.py)."""
         self._trainable = self.master.named
         """(name, parameter the optimizer steps): float32 masters under the model's parameter names."""
         self.moe: hf_moe.HfMoeBook | None = None
@@ -233,7 +233,7 @@ class HFTrainEngine:
         )
         self.model.eval()  # one mode for every module (peft and checkpointing leave them mixed): _set_training
         self._graphs: PassGraphs | None = self._pass_graphs() if recipe.trainer.cuda_graphs else None
-        """trainer.cuda_graphs: the recorded training passes (engines/graphs.py)."""
+        """trainer.cuda_graphs: the recorded training passes (engines/hf/graphs.py)."""
         self.sides = self._graphs is not None
         """Training passes with prompt and response widths each rounded up to trainer.pass_width_multiple
         (SeqBatch.sides_rounded): the few shapes recorded passes need. True under trainer.cuda_graphs (tests set

@@ -14,7 +14,7 @@ second copy of the (frozen, under LoRA) base weights, which rlbridge/plan.py cou
 
 Token values follow advantages.gae's convention: `values[:, t]` is V(s_t), the value of the state before
 response token t, read from the last hidden state at the position that predicts token t (P + t - 1, the
-same positions whose logits give the log-prob of token t; engines/hf.response_logits).
+same positions whose logits give the log-prob of token t; engines/hf/engine.response_logits).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import ValueLossFn, load_named, take_gradients
-from rlbridge.engines.master import MasterWeights
+from rlbridge.engines.hf.master import MasterWeights
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state
 from rlbridge.model.hf import AutoModel, LoraConfig, PreTrainedModel, get_peft_model, hf_logging
@@ -99,7 +99,7 @@ class HFCritic:
         return get_peft_model(backbone, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]  # peft's stubs are narrower than what it accepts
 
     def _apply_recompute(self, backbone: PreTrainedModel) -> None:
-        """Whole-layer gradient checkpointing as the policy has it (engines/hf.py), warnings left to the policy."""
+        """Whole-layer gradient checkpointing as the policy has it (engines/hf/engine.py), warnings left to the policy."""
         if self.recipe.trainer.recompute.granularity == "none":
             return
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

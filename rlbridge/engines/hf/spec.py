@@ -1,5 +1,5 @@
 """The hf trainer engine as the rest of rlbridge sees it (engines/spec.py): transformers + peft in one process
-(engines/hf.py, engines/hf_critic.py), the embedded default on a machine without GPUs."""
+(engines/hf/engine.py, engines/hf/critic.py), the embedded default on a machine without GPUs."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ if TYPE_CHECKING:
 
 
 def _engine(recipe: Recipe, model_dir: Path, device: str) -> TrainEngine:
-    from rlbridge.engines.hf import HFTrainEngine
+    from rlbridge.engines.hf.engine import HFTrainEngine
 
     return HFTrainEngine(recipe, model_dir, device=device)
 
 
 def _critic(recipe: Recipe, model_dir: Path, device: str) -> Critic:
-    from rlbridge.engines.hf_critic import HFCritic
+    from rlbridge.engines.hf.critic import HFCritic
 
     return HFCritic(recipe, model_dir, device=device)
 
