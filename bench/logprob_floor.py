@@ -15,7 +15,7 @@ and with a reference forward (float32 on CUDA, float64 on CPU, eager attention, 
                        the production path (whatever this checkout's engine does)
   bf16_sdpa/eager      plain transformers bfloat16 with sdpa / eager attention (bf16 logits)
   bf16_fp32_logits     bf16_sdpa with the output layer in float32 (bf16 input and weight, float32 product:
-                       engines/hf/engine.float32_logits, the math of vLLM's head_dtype=float32)
+                       engines/hf/model.float32_logits, the math of vLLM's head_dtype=float32)
   fp32_autocast        float32 weights under torch.autocast(bfloat16)
   bf16_fp32_head       bfloat16 body, final norm + lm_head in float32 (checkpoint's float32 values, untied)
   bf16_fp32_head_bf16w the same with the bfloat16-rounded weights vLLM holds (isolates the logits' rounding)
@@ -88,7 +88,7 @@ def forward_logprobs(
     round the logits to bfloat16 first, as a bfloat16 vLLM's output layer does before its float32 log-softmax."""
     import torch
 
-    from rlbridge.engines.hf.engine import token_logprobs
+    from rlbridge.engines.hf.token_stats import token_logprobs
 
     device = next(model.parameters()).device
     parts = []
@@ -229,7 +229,8 @@ def run_child(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from rlbridge.data.datasets import encode_prompts, load_dataset
-    from rlbridge.engines.hf.engine import HFTrainEngine, float32_logits
+    from rlbridge.engines.hf.engine import HFTrainEngine
+    from rlbridge.engines.hf.model import float32_logits
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe

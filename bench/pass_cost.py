@@ -75,7 +75,7 @@ def main() -> None:
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf.engine import response_logits, token_logprobs
+    from rlbridge.engines.hf.token_stats import response_logits, token_logprobs
     from rlbridge.engines.micro import forward_batch, micro_batch_rows
 
     cuda = args.device.startswith("cuda")

@@ -42,14 +42,14 @@ def main() -> None:
 
     from rlbridge.algo.objective import LossInputs, make_loss_fn
     from rlbridge.engines.hf import engine as hf
-    from rlbridge.engines.hf.token_stats import logprobs_and_entropy
+    from rlbridge.engines.hf.token_stats import logprobs_and_entropy, token_entropy, token_logprobs
 
     torch.set_num_threads(args.threads)
 
     def autograd_stats(logits: Any, ids: Any) -> tuple[Any, Any]:
-        logp = hf.token_logprobs(logits, ids)
+        logp = token_logprobs(logits, ids)
         with torch.no_grad():
-            return logp, hf.token_entropy(logits)
+            return logp, token_entropy(logits)
 
     shape = argparse.Namespace(
         batch=args.batch, prompt_min=50, prompt_max=56, response_min=10, response_max=48, seed=0

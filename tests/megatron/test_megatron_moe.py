@@ -210,7 +210,7 @@ def test_routing_replay_matches_transformers_replay(moe_dir: str, run_workers: A
     import torch
     from megatron_workers import ragged_batch
 
-    from rlbridge.engines.hf.engine import response_logits, token_logprobs
+    from rlbridge.engines.hf.token_stats import response_logits, token_logprobs
     from rlbridge.engines.routing import RoutingRecorder, replay_routing
 
     hf, batch = load_hf(moe_dir), ragged_batch(vocab=260)

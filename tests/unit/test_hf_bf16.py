@@ -194,7 +194,7 @@ def test_bf16_critic_has_float32_masters_and_resumes_exactly(model_dirs: dict[st
 
 
 def test_bf16_output_layer_returns_unrounded_float32_logits(model_dirs: dict[str, Path]) -> None:
-    """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf/engine.float32_logits),
+    """The output layer of a 16-bit model multiplies its bf16 input and weight in float32 (engines/hf/model.float32_logits),
     and a full fine-tuning reference copy computes with its own (frozen) weight."""
     path, batch = model_dirs["llama-tied"], ragged_batch()
     recipe = make_recipe(

@@ -18,7 +18,8 @@ from safetensors.torch import load, load_file, save
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import LossFn, TrainEngine
-from rlbridge.engines.hf.engine import HFTrainEngine, response_logits, token_entropy
+from rlbridge.engines.hf.engine import HFTrainEngine
+from rlbridge.engines.hf.token_stats import response_logits, token_entropy
 from rlbridge.engines.optim import lr_at
 from rlbridge.engines.weights import save_hf
 from rlbridge.errors import RlbridgeError

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.hf.engine import HFTrainEngine, response_logits
+from rlbridge.engines.hf.engine import HFTrainEngine
+from rlbridge.engines.hf.token_stats import response_logits
 from rlbridge.engines.micro import micro_batch_rows
 from rlbridge.engines.moe import expert_report
 from rlbridge.engines.weights import save_hf

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from rlbridge.batch import SeqBatch
-from rlbridge.engines.hf.engine import HFTrainEngine, response_logits
+from rlbridge.engines.hf.engine import HFTrainEngine
+from rlbridge.engines.hf.token_stats import response_logits
 from rlbridge.engines.routing import RoutingRecorder, replay_routing, routers
 from rlbridge.model.info import SHORT_NAMES
 from rlbridge.model.random_weights import build_random_model

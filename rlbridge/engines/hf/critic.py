@@ -14,7 +14,7 @@ second copy of the (frozen, under LoRA) base weights, which rlbridge/plan.py cou
 
 Token values follow advantages.gae's convention: `values[:, t]` is V(s_t), the value of the state before
 response token t, read from the last hidden state at the position that predicts token t (P + t - 1, the
-same positions whose logits give the log-prob of token t; engines/hf/engine.response_logits).
+same positions whose logits give the log-prob of token t; engines/hf/token_stats.response_logits).
 """
 
 from __future__ import annotations

@@ -33,16 +33,16 @@ follows the gradient of the *mean* of the micro-batch losses (`LOSS_SCALED_BY_MI
 whose micro-batch losses already sum to the mini-batch loss multiplies by num_micro_batches
 (rlbridge.algo.objective does, with micro_scale); for such a closure any grouping of the rows, and any
 number of passes (trainer.max_tokens_per_micro_batch), gives the same gradient.
+
+This module holds the passes (log-probs, training, the update) and the checkpoint state; the model is built by
+model.py and exported by export.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
-import types
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,10 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch, pad_columns
 from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
 from rlbridge.engines.hf import moe as hf_moe
+from rlbridge.engines.hf.export import HfWeights
 from rlbridge.engines.hf.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
-from rlbridge.engines.hf.master import LOW_PRECISION, MasterWeights
+from rlbridge.engines.hf.master import MasterWeights
+from rlbridge.engines.hf.model import apply_lora, apply_recompute, input_grads_enabled, load_model
 from rlbridge.engines.hf.shared_prompts import (
     AUTO_DEVICES,
     cheaper,
@@ -63,86 +65,17 @@ from rlbridge.engines.hf.shared_prompts import (
     shape_of,
     shared_response_logits,
 )
-from rlbridge.engines.hf.token_stats import logprobs_and_entropy
+from rlbridge.engines.hf.token_stats import logprobs_and_entropy, response_logits
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.engines.routing import replay_routing
-from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
-from rlbridge.model.hf import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    LoraConfig,
-    LoraLayer,
-    LoraLinear,
-    PeftModel,
-    PreTrainedModel,
-    get_peft_model,
-    get_peft_model_state_dict,
-    remove_tied_weights_from_state_dict,
-    revert_weight_conversion,
-)
+from rlbridge.model.hf import DynamicCache, PeftModel
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
-from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
 from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
-
-ADAPTER = "default"
-"""peft's adapter name inside the live model (it never appears in exported names)."""
-
-
-# ------------------------------------------------------------------------------- token statistics
-def response_logits(model: nn.Module, batch: SeqBatch) -> Tensor:
-    """[b, R, V] float32 logits that predict the response tokens: positions P-1 .. P+R-2. The output layer
-    only runs on the last R + 1 positions (the very last one is dropped)."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        logits_to_keep=batch.response_width + 1,
-    )
-    return out.logits[:, :-1].float()
-
-
-def token_logprobs(logits_brv: Tensor, ids_br: Tensor) -> Tensor:
-    """log softmax(logits)[id] as `logit[id] - logsumexp(logits)`: no [b, R, V] log-softmax tensor."""
-    picked = logits_brv.gather(-1, ids_br.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits_brv, dim=-1)
-
-
-def token_entropy(logits_brv: Tensor) -> Tensor:
-    """Entropy `logsumexp(z) - sum(softmax(z) * z)` with one [b, R, V] temporary (the probabilities); the
-    product-sum is a batched matmul, so no second one."""
-    probs = torch.softmax(logits_brv, dim=-1)
-    expected = (probs.unsqueeze(-2) @ logits_brv.unsqueeze(-1)).reshape(probs.shape[:-1])
-    return torch.logsumexp(logits_brv, dim=-1) - expected
-
-
-def float32_logits(model: PreTrainedModel) -> None:
-    """Make a 16-bit model's output layer return float32 logits: its model-dtype input and weight are upcast
-    and the product is accumulated and returned in float32, never rounded to bfloat16. Logits of real LMs are
-    large (SmolLM2's sampled tokens: 16-39, where a bf16 unit in the last place is 0.125), so rounding them
-    alone moves log p by 0.02 on average; vLLM's `head_dtype=float32` computes the same product. Parameter
-    names, tying and gradients are unchanged (the casts are differentiable)."""
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        raise RlbridgeError(f"float32 logits need a plain nn.Linear output layer, got {type(head).__name__}")
-    # bound to the module, so that a deepcopy (the full fine-tuning reference) computes with its own weight
-    head.forward = types.MethodType(_float32_linear, head)  # type: ignore[method-assign]  # patches the output head's forward on purpose (float32 logits)
-
-
-def _float32_linear(self: nn.Linear, hidden: Tensor) -> Tensor:
-    bias = None if self.bias is None else self.bias.float()
-    return nn.functional.linear(hidden.float(), self.weight.float(), bias)
-
-
-def _weight(module: nn.Module) -> Tensor:
-    weight = module.weight
-    assert isinstance(weight, Tensor)
-    return weight
 
 
 def _set_training(model: nn.Module, on: bool) -> None:
@@ -187,23 +120,18 @@ class HFTrainEngine:
         self.total_steps = total_steps or total_optimizer_steps(recipe)
         self.num_optimizer_steps = 0
         self.lora = recipe.lora.enabled
-        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=getattr(torch, recipe.model.dtype)
-        )
-        nn.Module.to(base, self.device)
-        if base.dtype in LOW_PRECISION:
-            float32_logits(base)
+        base = load_model(recipe, self.model_dir, self.device)
         self._reference: nn.Module | None = None
         if not self.lora and recipe.algorithm.kl.coef > 0:
             self._reference = copy.deepcopy(base).requires_grad_(False).eval()
         self.hf_model = base
         """The transformers model (with peft's layers injected under LoRA): HF parameter names."""
-        self._peft: PeftModel | None = self._apply_lora(base) if self.lora else None
-        self._adapter_index: list[tuple[str, nn.Parameter]] | None = None
-        """The adapter export's (name, live parameter) pairs, built by its first call (_adapter_tensors)."""
+        self._peft: PeftModel | None = apply_lora(base, recipe) if self.lora else None
         self.model: nn.Module = self._peft if self._peft is not None else base
         """What is called: the PeftModel under LoRA, else the transformers model."""
-        self._apply_recompute()
+        self._weights = HfWeights(base, self._peft, self.model_dir)
+        """Merged and adapter exports of the live model (export.py)."""
+        apply_recompute(base, recipe, self.device)
         self._shared_logged: bool | None = None
         self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
             DynamicCache(config=base.config)
@@ -240,25 +168,7 @@ class HFTrainEngine:
         it on a CPU: the layout is exact on its own)."""
 
     # -------------------------------------------------------------------------------- set-up
-    def _apply_lora(self, base: PreTrainedModel) -> PeftModel:
-        cfg = self.recipe.lora
-        # routed experts stored as stacked 3D parameters get their LoRA through target_parameters (hf_moe.py)
-        experts = hf_moe.expert_parameters_present(base, hf_expert_parameters(cfg.targets))
-        config = LoraConfig(
-            r=cfg.rank,
-            lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft divides it by r as a float
-            lora_dropout=cfg.dropout,
-            target_modules=hf_targets(cfg.targets),
-            target_parameters=experts or None,
-            use_dora=cfg.type == "dora",
-            task_type="CAUSAL_LM",
-        )
-        with torch.random.fork_rng(devices=[]):  # adapter init from run.seed, global RNG untouched
-            torch.manual_seed(self.recipe.run.seed)
-            # float32 adapters on a bfloat16 / float16 base (peft's default, stated): they are their own
-            # master weights, and their share of each layer's output is computed in float32
-            return get_peft_model(base, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
-
+    # -------------------------------------------------------------------------------- set-up
     def _pass_graphs(self) -> PassGraphs:
         """trainer.cuda_graphs (validate-recipe refuses the recipes it cannot record; this guards the rest)."""
         if self.device.type != "cuda":
@@ -276,34 +186,9 @@ class HFTrainEngine:
             self.model, params, lambda sub: self._token_stats(self.model, sub, False), self.device
         )
 
-    def _apply_recompute(self) -> None:
-        recompute = self.recipe.trainer.recompute
-        if recompute.granularity == "none":
-            return
-        if recompute.granularity == "selective":
-            warnings.warn(
-                "trainer.recompute.granularity=selective: the hf engine has no attention-only recompute; "
-                "it recomputes whole decoder layers (as for full)",
-                stacklevel=3,
-            )
-        if recompute.method is not None or recompute.num_layers is not None:
-            warnings.warn(
-                "trainer.recompute.method/num_layers are ignored by the hf engine (every layer is recomputed)",
-                stacklevel=3,
-            )
-        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # Non-reentrant checkpointing (torch's recommendation) propagates gradients to adapters inside a
-        # recomputed layer by itself; the recompute-input fix (the embedding output requires grad) is kept in
-        # force anyway, as reentrant checkpointing needs it. transformers 5 registers that hook inside
-        # gradient_checkpointing_enable; register it here if a version does not.
-        if self.lora and not self.input_grads_enabled():
-            self.hf_model.enable_input_require_grads()
-
     def input_grads_enabled(self) -> bool:
         """Whether the embedding output requires grad with a frozen embedding (the recompute-input fix)."""
-        embed = self.hf_model.get_input_embeddings()
-        with torch.enable_grad():
-            return bool(embed(torch.zeros(1, 1, dtype=torch.long, device=self.device)).requires_grad)
+        return input_grads_enabled(self.hf_model, self.device)
 
     # ------------------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -537,95 +422,14 @@ class HFTrainEngine:
         return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0}
 
     # ---------------------------------------------------------------------------- export
+    # ---------------------------------------------------------------------------- export
     def export_weights(self, kind: WeightSync) -> WeightExport:
-        """'merged': every weight under the HF model's own names (as save_pretrained writes them; a tied
-        lm_head is left out), adapters folded in float32 and cast to model.dtype. Unchanged tensors share
-        storage with the live model: write them out before the next train_step. 'adapter': peft's
-        lora_A / lora_B tensors (copies on the host) and adapter_config.json content."""
-        if kind == "merged":
-            return WeightExport("merged", self._merged_state())
-        if kind == "adapter":
-            if self._peft is None:
-                raise RlbridgeError(
-                    "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
-                )
-            # host copies in one transfer per dtype, not one synchronizing copy per tensor (420 for SmolLM2)
-            return WeightExport("adapter", host_copies(self._adapter_tensors()), self._adapter_config())
-        raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
-
-    def _adapter_tensors(self) -> dict[str, Tensor]:
-        """peft's adapter state dict (get_peft_model_state_dict: names without the adapter's, detached tensors of
-        the live parameters). peft walks the whole model's state_dict for it (~35 ms for SmolLM2 on a CPU, every
-        weight sync), so the first call also records which parameter each name reads, and later calls read
-        those (the Parameter objects stay; their data may be swapped, .detach() reads it). If a name is not a
-        parameter's own tensor, peft is asked every time."""
-        assert self._peft is not None
-        if self._adapter_index is None:
-            tensors = get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
-            owner = {(p.data_ptr(), p.shape): p for p in self.model.parameters()}
-            pairs = [(name, owner.get((t.data_ptr(), t.shape))) for name, t in tensors.items()]
-            self._adapter_index = (
-                [(n, p) for n, p in pairs if p is not None] if all(p is not None for _, p in pairs) else []
-            )
-            return tensors
-        if not self._adapter_index:
-            return get_peft_model_state_dict(self._peft, adapter_name=ADAPTER)
-        return {name: p.detach() for name, p in self._adapter_index}
-
-    def _merged_state(self) -> dict[str, Tensor]:
-        return self.merged_state()
+        """'merged' or 'adapter' weights (export.py: HfWeights.export)."""
+        return self._weights.export(kind)
 
     def merged_state(self, *, drop_tied: bool = True) -> dict[str, Tensor]:
-        """Every weight under the HF checkpoint's names, adapters folded in (float32 merge, cast to
-        model.dtype). drop_tied: leave out output embeddings the config ties to the input ones, as
-        save_pretrained does; False keeps them, so that export-hf can check they still agree."""
-        merged = self._merged_lora_weights() if self.lora else {}
-        state: dict[str, Tensor] = {}
-        for key, tensor in self.hf_model.state_dict().items():
-            if ".lora_" in key:  # lora_A / lora_B / lora_magnitude_vector / lora_embedding_*
-                continue
-            name = hf_moe.clean_param_name(key)
-            state[name] = merged.get(name, tensor)
-        if set(merged) - set(state):
-            raise RlbridgeError(
-                f"merged LoRA weights without a model weight: {sorted(set(merged) - set(state))[:3]}"
-            )
-        if drop_tied:
-            state = remove_tied_weights_from_state_dict(state, self.hf_model)
-        state = revert_weight_conversion(self.hf_model, state)
-        # stacked MoE experts come back as per-expert views of one tensor: safetensors refuses shared storage
-        return {k: v.clone() if v._base is not None else v for k, v in state.items()}
-
-    def _merged_lora_weights(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = hf_moe.merged_expert_weights(self.hf_model, ADAPTER)
-        for name, module in self.hf_model.named_modules():
-            if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
-                continue
-            if isinstance(module, hf_moe.LoraParamWrapper):  # stacked expert weights, merged above
-                continue
-            base = module.get_base_layer()
-            if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear) or module.fan_in_fan_out:
-                raise RlbridgeError(
-                    f"merged export supports LoRA on nn.Linear layers only; {name} is {type(base).__name__}"
-                )
-            dora = module.use_dora[ADAPTER]
-            out[f"{name}.weight"] = merge_lora(
-                base.weight,
-                _weight(module.lora_A[ADAPTER]),
-                _weight(module.lora_B[ADAPTER]),
-                module.scaling[ADAPTER],
-                _weight(module.lora_magnitude_vector[ADAPTER]) if dora else None,
-            )
-        return out
-
-    def _adapter_config(self) -> dict[str, Any]:
-        """adapter_config.json as peft's save_pretrained writes it (inference_mode true, sets as lists)."""
-        assert self._peft is not None
-        config = copy.deepcopy(self._peft.peft_config[ADAPTER])
-        config.inference_mode = True
-        config.base_model_name_or_path = str(self.model_dir)
-        raw = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-        return dict(json.loads(json.dumps(raw)))
+        """Every weight under the HF checkpoint's names, adapters folded in (export.py: HfWeights.merged_state)."""
+        return self._weights.merged_state(drop_tied=drop_tied)
 
     # ---------------------------------------------------------------------- state for checkpoints
     def trainable_state(self) -> dict[str, Tensor]:

@@ -11,6 +11,10 @@ With a large vocabulary on a CPU those vocabulary-wide passes are a large share 
 
 Exact up to float32 rounding order (tests/unit/test_token_stats.py compares values and gradients with
 autograd's float64 result). Entropy's gradient is computed only where the loss uses it (entropy_coef > 0).
+
+`response_logits` runs the model for those logits (the output layer on the response positions only);
+`token_logprobs` and `token_entropy` are the same two formulas through autograd, the references tests and
+benchmarks compare against.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from rlbridge.batch import SeqBatch
 
 # bytes of float32 logits per chunk: a few rows that stay in a CPU core's cache; on a GPU, large enough that
 # the per-chunk kernel launches do not matter, small enough that the chunk's temporaries are a rounding error
@@ -82,3 +88,30 @@ class _TokenStats(torch.autograd.Function):
         if g_logp is not None:
             grad.scatter_add_(1, ids.unsqueeze(1), g_logp.unsqueeze(1))
         return grad, None
+
+
+def response_logits(model: nn.Module, batch: SeqBatch) -> Tensor:
+    """[b, R, V] float32 logits that predict the response tokens: positions P-1 .. P+R-2. The output layer
+    only runs on the last R + 1 positions (the very last one is dropped)."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=batch.response_width + 1,
+    )
+    return out.logits[:, :-1].float()
+
+
+def token_logprobs(logits_brv: Tensor, ids_br: Tensor) -> Tensor:
+    """log softmax(logits)[id] as `logit[id] - logsumexp(logits)`: no [b, R, V] log-softmax tensor."""
+    picked = logits_brv.gather(-1, ids_br.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits_brv, dim=-1)
+
+
+def token_entropy(logits_brv: Tensor) -> Tensor:
+    """Entropy `logsumexp(z) - sum(softmax(z) * z)` with one [b, R, V] temporary (the probabilities); the
+    product-sum is a batched matmul, so no second one."""
+    probs = torch.softmax(logits_brv, dim=-1)
+    expected = (probs.unsqueeze(-2) @ logits_brv.unsqueeze(-1)).reshape(probs.shape[:-1])
+    return torch.logsumexp(logits_brv, dim=-1) - expected

@@ -283,7 +283,7 @@ def batch_rows(parts: list[torch.Tensor], mbs: list[MicroBatch], size: int, widt
 def float32_output_layer(model: list[torch.nn.Module]) -> int:
     """Make a 16-bit model's output layer (on the last pipeline stage) return float32 logits: its model-dtype
     input and weight shard are upcast and multiplied in float32, never rounded to bfloat16, as the hf engine's
-    (engines/hf/engine.float32_logits; why: docs/engines/hf.md, "bf16 numerics"). The casts are differentiable, so a
+    (engines/hf/model.float32_logits; why: docs/engines/hf.md, "bf16 numerics"). The casts are differentiable, so a
     trained output layer (full fine-tuning) still gets its gradient, through autograd instead of megatron's
     fused accumulation into main_grad (with that fusion on, the layer is left as it is, with a warning).
     Returns the layers changed."""

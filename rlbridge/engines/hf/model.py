@@ -1,0 +1,107 @@
+"""The hf engine's model, built once: the transformers model in the recipe's dtype on its device, float32 logits
+on a 16-bit one, peft's LoRA / DoRA adapter, whole-layer recompute.
+
+HFTrainEngine (engine.py) builds its model with these in this order and never changes its structure again.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from rlbridge.engines.hf import moe as hf_moe
+from rlbridge.engines.hf.master import LOW_PRECISION
+from rlbridge.errors import RlbridgeError
+from rlbridge.model.hf import AutoModelForCausalLM, LoraConfig, PeftModel, PreTrainedModel, get_peft_model
+from rlbridge.recipe.schema import Recipe
+from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
+
+ADAPTER = "default"
+"""peft's adapter name inside the live model (it never appears in exported names)."""
+
+
+def load_model(recipe: Recipe, model_dir: Path, device: torch.device) -> PreTrainedModel:
+    """The checkpoint's causal LM in model.dtype on `device`; a 16-bit one returns float32 logits."""
+    base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, recipe.model.dtype)
+    )
+    nn.Module.to(base, device)
+    if base.dtype in LOW_PRECISION:
+        float32_logits(base)
+    return base
+
+
+def float32_logits(model: PreTrainedModel) -> None:
+    """Make a 16-bit model's output layer return float32 logits: its model-dtype input and weight are upcast
+    and the product is accumulated and returned in float32, never rounded to bfloat16. Logits of real LMs are
+    large (SmolLM2's sampled tokens: 16-39, where a bf16 unit in the last place is 0.125), so rounding them
+    alone moves log p by 0.02 on average; vLLM's `head_dtype=float32` computes the same product. Parameter
+    names, tying and gradients are unchanged (the casts are differentiable)."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise RlbridgeError(f"float32 logits need a plain nn.Linear output layer, got {type(head).__name__}")
+    # bound to the module, so that a deepcopy (the full fine-tuning reference) computes with its own weight
+    head.forward = types.MethodType(_float32_linear, head)  # type: ignore[method-assign]  # patches the output head's forward on purpose (float32 logits)
+
+
+def _float32_linear(self: nn.Linear, hidden: Tensor) -> Tensor:
+    bias = None if self.bias is None else self.bias.float()
+    return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def apply_lora(base: PreTrainedModel, recipe: Recipe) -> PeftModel:
+    """peft's LoRA / DoRA on the recipe's targets, initialised from run.seed (the global RNG untouched)."""
+    cfg = recipe.lora
+    # routed experts stored as stacked 3D parameters get their LoRA through target_parameters (hf/moe.py)
+    experts = hf_moe.expert_parameters_present(base, hf_expert_parameters(cfg.targets))
+    config = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft divides it by r as a float
+        lora_dropout=cfg.dropout,
+        target_modules=hf_targets(cfg.targets),
+        target_parameters=experts or None,
+        use_dora=cfg.type == "dora",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):  # adapter init from run.seed, global RNG untouched
+        torch.manual_seed(recipe.run.seed)
+        # float32 adapters on a bfloat16 / float16 base (peft's default, stated): they are their own
+        # master weights, and their share of each layer's output is computed in float32
+        return get_peft_model(base, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+
+
+def apply_recompute(hf_model: PreTrainedModel, recipe: Recipe, device: torch.device) -> None:
+    """trainer.recompute: whole decoder layers recomputed (non-reentrant checkpointing), with a warning for what
+    the hf engine ignores (called from HFTrainEngine.__init__: the warnings name its caller)."""
+    recompute = recipe.trainer.recompute
+    if recompute.granularity == "none":
+        return
+    if recompute.granularity == "selective":
+        warnings.warn(
+            "trainer.recompute.granularity=selective: the hf engine has no attention-only recompute; "
+            "it recomputes whole decoder layers (as for full)",
+            stacklevel=3,
+        )
+    if recompute.method is not None or recompute.num_layers is not None:
+        warnings.warn(
+            "trainer.recompute.method/num_layers are ignored by the hf engine (every layer is recomputed)",
+            stacklevel=3,
+        )
+    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Non-reentrant checkpointing (torch's recommendation) propagates gradients to adapters inside a
+    # recomputed layer by itself; the recompute-input fix (the embedding output requires grad) is kept in
+    # force anyway, as reentrant checkpointing needs it. transformers 5 registers that hook inside
+    # gradient_checkpointing_enable; register it here if a version does not.
+    if recipe.lora.enabled and not input_grads_enabled(hf_model, device):
+        hf_model.enable_input_require_grads()
+
+
+def input_grads_enabled(hf_model: PreTrainedModel, device: torch.device) -> bool:
+    """Whether the embedding output requires grad with a frozen embedding (the recompute-input fix)."""
+    embed = hf_model.get_input_embeddings()
+    with torch.enable_grad():
+        return bool(embed(torch.zeros(1, 1, dtype=torch.long, device=device)).requires_grad)
