@@ -47,7 +47,7 @@ def child(recipe_path: str, sets: list[str], mode: str, steps: int, eos: bool, o
     from rlbridge.recipe import load_recipe
     from rlbridge.rollout.base import SamplingCfg
     from rlbridge.rollout.vllm import VllmRollout
-    from rlbridge.rollout.weights_dir import ram_tempdir, write_adapter
+    from rlbridge.weights.directory import ram_tempdir, write_adapter
 
     r = load_recipe(recipe_path, sets)
     cpu = r.cluster.device == "cpu"

@@ -4,7 +4,7 @@ The GPU machine has no vLLM, so this measures what the trainer does for a sync, 
 path: `TrainerRole.export_weights(kind, as_files=True)` (rlbridge/trainer/role.py), which calls the megatron
 engine's `export_weights(kind)` (Megatron-Bridge's exporters: gather, for 'merged' fold the adapters into
 the base weights on the GPU, copy to the host) and then writes the RAM-backed directory a same-node vLLM
-would load (rlbridge/rollout/weights_dir.py: merged = an HF directory cast to the model dtype, adapter = a
+would load (rlbridge/weights/directory.py: merged = an HF directory cast to the model dtype, adapter = a
 PEFT directory; when /dev/shm has under 4 GiB free, as in a container's default 64 MB, the temp dir
 instead, named in the result's `weights_dir`). The engine's `export_weights` is wrapped with a timer, so
 one call gives both parts: `export_s` (inside the engine) and `write_s` (the rest: files, dtype cast,
@@ -107,9 +107,9 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from rlbridge.rollout import weights_dir
-    from rlbridge.rollout.weights_dir import remove_dir
     from rlbridge.trainer.role import TrainerRole
+    from rlbridge.weights import directory as weights_dir
+    from rlbridge.weights.directory import remove_dir
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

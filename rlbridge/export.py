@@ -7,7 +7,7 @@ exporter of the checkpoint's engine (its spec's `exporter`, engines/registry.py)
 - hf (now): the base model is loaded with transformers on CPU from the recipe's model.path (short names
   through rlbridge.model.cache), the checkpoint's trainable tensors are loaded into the same peft model the
   trainer used, and the hf engine exports them: LoRA folded in float32 with peft's arithmetic
-  (engines/weights.merge_lora) and cast to model.dtype at the end, or peft's adapter tensors and
+  (weights/hf_files.merge_lora) and cast to model.dtype at the end, or peft's adapter tensors and
   adapter_config.json. No Ray, no vLLM.
 - megatron (LoRA): the checkpoint's canonical Megatron adapter tensors (full, whatever TP/PP wrote them) are
   renamed to PEFT's (engines/megatron/hf_names.py, splitting the fused qkv and gate/up projections) and
@@ -48,13 +48,12 @@ from typing import Any
 import torch
 import yaml
 
-from rlbridge.engines.base import WeightExport
 from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.resume import ResumePoint, find_checkpoint
-from rlbridge.weights import WeightSync
+from rlbridge.weights import WeightExport, WeightSync
 
 DEFAULT_SHARD_SIZE = "5GB"
 
@@ -252,7 +251,7 @@ def _set_tie_flag(config: dict[str, Any], value: bool) -> None:
 def _write_merged(tmp: Path, exported: Exported, max_shard_size: str | int) -> None:
     from huggingface_hub import save_torch_state_dict
 
-    from rlbridge.engines.weights import _is_weight_file
+    from rlbridge.weights.hf_files import _is_weight_file
 
     assert exported.base_dir is not None and exported.config is not None
     tensors = exported.weights.tensors
@@ -292,7 +291,7 @@ def _write_merged(tmp: Path, exported: Exported, max_shard_size: str | int) -> N
 
 
 def _write_adapter(tmp: Path, exported: Exported) -> None:
-    from rlbridge.engines.weights import save_hf
+    from rlbridge.weights.hf_files import save_hf
 
     save_hf(tmp, exported.weights)
 

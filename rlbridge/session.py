@@ -199,7 +199,7 @@ class Session:
             if w is not None:
                 w.kill()
         rc.shutdown(self._pg)
-        from rlbridge.rollout.weights_dir import sweep_ram_dirs
+        from rlbridge.weights.directory import sweep_ram_dirs
 
         sweep_ram_dirs()  # the killed workers' last weight directories in /dev/shm (540 MB for SmolLM2 merged)
 

@@ -7,43 +7,19 @@ Log-prob tensors are [b, R], aligned with SeqBatch.response_mask (see rlbridge/b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.errors import RlbridgeError
-from rlbridge.weights import WeightSync
+from rlbridge.weights import WeightExport, WeightSync
 
 # loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
 # inside the batch passed to train_step (any subset in any order: the hf engine groups rows by length), so the
 # closure can slice advantages / old log-probs itself; the tensors it gets are [len(rows), R] at the batch's R.
 # Every engine backpropagates loss_fn(...) / num_micro_batches for each micro-batch.
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-
-
-@dataclass
-class WeightExport:
-    """Weights for the rollout or for export-hf, with HF parameter names."""
-
-    kind: WeightSync
-    """'merged' (every weight of the HF model, adapters folded in) or 'adapter' (PEFT lora_A/lora_B)."""
-    tensors: dict[str, torch.Tensor]
-    adapter_config: dict | None = None
-    """PEFT adapter_config.json content when kind == 'adapter'."""
-    path: str | None = None
-    """Set when the export was already written as an HF (merged) or PEFT (adapter) directory on this node;
-    `tensors` is then empty and the receiver takes ownership of the directory (same-node hand-off: no copy
-    through Ray's object store), unless `sender_keeps`."""
-    sender_keeps: bool = False
-    """With `path`: the sender keeps the directory and overwrites its files in place with the next version
-    (rollout/weights_dir.overwrite_merged), so the receiver must not remove it and must be done reading it
-    when load_weights returns."""
-    ipc: dict[str, Any] | None = None
-    """Set for rollout.weight_transport cuda_ipc: CUDA IPC handles of merged tensors on the trainer's GPU, as plain
-    data (rlbridge/rollout/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its
-    `release_export`."""
 
 
 class TrainEngine(Protocol):

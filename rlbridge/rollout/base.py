@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rlbridge.batch import Rollouts
-from rlbridge.engines.base import WeightExport
+from rlbridge.weights import WeightExport
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from rlbridge.batch import Rollouts
-from rlbridge.engines.base import WeightExport
 from rlbridge.engines.moe import stack_expert_weights
 from rlbridge.engines.routing import RoutingRecorder
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
-from rlbridge.rollout.weights_dir import read_export_dir
+from rlbridge.weights import WeightExport
+from rlbridge.weights.directory import read_export_dir
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ needs an `if __name__ == "__main__":` guard; pytest's entry points have one
 
 On large GPU models the merged route costs a write of the full state dict to /dev/shm per sync.
 rollout.weight_transport cuda_ipc (opt-in; colocated CUDA trainer, tensor_parallel 1) avoids it: the trainer
-hands over CUDA IPC handles of its merged tensors (rlbridge/rollout/ipc.py) and the worker reloads from them in
+hands over CUDA IPC handles of its merged tensors (rlbridge/weights/ipc.py) and the worker reloads from them in
 place (`collective_rpc("rlbridge_load_ipc")`, which calls the worker's `reload_weights(weights_iterator=...)`,
 present in both vLLM 0.26 and 0.32). tests/gpu/test_gpu_ipc_sync.py checks it against the file route
 (docs/defaults.md#cuda-ipc).
@@ -63,13 +63,13 @@ from pathlib import Path
 from typing import Any
 
 from rlbridge.batch import Rollouts
-from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import check_request
 from rlbridge.rollout.vllm_spec import VLLM_LORA_RANKS
-from rlbridge.rollout.weights_dir import ram_tempdir, remove_dir, write_adapter, write_merged
 from rlbridge.run import faults
+from rlbridge.weights import WeightExport
+from rlbridge.weights.directory import ram_tempdir, remove_dir, write_adapter, write_merged
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +98,10 @@ class WorkerExtension:
         reseed(set_random_seed, seed, getattr(parallel, "data_parallel_index", 0) or 0)
 
     def rlbridge_load_ipc(self, payload: dict[str, Any]) -> int:
-        """Reload the weights in place from a colocated trainer's CUDA IPC export (rlbridge/rollout/ipc.py):
+        """Reload the weights in place from a colocated trainer's CUDA IPC export (rlbridge/weights/ipc.py):
         the handles are opened on this worker's GPU (checked to be the trainer's), read by vLLM's in-place reload,
         and let go once the device is done with them. Returns the number of tensors."""
-        from rlbridge.rollout import ipc
+        from rlbridge.weights import ipc
 
         device: Any = getattr(self, "device", None)
         if device is None or device.type != "cuda":

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from rlbridge.engines.base import WeightExport
 from rlbridge.errors import RlbridgeError
+from rlbridge.weights import WeightExport
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,12 @@ class WeightSender:
         if not as_files:
             return weights
         exported = time.perf_counter()
-        from rlbridge.rollout.weights_dir import overwrite_merged, ram_tempdir, write_adapter, write_merged
+        from rlbridge.weights.directory import overwrite_merged, ram_tempdir, write_adapter, write_merged
 
         kind = weights.kind
-        if kind == "merged":  # one directory for the run, its file overwritten in place (weights_dir.py)
+        if (
+            kind == "merged"
+        ):  # one directory for the run, its file overwritten in place (weights/directory.py)
             if self._merged_dir is None:
                 self._merged_dir = ram_tempdir("rlbridge-merged-")
                 weakref.finalize(self, shutil.rmtree, self._merged_dir, ignore_errors=True)
@@ -67,7 +69,7 @@ class WeightSender:
         return WeightExport(kind, {}, weights.adapter_config, path=str(out), sender_keeps=kind == "merged")
 
     def _share_merged(self, weights: WeightExport) -> WeightExport:
-        from rlbridge.rollout import ipc
+        from rlbridge.weights import ipc
 
         if weights.kind != "merged":
             raise RlbridgeError(

@@ -1,9 +1,43 @@
-"""What travels from the trainer to the rollout, named once for both sides (and for export-hf)."""
+"""What travels from the trainer to the rollout, named once for both sides (and for export-hf).
+
+Both `engines/` (which export weights) and `rollout/` (which load them) import this package, and it imports
+neither. `WeightSync` and `WeightExport` are here; the ways an export travels are its modules: `hf_files` (the
+HF / PEFT files transformers, peft and vLLM load, and the LoRA merge arithmetic), `directory` (one RAM-backed
+directory per weight version for a rollout engine on the same node) and `ipc` (CUDA IPC handles for a rollout
+engine on the same GPU). Importing the package imports no torch (recipe validation reads `WeightSync`).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 WeightSync = Literal["merged", "adapter"]
 """rollout.weight_sync, a WeightExport's kind, export-hf's choice: every weight of the HF model with the adapters
 folded in (merged), or the PEFT adapter's lora_A / lora_B tensors alone (adapter)."""
+
+
+@dataclass
+class WeightExport:
+    """Weights for the rollout or for export-hf, with HF parameter names."""
+
+    kind: WeightSync
+    """'merged' (every weight of the HF model, adapters folded in) or 'adapter' (PEFT lora_A/lora_B)."""
+    tensors: dict[str, torch.Tensor]
+    adapter_config: dict | None = None
+    """PEFT adapter_config.json content when kind == 'adapter'."""
+    path: str | None = None
+    """Set when the export was already written as an HF (merged) or PEFT (adapter) directory on this node;
+    `tensors` is then empty and the receiver takes ownership of the directory (same-node hand-off: no copy
+    through Ray's object store), unless `sender_keeps`."""
+    sender_keeps: bool = False
+    """With `path`: the sender keeps the directory and overwrites its files in place with the next version
+    (weights/directory.overwrite_merged), so the receiver must not remove it and must be done reading it
+    when load_weights returns."""
+    ipc: dict[str, Any] | None = None
+    """Set for rollout.weight_transport cuda_ipc: CUDA IPC handles of merged tensors on the trainer's GPU, as plain
+    data (rlbridge/weights/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its
+    `release_export`."""

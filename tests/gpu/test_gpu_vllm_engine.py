@@ -48,9 +48,9 @@ import pytest
 import torch
 
 from rlbridge.batch import Rollouts
-from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import Recipe
-from rlbridge.rollout.weights_dir import write_merged
+from rlbridge.weights import WeightExport
+from rlbridge.weights.directory import write_merged
 from tests.gpu.common import DRY_RUN, ROOT, P, figure, gap, load_hf, python, subprocess_env, time_left
 from tests.gpu.test_gpu_cli_runs import keep_logs
 from tests.gpu.vllm_engine_job import (

@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from rlbridge.batch import Rollouts  # noqa: E402
-from rlbridge.engines.base import WeightExport  # noqa: E402
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg  # noqa: E402
 from rlbridge.rollout.base import SamplingCfg  # noqa: E402
+from rlbridge.weights import WeightExport  # noqa: E402
 from tests.gpu.common import ENGINE_EAGER, TEXTS, P, chat_prompt_ids  # noqa: E402
 
 LORA_RANK = 8

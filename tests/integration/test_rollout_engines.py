@@ -22,12 +22,12 @@ import pytest
 import ray
 
 from rlbridge.cluster import ray_cluster as rc
-from rlbridge.engines.base import WeightExport
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.client import RayRollout, RolloutClient
 from rlbridge.rollout.group import RolloutGroup
+from rlbridge.weights import WeightExport
 from tests.fixtures.tiny_llama import build_tiny_llama, perturbed_state
 
 pytestmark = [

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
+from rlbridge.weights import WeightExport
 from tests.fixtures.tiny_llama import (
     EOS_ID,
     build_tiny_llama,

@@ -17,7 +17,6 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.engines import registry
-from rlbridge.engines.base import WeightExport
 from rlbridge.engines.hf.spec import HF
 from rlbridge.engines.spec import TrainerEngineSpec, TrainerMemory
 from rlbridge.model.info import ModelInfo
@@ -27,6 +26,7 @@ from rlbridge.recipe.schema import AUTO_WIDTH_MULTIPLE, Recipe, RolloutCfg, Trai
 from rlbridge.rollout.registry import ROLLOUT_ENGINES
 from rlbridge.trainer.client import LocalTrainer
 from rlbridge.trainer.role import TrainerRole
+from rlbridge.weights import WeightExport
 from tests.unit.test_import_rules import SPEC_MODULES  # the modules that may know engines by name
 
 PKG = Path(__file__).resolve().parents[2] / "rlbridge"

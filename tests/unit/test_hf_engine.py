@@ -21,9 +21,9 @@ from rlbridge.engines.base import LossFn, TrainEngine
 from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.engines.hf.token_stats import response_logits, token_entropy
 from rlbridge.engines.optim import lr_at
-from rlbridge.engines.weights import save_hf
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import OptimCfg, Recipe
+from rlbridge.weights.hf_files import save_hf
 from tests.fixtures.tiny_models import BUILDERS
 
 torch.set_num_threads(2)

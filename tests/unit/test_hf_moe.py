@@ -19,10 +19,10 @@ from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.engines.hf.token_stats import response_logits
 from rlbridge.engines.micro import micro_batch_rows
 from rlbridge.engines.moe import expert_report
-from rlbridge.engines.weights import save_hf
 from rlbridge.model.info import SHORT_NAMES
 from rlbridge.model.random_weights import build_random_model
 from rlbridge.recipe.schema import Recipe
+from rlbridge.weights.hf_files import save_hf
 
 torch.set_num_threads(2)
 LAYERS, EXPERTS = 2, 4

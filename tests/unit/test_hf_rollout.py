@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from rlbridge.engines.base import WeightExport
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import HFRollout
+from rlbridge.weights import WeightExport
 from tests.fixtures.tiny_llama import (
     EOS_ID,
     build_tiny_llama,

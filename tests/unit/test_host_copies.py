@@ -1,4 +1,4 @@
-"""engines.weights.host_copies: the export's host copies joined into few transfers, and the files they make."""
+"""weights.hf_files.host_copies: the export's host copies joined into few transfers, and the files they make."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbridge.engines.base import WeightExport
-from rlbridge.engines.weights import ADAPTER_FILE, host_copies, save_hf
+from rlbridge.weights import WeightExport
+from rlbridge.weights.hf_files import ADAPTER_FILE, host_copies, save_hf
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def test_write_safetensors_reads_back_as_save_file_writes(tmp_path: Path) -> Non
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from rlbridge.engines.weights import SAFETENSORS_DTYPES, write_safetensors
+    from rlbridge.weights.hf_files import SAFETENSORS_DTYPES, write_safetensors
 
     tensors = _tensors()
     tensors["alias"] = tensors["a.lora_A.weight"]  # shares storage: save_file refuses this

@@ -1,4 +1,4 @@
-"""rollout.weight_transport cuda_ipc without a GPU: the plain form of the IPC payload (rlbridge/rollout/ipc.py) and
+"""rollout.weight_transport cuda_ipc without a GPU: the plain form of the IPC payload (rlbridge/weights/ipc.py) and
 the session's sync order (the trainer's export is released after the load, before vLLM's KV cache wakes, and
 whatever fails).
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from rlbridge.recipe.schema import Recipe
-from rlbridge.rollout import ipc
 from rlbridge.rollout.memory import RolloutMemory
 from rlbridge.session import Session
+from rlbridge.weights import ipc
 
 # What torch's reduce_tensor gives for a CUDA tensor, with stand-ins for the handles (bytes) and the device.
 HANDLE_TUPLE = (

@@ -1,4 +1,4 @@
-"""weights_dir.overwrite_merged: a same-node merged export written into the previous version's file in place
+"""weights.directory.overwrite_merged: a same-node merged export written into the previous version's file in place
 (the page-allocation cost of a fresh 540 MB file in /dev/shm was 2-4 s per sync on a 2-core VM). The file must
 read back as the new version (safetensors' own loader), in the rollout's dtype; any change of names, shapes or
 dtypes falls back to a fresh file (returns False, file untouched); read_export_dir copies out of a kept
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbridge.engines.base import WeightExport
-from rlbridge.rollout.weights_dir import overwrite_merged, read_export_dir, write_merged
+from rlbridge.weights import WeightExport
+from rlbridge.weights.directory import overwrite_merged, read_export_dir, write_merged
 
 
 def _export(scale: float, **extra: torch.Tensor) -> WeightExport:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlbridge.rollout.weights_dir import ram_tempdir, sweep_stale
+from rlbridge.weights.directory import ram_tempdir, sweep_stale
 
 
 def test_sweep_removes_only_what_dead_processes_left(tmp_path: Path) -> None:

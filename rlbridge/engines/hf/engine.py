@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import LossFn, WeightExport, load_named, take_gradients
+from rlbridge.engines.base import LossFn, load_named, take_gradients
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.export import HfWeights
 from rlbridge.engines.hf.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
@@ -73,7 +73,7 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import DynamicCache, PeftModel
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
-from rlbridge.weights import WeightSync
+from rlbridge.weights import WeightExport, WeightSync
 
 log = logging.getLogger(__name__)
 

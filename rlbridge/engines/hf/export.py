@@ -14,10 +14,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from rlbridge.engines.base import WeightExport
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.model import ADAPTER
-from rlbridge.engines.weights import host_copies, merge_lora
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
     LoraLayer,
@@ -28,7 +26,8 @@ from rlbridge.model.hf import (
     remove_tied_weights_from_state_dict,
     revert_weight_conversion,
 )
-from rlbridge.weights import WeightSync
+from rlbridge.weights import WeightExport, WeightSync
+from rlbridge.weights.hf_files import host_copies, merge_lora
 
 
 def _weight(module: nn.Module) -> Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import LossFn, WeightExport, load_named
+from rlbridge.engines.base import LossFn, load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P
@@ -44,7 +44,7 @@ from rlbridge.engines.optim import lr_at
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
-from rlbridge.weights import WeightSync
+from rlbridge.weights import WeightExport, WeightSync
 
 
 class MegatronTrainEngine:

@@ -53,11 +53,11 @@ def _export_full(recipe: Recipe, point: ResumePoint, log: Callable[[str], None])
     """Full fine-tuning: every weight is in the checkpoint, under Megatron names; the recipe's bridge maps them to
     HF names in this process (engines/megatron/export.full_checkpoint_to_hf: one CPU rank, float32, cast to
     model.dtype)."""
-    from rlbridge.engines.base import WeightExport
     from rlbridge.engines.megatron.export import full_checkpoint_to_hf
     from rlbridge.export import Exported
     from rlbridge.model.cache import ensure_model
     from rlbridge.run import checkpoint as ckpt
+    from rlbridge.weights import WeightExport
 
     base_dir = ensure_model(recipe.model.path)
     loaded = ckpt.load_checkpoint(point.path)

@@ -1,4 +1,4 @@
-"""Weight export helpers shared by the trainer engines: LoRA merge arithmetic and HF directories on disk.
+"""Weight exports as HF files, for both trainer engines, export-hf and the rollout's weight directories.
 
 Both engines hand weights out as a `WeightExport` (HF parameter names); this module holds what does not
 depend on how the engine holds its model: folding a LoRA/DoRA adapter into its base weight in float32, and
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlbridge.engines.base import WeightExport
+from rlbridge.weights import WeightExport
 
 MERGED_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"

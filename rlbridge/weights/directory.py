@@ -3,7 +3,7 @@
 vLLM takes new weights most cheaply from disk (its worker's `reload_weights(weights_path=...)` and
 `LoRARequest(path=...)`), so the rollout writes each version into a directory in /dev/shm when present (no
 disk I/O) that lives only until the next version replaces it. The files themselves are written by
-`rlbridge.engines.weights.save_hf`, the same writer `export-hf` uses; this module adds what the rollout
+`rlbridge.weights.hf_files.save_hf`, the same writer `export-hf` uses; this module adds what the rollout
 needs on top: the RAM-backed location, the cast to the engine's dtype (a float32 export for a bfloat16
 engine is written at half the size), and the checks that catch a wrong export before vLLM sees it.
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from rlbridge.engines.base import WeightExport
-from rlbridge.engines.weights import MERGED_FILE, SAFETENSORS_DTYPES, save_hf
 from rlbridge.run.process import pid_alive
+from rlbridge.weights import WeightExport
+from rlbridge.weights.hf_files import MERGED_FILE, SAFETENSORS_DTYPES, save_hf
 
 
 def ram_tempdir(prefix: str) -> Path:
