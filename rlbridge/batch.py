@@ -1,14 +1,17 @@
-"""The two data types that cross the trainer/rollout boundary.
+"""The two data types that cross the trainer/rollout boundary, and the loss closures the algorithm hands the trainer.
 
 `Rollouts` is what a rollout engine returns (plain lists: it crosses Ray and process boundaries cheaply).
 `SeqBatch` is what a trainer engine consumes: prompts left-padded to a common width P and responses
 right-padded to a common width R, so the response of every row starts at column P and the log-prob of
 response token j is read from the logits at column P + j - 1 for all rows at once (no per-row gather).
 Log-probs, advantages and masks over responses are therefore all [b, R] tensors aligned column by column.
+`LossFn` and `ValueLossFn` are the closures over those tensors that algo/objective.py makes and every trainer
+engine calls per micro-batch (engines/base.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -252,3 +255,13 @@ def pad_lists(rows: list[list[float]], width: int, value: float = 0.0) -> torch.
         if row:
             out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
     return out
+
+
+# loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
+# inside the batch passed to train_step (any subset in any order: the hf engine groups rows by length), so the
+# closure can slice advantages / old log-probs itself; the tensors it gets are [len(rows), R] at the batch's R.
+# Every engine backpropagates loss_fn(...) / num_micro_batches for each micro-batch.
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+# value_loss_fn(values_bt, rows) -> (scalar loss, metrics), the critic's LossFn (rows: as for LossFn).
+ValueLossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]

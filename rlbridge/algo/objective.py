@@ -17,7 +17,7 @@ from torch import Tensor
 from rlbridge.algo import advantages as A
 from rlbridge.algo import correction as C
 from rlbridge.algo import losses as L
-from rlbridge.engines.base import LossFn, ValueLossFn
+from rlbridge.batch import LossFn, ValueLossFn
 from rlbridge.recipe.schema import AlgorithmCfg, CriticCfg, PpoCfg, RolloutCfg
 
 

@@ -6,20 +6,14 @@ Log-prob tensors are [b, R], aligned with SeqBatch.response_mask (see rlbridge/b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rlbridge.batch import SeqBatch
+from rlbridge.batch import LossFn, SeqBatch, ValueLossFn
 from rlbridge.errors import RlbridgeError
 from rlbridge.weights import WeightExport, WeightSync
-
-# loss_fn(logprobs_bt, entropy_bt, rows) -> (scalar loss, metrics). `rows` are the indices of the micro-batch
-# inside the batch passed to train_step (any subset in any order: the hf engine groups rows by length), so the
-# closure can slice advantages / old log-probs itself; the tensors it gets are [len(rows), R] at the batch's R.
-# Every engine backpropagates loss_fn(...) / num_micro_batches for each micro-batch.
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 class TrainEngine(Protocol):
@@ -130,10 +124,6 @@ class RecordingEngine(Protocol):
         """Record the pass shapes these prompt lengths make likely for `passes` (rows, micro-batches) before the
         first step; returns how many were recorded."""
         ...
-
-
-# value_loss_fn(values_bt, rows) -> (scalar loss, metrics), the critic's LossFn (rows: as for LossFn).
-ValueLossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 class Critic(Protocol):

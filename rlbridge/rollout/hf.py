@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from rlbridge.batch import Rollouts
-from rlbridge.engines.moe import stack_expert_weights
-from rlbridge.engines.routing import RoutingRecorder
+from rlbridge.model.experts import stack_expert_weights
+from rlbridge.model.routing import RoutingRecorder
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.weights import WeightExport

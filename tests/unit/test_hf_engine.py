@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save
 
-from rlbridge.batch import SeqBatch
-from rlbridge.engines.base import LossFn, TrainEngine
+from rlbridge.batch import LossFn, SeqBatch
+from rlbridge.engines.base import TrainEngine
 from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.engines.hf.token_stats import response_logits, token_entropy
 from rlbridge.engines.optim import lr_at

@@ -1,4 +1,4 @@
-"""Routing replay (rollout.routing_replay, rlbridge/engines/routing.py) on the tiny random Qwen3-MoE (2 layers, 4
+"""Routing replay (rollout.routing_replay, rlbridge/model/routing.py) on the tiny random Qwen3-MoE (2 layers, 4
 experts, top-2), float32.
 
 References: the unreplayed forward itself (replaying the routing it chose changes no logit, rel. 1e-6); a
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.engines.hf.token_stats import response_logits
-from rlbridge.engines.routing import RoutingRecorder, replay_routing, routers
 from rlbridge.model.info import SHORT_NAMES
 from rlbridge.model.random_weights import build_random_model
+from rlbridge.model.routing import RoutingRecorder, replay_routing, routers
 from rlbridge.recipe.schema import ModelCfg, Recipe, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg
 from rlbridge.rollout.hf import HFRollout

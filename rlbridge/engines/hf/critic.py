@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import ValueLossFn, load_named, take_gradients
+from rlbridge.batch import SeqBatch, ValueLossFn, pad_columns
+from rlbridge.engines.base import load_named, take_gradients
 from rlbridge.engines.hf.master import MasterWeights
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import LossFn, load_named, take_gradients
+from rlbridge.batch import LossFn, SeqBatch, pad_columns
+from rlbridge.engines.base import load_named, take_gradients
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.export import HfWeights
 from rlbridge.engines.hf.graphs import PRERECORD_MAX, PassGraphs, likely_widths, shape_batch
@@ -68,9 +68,9 @@ from rlbridge.engines.hf.shared_prompts import (
 from rlbridge.engines.hf.token_stats import logprobs_and_entropy, response_logits
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
-from rlbridge.engines.routing import replay_routing
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import DynamicCache, PeftModel
+from rlbridge.model.routing import replay_routing
 from rlbridge.plan import total_optimizer_steps
 from rlbridge.recipe.schema import Recipe
 from rlbridge.weights import WeightExport, WeightSync

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.engines.moe import ExpertId, RoutedTokens, layer_of
+from rlbridge.engines.moe import ExpertId, RoutedTokens
+from rlbridge.model.experts import layer_of
 from rlbridge.model.hf import LoraParamWrapper
 
 _WRAPPERS = re.compile(r"(\.base_layer)+\.")

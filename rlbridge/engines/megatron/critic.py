@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import ValueLossFn, load_named
+from rlbridge.batch import SeqBatch, ValueLossFn, pad_columns
+from rlbridge.engines.base import load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, forward, params, state
 from rlbridge.engines.megatron import provider as P

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbridge.batch import SeqBatch, pad_columns
-from rlbridge.engines.base import LossFn, load_named
+from rlbridge.batch import LossFn, SeqBatch, pad_columns
+from rlbridge.engines.base import load_named
 from rlbridge.engines.megatron import build as B
 from rlbridge.engines.megatron import compat, export, forward, params, state
 from rlbridge.engines.megatron import provider as P

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlbridge.engines.moe import layer_of
+from rlbridge.model.experts import layer_of
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
