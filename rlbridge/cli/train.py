@@ -127,7 +127,7 @@ def run(valid: ValidRecipe, run_dir: Path | None, *, resume: ResumePoint | None 
 
         model_dir = ensure_model(valid.recipe.model.path, valid.recipe.model.revision)
         if resume is None:
-            out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan)
+            out = rd.create(rd.choose_run_dir(valid.recipe, run_dir), valid.recipe, plan.to_dict())
             render.out.print(f"run directory: {out}")
         else:
             assert run_dir is not None, "resume continues the run directory it was given"

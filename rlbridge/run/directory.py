@@ -12,7 +12,6 @@ from typing import Any
 import yaml
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 
 
@@ -28,8 +27,9 @@ def resolved_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
 
 
-def create(run_dir: Path, recipe: Recipe, plan: Plan) -> Path:
-    """A new run directory; refuses one that already holds a run (use `rlbridge resume` for that)."""
+def create(run_dir: Path, recipe: Recipe, plan: dict[str, Any]) -> Path:
+    """A new run directory with the resolved recipe and `plan` (Plan.to_dict()) in it; refuses one that already
+    holds a run (use `rlbridge resume` for that)."""
     if (run_dir / "recipe.yaml").exists():
         raise RlbridgeError(
             f"{run_dir} already holds a run: continue it with `rlbridge resume {run_dir}` or choose another --run-dir"
@@ -37,7 +37,7 @@ def create(run_dir: Path, recipe: Recipe, plan: Plan) -> Path:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "recipe.yaml").write_text(resolved_yaml(recipe), encoding="utf-8")
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2), encoding="utf-8")
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2), encoding="utf-8")
     return run_dir
 
 
