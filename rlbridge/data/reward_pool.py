@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlbridge import faults
 from rlbridge.data.rewards import (
     BUILTINS,
     RewardFn,
@@ -48,7 +49,6 @@ from rlbridge.data.rewards import (
     resolve_reward_fn,
 )
 from rlbridge.errors import RlbridgeError
-from rlbridge.run import faults
 
 if TYPE_CHECKING:  # workers import this module: keep pydantic out of their start-up
     from rlbridge.recipe.schema import RewardCfg, RewardTerm
@@ -144,7 +144,7 @@ def worker_main(fd: int) -> None:
     conn.send(("ready", None))
     try:
         while (job := conn.recv()) is not None:
-            faults.pause("reward")  # tests kill this worker here (rlbridge/run/faults.py); a no-op otherwise
+            faults.pause("reward")  # tests kill this worker here (rlbridge/faults.py); a no-op otherwise
             kind, payload = job
             if kind == "batch":
                 j, kwargs = payload

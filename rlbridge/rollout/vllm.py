@@ -62,12 +62,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlbridge import faults
 from rlbridge.batch import Rollouts
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import check_request
 from rlbridge.rollout.vllm_spec import VLLM_LORA_RANKS
-from rlbridge.run import faults
 from rlbridge.weights import WeightExport
 from rlbridge.weights.directory import ram_tempdir, remove_dir, write_adapter, write_merged
 
@@ -360,7 +360,7 @@ class VllmRollout:
                 f"vLLM rollout holds weight version {self.weight_version}, caller expects {expect_version}"
             )
         check_request(prompt_ids, sampling, self.cfg)
-        faults.pause("generate")  # tests kill this worker here (rlbridge/run/faults.py); a no-op otherwise
+        faults.pause("generate")  # tests kill this worker here (rlbridge/faults.py); a no-op otherwise
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]

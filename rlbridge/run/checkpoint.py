@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlbridge import faults
 from rlbridge.errors import RlbridgeError
-from rlbridge.run import faults
 from rlbridge.run.process import pid_alive
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def save_checkpoint(
     try:
         for group, named in tensors.items():
             save_file(_prepare(named), str(tmp / f"{group}{TENSOR_SUFFIX}"), metadata={"format": "pt"})
-        faults.pause("checkpoint-files")  # tests kill -9 here (rlbridge/run/faults.py); a no-op otherwise
+        faults.pause("checkpoint-files")  # tests kill -9 here (rlbridge/faults.py); a no-op otherwise
         _write_bytes(tmp / STATE, state_json.encode())
         _write_bytes(tmp / RECIPE, recipe_yaml.encode())
         _write_manifest(tmp, _manifest(tmp, step))

@@ -39,8 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from rlbridge import faults
 from rlbridge.errors import RlbridgeError
-from rlbridge.run import faults
 
 IDLE_CORES = 0.05
 """The run's workers together below this many cores over a stretch: nothing computes, they wait."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlbridge import faults
 from rlbridge.algo import correction
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
@@ -38,7 +39,6 @@ from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.rollout.registry import rollout_engine
-from rlbridge.run import faults
 from rlbridge.trainer.export import WeightSender
 from rlbridge.weights import WeightSync
 
@@ -204,7 +204,7 @@ class TrainerRole:
     ) -> dict[str, float]:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
-        faults.pause("update")  # tests signal the driver here (rlbridge/run/faults.py); a no-op otherwise
+        faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
         began = time.perf_counter()
         critic = None
         if self.critic is not None:

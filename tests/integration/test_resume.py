@@ -28,7 +28,7 @@ grad_norm with identical completions, and the trainer-vs-rollout log-prob gap of
 to ~5e-4; the cause is open. Such a run passes with trainer floats within TRAINER_FLOATS' tolerance and each
 final tensor within 1e-2 of its norm of the reference, prints what differed and how far each checkpoint of
 the run is from the reference's (to tell a deviation before the interrupt from one after the resume). Fault points
-(rlbridge/run/faults.py) hold the run at the exact moment to kill or signal it.
+(rlbridge/faults.py) hold the run at the exact moment to kill or signal it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ rollouts one step ahead of the update) is SIGKILLed (its process group and every
 would) in a phase chosen for that attempt: the phase aimed at least so far (start-up, generate, reward,
 ref_logprobs, values, update, sync, eval, checkpoint, rollout_wait: those the recipe has; ties drawn at random), so kills spread over all of them. The
 kill time comes from the timings of **that attempt**: the driver writes a phase trace
-(RLBRIDGE_PHASE_TRACE, rlbridge/run/faults.py); the soak waits for the n-th start of the chosen phase in the
+(RLBRIDGE_PHASE_TRACE, rlbridge/faults.py); the soak waits for the n-th start of the chosen phase in the
 attempt (n drawn from the occurrences still to come), then kills after a delay drawn uniformly from [0, the
 phase's median duration so far in this attempt) (the uninterrupted run's median before the attempt has
 finished one); a start-up kill is drawn from [0, the latest start-up time of any attempt, else the

@@ -4,7 +4,7 @@ the run resumes; a reward worker's death is absorbed (the sample counts as a rew
 
 `rlbridge train` runs as a subprocess in its own session on the tiny random Llama recipe of
 tests/integration/test_resume.py (LoRA, merged weight sync), with a checkpoint after every step and one reward
-worker. Fault points (rlbridge/run/faults.py) hold the run at the exact moments; in each run, in order:
+worker. Fault points (rlbridge/faults.py) hold the run at the exact moments; in each run, in order:
 
 1. `reward#10`: the reward worker's 10th sample (2 evaluation samples before training + 8 of step 1: the last
    of step 1). That process is SIGKILLed. The reward pool is built for this (rlbridge/data/reward_pool.py):

@@ -187,7 +187,7 @@ def test_a_workers_own_warnings_reach_the_driver_once(tmp_path: Path) -> None:
         "logs.worker_logging()\n"
         "logging.getLogger('rlbridge.rollout.vllm').info('weights v1 loaded')\n"
         "logging.getLogger('rlbridge.rollout.vllm').warning('rollout.max_lora_rank=12 is not a vLLM LoRA size')\n"
-        "from rlbridge.run import faults\n"  # as if a module of ours called warnings.warn
+        "from rlbridge import faults\n"  # as if a module of ours called warnings.warn
         "warnings.warn_explicit('recompute.method is ignored', UserWarning, faults.__file__, 1)\n"
         "warnings.warn('a library deprecation', FutureWarning, stacklevel=1)\n"
     )
