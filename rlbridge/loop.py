@@ -6,7 +6,7 @@
               -> send the generations of the next steps (rollout.mode async: pipeline.py)
 
 Everything else (workers, data, rewards, health gates) sits behind Session and TrainerRole; checkpoints,
-resuming and the stop on SIGTERM / Ctrl-C behind resume.Checkpointer and signals.StopSignals.
+resuming and the stop on SIGTERM / Ctrl-C behind checkpointer.Checkpointer and signals.StopSignals.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from rlbridge.algo.correction import MismatchNotices, health_problems
 from rlbridge.algo.drift import DriftWatch, measures_agreement
 from rlbridge.algo.objective import compute_advantages
 from rlbridge.batch import Rollouts, SeqBatch, pad_lists
+from rlbridge.checkpointer import Checkpointer
 from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.log import Timer
 from rlbridge.pipeline import RolloutSource
 from rlbridge.plan import Plan, num_mini_batches
 from rlbridge.recipe.schema import DapoCfg, EvalMetric, Recipe, RewardCfg
-from rlbridge.run.resume import Checkpointer, ResumePoint, rollout_seed
+from rlbridge.run.resume import ResumePoint, rollout_seed
 from rlbridge.run.signals import StopSignals
 from rlbridge.session import Session, log
 

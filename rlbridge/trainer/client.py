@@ -1,7 +1,7 @@
 """The driver's typed handle on the trainer: what the loop and the Checkpointer ask of it, as methods.
 
 `Trainer` is the interface (the policy: log-probs, update, weight export; PPO's critic: values; checkpoints).
-The loop and resume.Checkpointer call its methods, so the type checker follows every call into
+The loop and checkpointer.Checkpointer call its methods, so the type checker follows every call into
 TrainerRole. Two implementations:
 
     RayTrainer     the trainer in Ray actors: one worker (hf), or every rank of a multi-rank trainer behind

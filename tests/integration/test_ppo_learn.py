@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
+from rlbridge.checkpointer import Checkpointer
 from rlbridge.loop import train_step
 from rlbridge.recipe.schema import Recipe
-from rlbridge.run.resume import Checkpointer, find_checkpoint
+from rlbridge.run.resume import find_checkpoint
 from rlbridge.run.signals import StopSignals
 from tests.fixtures.local_session import local_session
 from tests.fixtures.tiny_llama import build_tiny_llama

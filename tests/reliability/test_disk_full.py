@@ -5,7 +5,7 @@
   starting "disk full" (naming the directory, the free space and the newest complete checkpoint), removes
   its partial `.tmp-*` directory, publishes no `step_*` directory, and the previous checkpoint still
   verifies (sizes and sha256). A later save that fits works again.
-- The loop's side (`resume.Checkpointer.save`, what `loop.train` calls every run.save_every steps): the run
+- The loop's side (`checkpointer.Checkpointer.save`, what `loop.train` calls every run.save_every steps): the run
   STOPS (it does not continue without checkpoints) with that message plus the resume hint naming the last
   good checkpoint and `rlbridge resume RUN_DIR`; an RlbridgeError, so the CLI prints it without a traceback
   and exits 1.
@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 
+from rlbridge.checkpointer import Checkpointer
 from rlbridge.errors import RlbridgeError
 from rlbridge.run import checkpoint as ckpt
-from rlbridge.run.resume import Checkpointer
 from rlbridge.run.signals import StopSignals
 from rlbridge.trainer.role import SavedCheckpoint
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from rlbridge.checkpointer import Checkpointer
 from rlbridge.errors import RecipeError, RlbridgeError
 from rlbridge.recipe import validate_recipe
-from rlbridge.run.resume import Checkpointer
 from rlbridge.run.signals import StopSignals
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
