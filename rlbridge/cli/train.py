@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ import typer
 
 from rlbridge.cli import render
 from rlbridge.cli.common import ForceOpt, RecipeArg, SetOpt, example, user_errors
-from rlbridge.recipe import ValidRecipe, validate_recipe
+from rlbridge.recipe import ValidRecipe, load_recipe, validate_recipe
 
 if TYPE_CHECKING:
     from rlbridge.recipe.schema import Recipe
@@ -40,14 +41,33 @@ def train(
     """Validate the recipe, then train. Exit 0 done, 1 failure, 2 invalid recipe."""
     with user_errors():
         if smoke:
-            from rlbridge.model.smoke import prepare
-
-            valid = prepare(
+            valid = smoke_recipe(
                 recipe, list(set_), log=lambda msg: render.out.print(f"[yellow]smoke[/] {msg}"), force=force
             )
         else:
             valid = validate_recipe(recipe, set_, force=force)
     run(valid, run_dir)
+
+
+def smoke_recipe(path: Path, overrides: list[str], *, log: Callable[[str], None], force: bool) -> ValidRecipe:
+    """train --smoke: validate the recipe as written (every check, its real model shape included; only the
+    CPU-only settings the smoke run turns off may fail), then return the validated smoke recipe with its shrunk
+    model built (rlbridge/model/smoke.py)."""
+    from rlbridge.errors import RecipeError
+    from rlbridge.model import smoke
+
+    try:
+        original = validate_recipe(path, overrides, force=force).recipe
+    except RecipeError as e:
+        rest = [i for i in e.issues if i.key not in smoke.CPU_ONLY_KEYS]
+        if rest:
+            raise RecipeError(rest) from None
+        original = load_recipe(path, overrides)  # the schema held; only checks the smoke run turns off failed
+    plan = smoke.plan_smoke(original, smoke.read_config(original))
+    for note in plan.notes:
+        log(note)
+    model_dir = smoke.build_smoke_model(plan.config, seed=original.run.seed, progress=log)
+    return validate_recipe(path, [*overrides, *plan.overrides, f"model.path={json.dumps(str(model_dir))}"])
 
 
 @example("rlbridge resume runs/quickstart-20261130-1200 --set run.steps=60")

@@ -240,24 +240,3 @@ def build_smoke_model(config: dict[str, Any], *, seed: int, progress: Any = prin
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def prepare(path: str | Path, overrides: list[str], *, log: Any = print, force: bool = False) -> Any:
-    """Validate the recipe as written (every check, its real model shape included; only the CPU-only
-    settings the smoke run turns off may fail), then return the validated smoke recipe (a ValidRecipe)
-    with its shrunk model built."""
-    from rlbridge.errors import RecipeError
-    from rlbridge.recipe import load_recipe, validate_recipe
-
-    try:
-        original = validate_recipe(path, overrides, force=force).recipe
-    except RecipeError as e:
-        rest = [i for i in e.issues if i.key not in CPU_ONLY_KEYS]
-        if rest:
-            raise RecipeError(rest) from None
-        original = load_recipe(path, overrides)  # the schema held; only checks the smoke run turns off failed
-    plan = plan_smoke(original, read_config(original))
-    for note in plan.notes:
-        log(note)
-    model_dir = build_smoke_model(plan.config, seed=original.run.seed, progress=log)
-    return validate_recipe(path, [*overrides, *plan.overrides, f"model.path={json.dumps(str(model_dir))}"])
