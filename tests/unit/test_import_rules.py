@@ -3,7 +3,10 @@
 - each heavy dependency is imported in one place (ruff's TID251 checks the same, but its per-file exemption lifts
   the ban on every library at once: a megatron module could import vLLM unnoticed; this test cannot be fooled so);
 - no import cycle among rlbridge's modules through module-level imports (imports inside functions are the
-  sanctioned way to defer a heavy or late dependency and are left out).
+  sanctioned way to defer a heavy or late dependency and are left out);
+- the layers of the data flow (LAYERS): what rollout/ and algo/ share with the trainer engines lives in neutral
+  packages (weights/, model/, batch.py), not in engines/; weights/ sits below both sides; the run directory does
+  not know the plan; data/ does not reach into run/.
 """
 
 from __future__ import annotations
@@ -93,10 +96,38 @@ def test_no_import_cycle_through_module_level_imports() -> None:
             raise AssertionError("import cycle: " + " -> ".join(cycle))
 
 
+LAYERS = (  # (files under rlbridge/, packages or modules they must not import at all, why)
+    (
+        "rollout/",
+        ("rlbridge.engines",),
+        "rollout engines share only weights/, model/ and batch.py with the trainer",
+    ),
+    ("algo/", ("rlbridge.engines",), "the algorithm hands engines closures typed in batch.py"),
+    ("weights/", ("rlbridge.engines", "rlbridge.rollout"), "weights/ is what both sides import"),
+    ("run/directory.py", ("rlbridge.plan",), "the run directory takes the plan as JSON data"),
+    ("data/", ("rlbridge.run",), "fault points are rlbridge/faults.py"),
+)
+
+
+def test_layers_import_only_downwards() -> None:
+    """Every import counts here, inside functions and under TYPE_CHECKING too: a layer that needs another's type
+    needs the type moved."""
+    wrong = []
+    for where, banned, why in LAYERS:
+        paths = sorted((PKG / where).rglob("*.py")) if where.endswith("/") else [PKG / where]
+        assert paths and all(p.exists() for p in paths), where
+        for path in paths:
+            for name in imports(path, top_level_only=False):
+                if any(name == b or name.startswith(b + ".") for b in banned):
+                    wrong.append(f"{path.relative_to(PKG).as_posix()} imports {name} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_rules_see_imports() -> None:
     """The checks above would pass vacuously if the parsing found nothing."""
     assert "vllm" in {n.split(".")[0] for n in imports(PKG / "rollout" / "vllm.py", top_level_only=False)}
     assert "rlbridge.model.hf" in imports(PKG / "engines" / "hf" / "engine.py", top_level_only=True)
+    assert "rlbridge.weights.WeightExport" in imports(PKG / "rollout" / "base.py", top_level_only=False)
 
 
 SPEC_MODULES = (
