@@ -254,7 +254,7 @@ def test_entropy_and_its_gradient(model_dirs: dict[str, Path]) -> None:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         return -(entropy * batch.response_mask[rows]).sum(), {}
 
-    # through engines/token_stats' hand-written backward
+    # through engines/hf/token_stats' hand-written backward
     got = engine.gradients(batch, entropy_loss, num_micro_batches=1)
     engine.model.train()
     for entropy_fn, atol in (

@@ -1,4 +1,4 @@
-"""engines/token_stats.logprobs_and_entropy against autograd's float64 log-softmax and entropy: values and
+"""engines/hf/token_stats.logprobs_and_entropy against autograd's float64 log-softmax and entropy: values and
 gradients (log-prob only, entropy only, both), in one chunk and in many (the CPU chunk shrunk to a few rows).
 Tolerance: float32 rounding of logits of magnitude ~30 over a 2,000-token vocabulary, 2e-5 absolute on
 values and 1e-5 relative to the largest gradient (autograd's own float32 formulas on the same input: 1.5e-4 on
