@@ -57,7 +57,8 @@ def test_hf_engine_logits_match_transformers_across_the_sliding_window(gemma_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlbridge.batch import SeqBatch
-    from rlbridge.engines.hf import HFTrainEngine, response_logits
+    from rlbridge.engines.hf.engine import HFTrainEngine
+    from rlbridge.engines.hf.token_stats import response_logits
     from rlbridge.recipe.schema import Recipe
 
     torch.manual_seed(0)

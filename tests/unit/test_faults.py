@@ -1,4 +1,4 @@
-"""rlbridge/run/faults.py: which occurrence of a point, in which rank, pauses (and writes the marker)."""
+"""rlbridge/faults.py: which occurrence of a point, in which rank, pauses (and writes the marker)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbridge.run import faults
+from rlbridge import faults
 
 
 def test_pause_picks_the_point_its_occurrence_and_its_rank(

@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlbridge import faults
 from rlbridge.engines.megatron.params import named_parameters
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.checks.checkpoints import unsaved_layouts
 from rlbridge.recipe.schema import Recipe
-from rlbridge.run import faults
 
 FORMAT = "megatron-canonical-v1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -233,7 +233,7 @@ def gather_state(model: list[torch.nn.Module], optimizer: Any) -> dict[str, dict
                     torch.as_tensor(state["step"], dtype=torch.float32).reshape(()).cpu()
                 )
     part = {"trainable": trainable, "optimizer": moments}
-    faults.pause("checkpoint-gather")  # tests kill one rank here (rlbridge/run/faults.py); a no-op otherwise
+    faults.pause("checkpoint-gather")  # tests kill one rank here (rlbridge/faults.py); a no-op otherwise
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(part, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
