@@ -389,8 +389,9 @@ class Session:
         return place.nodes[place.node_of_slot[device]] if self._multi_node else None
 
     def _started(self, worker: rc.Worker, answer: rc.Started) -> None:
-        """The start-up line of the hf trainer or the rollout (`Worker.send_started`'s answer): seconds since the
-        workers were asked for, of which the Ray worker process took those before its constructor ran."""
+        """The start-up line of the hf trainer or a rollout engine (`Worker.send_started`'s answer): seconds since
+        the workers were asked for, of which the Ray worker process took those before its constructor ran; on a
+        cluster of several nodes, the Ray node the worker reports it runs on."""
         if not any(worker is w for w in self._announced):
             return  # a megatron rank: the group's line comes once all have formed
         seconds = time.monotonic() - self._start_time
@@ -399,6 +400,8 @@ class Session:
         what = rollout_engine(self.recipe).started if rollout else "model loaded"
         gpus = answer.gpus
         where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
+        if self._multi_node and answer.node:  # where Ray put it, as the worker itself reads it
+            where += f" (ray node {answer.node[:8]})"
         log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop

@@ -514,6 +514,8 @@ class Started:
     """The devices Ray gave it (CUDA_VISIBLE_DEVICES)."""
     pid: int = 0
     """Its process id."""
+    node: str = ""
+    """The Ray node it runs on (its id, read inside the worker)."""
 
 
 @functools.cache
@@ -538,6 +540,7 @@ def _logged(cls: Any) -> type:
             phases=logs.vllm_phases(logs.read_from(*self._rlbridge_log)),
             gpus=[str(i) for i in ray.get_gpu_ids()],
             pid=os.getpid(),
+            node=node_id(),
         )
 
     return type(

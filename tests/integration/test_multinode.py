@@ -3,15 +3,19 @@ node_a, `ray start --address=...` with node_b, one CPU each), as docs/multi-node
 
 * megatron at tensor 2 with one rank per node (cluster.nodes 2 x gpus_per_node 1, gloo across the nodes, the
   rendezvous on rank 0's node) trains the smoke recipe with hf rollouts: the console shows where each device
-  landed and each rank's Ray node (read inside the rank), the two differ, and every step's numbers equal the
-  single-node run of the same layout (cluster.nodes 1 x gpus_per_node 2, a local Ray);
+  landed and each rank's Ray node (read inside the rank), the two differ; the plan's two colocated rollout
+  engines run one on each node, engine i on rank i's node (the node each engine's actor reads inside itself),
+  the merged weights reaching both every step; every step's rollouts (rollout_sha) and numbers equal the
+  single-node run of the same layout (cluster.nodes 1 x gpus_per_node 2, a local Ray, two engines too);
 * bad input fails in seconds with one clear line and no traceback: an address with nothing behind it, more
   nodes than the cluster has, nodes with fewer devices than cluster.gpus_per_node;
 * node_b killed (its whole process group: raylet, agents, the workers on it) mid-run: the hf trainer and its
   separate rollout (one per node, weights crossing nodes every step) stop with an error naming the worker, its
   node ("no longer alive") and the resume command; with node_b started again `rlbridge resume` finishes, each
-  step once, equal to the single-node run. The same for megatron's ranks (megatron does not checkpoint yet:
-  no resume there).
+  step once, equal to the single-node run. The same for megatron's ranks at tensor 2 (the rank on node_b is
+  named), and there too `rlbridge resume` finishes: each step once, its rollouts and numbers, and the final
+  adapters and Adam moments, equal to the single-node run's (the tolerance of test_resume_megatron's same-layout
+  resume).
 
 The hf engine runs in one process (no data parallelism), so its cross-node layout is trainer | rollout. On one
 machine both nodes share one IP: node ids, per-node resources, placement, cross-node object transfer and a
@@ -35,6 +39,7 @@ import pytest
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.trainer.group import interface_of
 from tests.fixtures.multinode import RAY_ENV, TwoNodeCluster, two_node_cluster
+from tests.integration.test_resume_megatron import RTOL, final_gaps
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -128,18 +133,26 @@ def train_records(run_dir: Path) -> list[dict]:
 
 def same_numbers(a: list[dict], b: list[dict]) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    assert [r["rollout_sha"] for r in a] == [r["rollout_sha"] for r in b]  # the same completions, every step
     for ra, rb in zip(a, b, strict=True):
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key, ra[key], rb[key])
 
 
 @pytest.fixture(scope="module")
-def single_node(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """The same layout on one node (a local Ray): tensor 2 over cluster.nodes 1 x gpus_per_node 2."""
+def single_node_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same layout on one node (a local Ray): tensor 2 over cluster.nodes 1 x gpus_per_node 2; its run
+    directory."""
     run = tmp_path_factory.mktemp("single") / "run"
     rc, out = rlbridge(env, "train", *BASE, "--set", "cluster.gpus_per_node=2", "--run-dir", str(run))
     assert rc == 0, out[-6000:]
-    return train_records(run)
+    assert "rollout: 2 engines" in out  # colocated: one per trainer device, as on two nodes
+    return run
+
+
+@pytest.fixture(scope="module")
+def single_node(single_node_run: Path) -> list[dict]:
+    return train_records(single_node_run)
 
 
 def test_the_fixture_starts_two_nodes_with_their_own_resources(cluster: TwoNodeCluster) -> None:
@@ -222,13 +235,24 @@ def test_tp2_across_two_nodes_equals_one_node(
         interface_of(host) == iface for *_, host, _, iface in ranks
     )  # gloo on the node's IP, not the host name's
     assert placed[0][1] != placed[1][1]
+    # one rollout engine on each node, engine i beside rank i (device i): the node its actor reports
+    engines = dict(re.findall(r"(?<!placement: )rollout engine (\d): [^(]*\(ray node (\w+)\)", out))
+    assert engines == {"0": placed[0][1], "1": placed[1][1]}, out[-6000:]
+    assert (
+        "rollout: 2 engines (engine 0: trainer device(s) 0 (node 0); engine 1: trainer device(s) 1 (node 1))"
+        in out
+    )
     assert re.search(
         r"rendezvous: tcp://[\d.]+:\d+ \(rank 0's node: [\d.]+ \(ray node " + placed[0][1], out
     ), out[-6000:]
     same_numbers(train_records(run), single_node)
     print(
         "\n".join(
-            m[0] for m in re.finditer(r"(placement|rendezvous|trainer rank \d): .*?(?= rlbridge |$)", out)
+            m[0]
+            for m in re.finditer(
+                r"(placement|rendezvous|trainer rank \d|rollout: \d|rollout engine \d): .*?(?= rlbridge |$)",
+                out,
+            )
         )
     )
 
@@ -316,16 +340,17 @@ def test_a_lost_node_stops_the_run_and_resume_finishes(
     same_numbers(records, single_node_hf)
 
 
-def test_a_lost_node_stops_the_megatron_ranks(
-    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path
+def test_a_lost_node_stops_the_megatron_ranks_and_resume_finishes(
+    cluster: TwoNodeCluster, env: dict[str, str], tmp_path: Path, single_node_run: Path
 ) -> None:
-    """The tensor-parallel peer on node_b goes away mid-step (or mid-save: megatron runs checkpoint every
-    step here): the rank there is named with its node. Resuming a megatron run is tests/integration/
-    test_resume_megatron.py's (one node)."""
+    """The tensor-parallel peer on node_b goes away mid-step (step 2, its step-1 checkpoint written): the rank
+    there is named with its node; with node_b back (a new Ray node) `rlbridge resume` finishes the run from the
+    step-1 checkpoint, as the uninterrupted single-node run of the same layout ended."""
     lost = node_b_id(cluster)
+    run = tmp_path / "run"
     try:
         rc, out = kill_node_b_during(
-            cluster, env, [*BASE, *on(cluster), "--run-dir", str(tmp_path / "run")], after="step 1/"
+            cluster, env, [*BASE, *on(cluster), "--run-dir", str(run)], after="saved step 1"
         )
     finally:
         cluster.start_worker()
@@ -343,3 +368,17 @@ def test_a_lost_node_stops_the_megatron_ranks(
     assert (
         "Connection closed by peer [127.0.0.1]" not in out
     )  # gloo's peer is the node's address (GLOO_SOCKET_IFNAME)
+    assert f"resume from {run}/checkpoints/step_000001 (step 1) with: rlbridge resume {run}" in out, out[
+        -6000:
+    ]
+    assert [c.step for c in ckpt.list_checkpoints(run) if c.complete] == [1]  # sha256 checked
+
+    rc, out = rlbridge(env, "resume", str(run))
+    assert rc == 0, out[-6000:]
+    assert "step_000001 (step 1 of 3)" in out, out[-6000:]
+    placed = re.findall(r"placement: node (\d): \S+ \(ray node (\w+)", out)
+    assert len({n for _, n in placed}) == 2 and lost[:8] not in {n for _, n in placed}, out[-6000:]
+    same_numbers(train_records(run), train_records(single_node_run))  # each step once, as uninterrupted
+    gaps = final_gaps(run, single_node_run, step=STEPS)
+    print(f"resumed on two nodes vs uninterrupted on one, final tensors, max relative gap: {gaps}")
+    assert all(gap <= RTOL for gap in gaps.values()), gaps

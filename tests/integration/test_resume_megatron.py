@@ -109,11 +109,12 @@ def assert_same_run(got: Path, want: Path, rtol: float = RTOL) -> None:
     assert all(gap <= rtol for gap in gaps.values()), gaps
 
 
-def final_gaps(got: Path, want: Path) -> dict[str, float]:
-    """Per group of the step-4 checkpoint: the largest max |got - want| / max |want| of a tensor."""
+def final_gaps(got: Path, want: Path, step: int = STEPS) -> dict[str, float]:
+    """Per group of the checkpoint of `step` (default the last, 4): the largest max |got - want| / max |want| of a
+    tensor."""
     out = {}
     for group in ("trainable", "optimizer"):
-        name = f"checkpoints/{ckpt.step_dir_name(STEPS)}/{group}.safetensors"
+        name = f"checkpoints/{ckpt.step_dir_name(step)}/{group}.safetensors"
         tg, tw = load_file(str(got / name)), load_file(str(want / name))
         assert tg.keys() == tw.keys(), group
         out[group] = max(float((tg[k] - tw[k]).abs().max()) / (float(tw[k].abs().max()) or 1.0) for k in tg)
