@@ -1,7 +1,9 @@
 """Megatron at tensor 2 x data 2 on two Ray nodes of two CPUs each (tests/fixtures/multinode.py): four gloo
 ranks, two per node. Ray may interleave the placement group's bundles over the nodes; rlbridge orders the
 devices node by node, so each tensor-parallel pair sits on one node and data parallelism crosses the nodes. The
-steps' numbers equal the single-node run of the same layout (cluster.nodes 1 x gpus_per_node 4, a local Ray).
+plan's four colocated rollout engines run two on each node, engine i on rank i's node (the node each engine's
+actor reports). The steps' rollouts (rollout_sha) and numbers equal the single-node run of the same layout
+(cluster.nodes 1 x gpus_per_node 4, a local Ray, four engines too).
 
 Four ranks and a rollout on this machine's two cores: the slowest multi-node test; the cheaper ones (one rank
 per node, bad input, a lost node, resume) are in test_multinode.py.
@@ -77,9 +79,17 @@ def test_tp2_dp2_two_ranks_per_node_equals_one_node(
     assert node_of[0] == node_of[1] == placed[0][1] != node_of[2] == node_of[3] == placed[1][1], out[
         -6000:
     ]  # tp within a node
+    engines = dict(re.findall(r"(?<!placement: )rollout engine (\d): [^(]*\(ray node (\w+)\)", out))
+    assert engines == {str(r): node_of[r] for r in range(4)}, out[-6000:]  # engine i beside rank i
     one, two = train_records(tmp_path / "one"), train_records(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, STEPS + 1))
+    assert [r["rollout_sha"] for r in one] == [r["rollout_sha"] for r in two]
     for ra, rb in zip(two, one, strict=True):
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key, ra[key], rb[key])
-    print("\n".join(m[0] for m in re.finditer(r"(placement|trainer rank \d): .*?(?= rlbridge |$)", out)))
+    print(
+        "\n".join(
+            m[0]
+            for m in re.finditer(r"(placement|trainer rank \d|rollout engine \d): .*?(?= rlbridge |$)", out)
+        )
+    )
