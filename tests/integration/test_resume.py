@@ -80,7 +80,18 @@ def write_data(data_dir: Path) -> tuple[Path, Path]:
     return data_dir / "train", val
 
 
-def recipe(model_dir: Path, train: Path, val: Path) -> dict[str, Any]:
+def recipe(model_dir: Path, train: Path | None = None, val: Path | None = None) -> dict[str, Any]:
+    """The tiny resume recipe; its data from `write_data`'s folder and file, or (None: what the other modules that
+    reuse this recipe train on) the builtin arithmetic task's same rows."""
+    data: dict[str, Any] = (
+        {"train": {"path": str(train), "prompt_key": "problem"}, "val": {"path": str(val)}}
+        if train is not None and val is not None
+        else {
+            "train": {"path": "builtin:arithmetic"},
+            "val": {"path": "builtin:arithmetic"},
+            "arithmetic": {"num_train": 4, "num_val": 2},
+        }
+    )
     return {
         "name": "resume",
         "model": {"path": str(model_dir), "dtype": "float32"},
@@ -95,11 +106,7 @@ def recipe(model_dir: Path, train: Path, val: Path) -> dict[str, Any]:
             "kv_cache_gib": 0.25,
         },
         "algorithm": {"name": "grpo"},
-        "data": {
-            "train": {"path": str(train), "prompt_key": "problem"},
-            "val": {"path": str(val)},
-            "batch_size": 2,
-        },  # 4 training rows: 2 steps per epoch
+        "data": {**data, "batch_size": 2},  # 4 training rows: 2 steps per epoch
         "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
         "run": {"steps": STEPS, "save_every": 2, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
