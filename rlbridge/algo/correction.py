@@ -2,8 +2,9 @@
 
 The rollout engine samples with its own kernels (vLLM, bf16), so the probability it gave a sampled token,
 pi_rollout, is never exactly the trainer's pi_trainer for the same weights; off-policy data widens the gap.
-The policy gradient assumes samples from pi_trainer. With `algorithm.rollout_correction` (schema.py,
-docs/rollout-correction.md) the per-token policy loss is multiplied by a detached factor built here:
+The policy gradient assumes samples from pi_trainer. With `algorithm.rollout_correction`
+(recipe/schema/algorithm.py, docs/rollout-correction.md) the per-token policy loss is multiplied by a
+detached factor built here:
 
     log w_t = logp_trainer_t - logp_rollout_t          (clamped to [-20, 20], as the PPO log-ratio)
     weights: token     u_t = w_t

@@ -2,8 +2,8 @@
 
     python -m rlbridge.recipe.docs > docs/recipe-reference.md
 
-One source of truth: the field docs live in schema.py; tests/unit/test_docs.py fails when the committed
-page differs from `render_reference()`.
+One source of truth: the field docs live in the schema package (rlbridge/recipe/schema/);
+tests/unit/test_docs.py fails when the committed page differs from `render_reference()`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rlbridge.recipe.schema import Recipe
 HEADER = """\
 # Recipe reference
 
-Generated from `rlbridge/recipe/schema.py` by `python -m rlbridge.recipe.docs > docs/recipe-reference.md`
+Generated from `rlbridge/recipe/schema/` by `python -m rlbridge.recipe.docs > docs/recipe-reference.md`
 (or `make docs`; do not edit by hand: a test compares this page with the schema). The same text is in the JSON Schema
 (`rlbridge schema`), so an editor shows it on hover ([cli.md](cli.md#editor-support)). Why the defaults are what they
 are: [defaults.md](defaults.md).
