@@ -1,5 +1,6 @@
-"""The plan's trainer memory (plan._activations and the rest of Memory.trainer_total) against peaks measured on an
-H200: within 15 % (issue 16 goal 7), so that a run that will not fit is refused before it starts.
+"""The plan's trainer memory (plan/memory_estimate.py's _activations and the rest of Memory.trainer_total) against
+peaks measured on an H200: within 15 % (issue 16 goal 7), so that a run that will not fit is refused before it
+starts.
 
 The peaks are torch.cuda.max_memory_allocated of the trainer process: bench/results/inloop-gpu-2026-12-02 (the
 hf engine in `rlbridge train`) and plan_memory-2026-12-02c.md (bench/trainer_gpu.py, the megatron engine with its

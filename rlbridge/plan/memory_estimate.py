@@ -1,18 +1,20 @@
-"""Recipe + model shape -> Plan: who runs where, how the batch splits, and what each GPU must hold.
+"""What each device must hold: the plan's memory estimate (trainer weights, gradients, optimizer state and
+activations; vLLM's weights and KV cache; the peak of the fullest phase) and the notes it leads to.
 
-Pure arithmetic, no GPU, no heavy import: the plan of a 64-GPU run prints on a laptop in milliseconds,
-and everything the cluster layer and the loop need (bundles, rank coordinates, micro-batch counts) is
-read from here rather than re-derived.
+Rough by design (about +-30 %): for spotting a plan that cannot fit before any GPU is touched. The coefficients
+are fitted to measured peaks (docs/defaults.md#plan-memory); the engine-specific ones come from the engine's
+spec (`trainer_engine(r).memory`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from rlbridge.engines.registry import trainer_engine
 from rlbridge.model.info import ModelInfo
+from rlbridge.plan.batches import Batches
 from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_width
 from rlbridge.rollout.registry import rollout_engine
 
@@ -42,35 +44,6 @@ _MLP_TARGETS = {"linear_fc1", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"}
 
 
 @dataclass(frozen=True)
-class RankCoord:
-    rank: int
-    node: int
-    local: int
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-
-
-@dataclass(frozen=True)
-class Batches:
-    prompts_per_step: int
-    rollouts_per_step: int
-    mini_batches_per_step: int
-    optimizer_steps_per_step: int
-    sequences_per_dp_rank: int
-    """Sequences each data-parallel rank trains on per mini-batch."""
-    micro_batches_per_mini_batch: int
-    """Gradient-accumulation steps per optimizer step on each data-parallel rank by micro_batch_size rows; under a
-    token budget the count depends on the lengths and this is only its bound for full-length rows."""
-    max_sequence_tokens: int
-    tokens_per_micro_batch: int | None = None
-    """trainer.max_tokens_per_micro_batch: passes are packed by tokens, not by micro_batch_size rows."""
-
-
-@dataclass(frozen=True)
 class Memory:
     """Estimated GiB per device. Rough by design (±30%): for spotting a plan that cannot fit."""
 
@@ -97,119 +70,6 @@ class Memory:
     """PPO's critic, included in trainer_total: a second copy of the backbone (weights; under LoRA the frozen
     base again, engines/hf/critic.py), its gradients and AdamW state. No extra activations: its forward and
     backward run after the policy's, per micro-batch, and hold no vocabulary-sized logits."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    world_size: int
-    device: str
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    vpp: int
-    colocate: bool
-    bundles_per_node: list[list[dict[str, float]]]
-    """Ray bundles of the trainer (and of the colocated rollout), one list per node."""
-    rollout_bundles: list[dict[str, float]]
-    """Extra bundles of a rollout that is not colocated, one per engine holding its rollout.tensor_parallel
-    devices (so that vLLM's tensor-parallel workers share a node); empty when colocated."""
-    trainer_ranks: list[RankCoord]
-    rollout_engines: int
-    rollout_tp: int
-    rollout_devices: list[list[int]]
-    """Each rollout engine's devices. Colocated: the trainer devices (ranks) it shares, engine i on ranks
-    i*tp .. i*tp+tp-1, on their node. Separate: its own devices, numbered 0.. after the trainer's (engine i on
-    devices i*tp .. i*tp+tp-1, in bundle len(trainer bundles) + i, on whichever node Ray finds room). With
-    rollout.engines_per_device k > 1 (tensor_parallel 1) engines k*d .. k*d+k-1 share device d."""
-
-    @property
-    def engines_per_device(self) -> int:
-        """Rollout engines on each rollout device (rollout.engines_per_device; 1 at tensor_parallel > 1)."""
-        return max(sum(1 for d in self.rollout_devices if d == self.rollout_devices[0]), 1)
-
-    batches: Batches
-    memory: Memory | None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-    def engine_places(self) -> list[str]:
-        """Where each rollout engine sits, one phrase per engine: colocated on trainer devices (and their node),
-        or on rollout devices of its own (any node)."""
-        nodes = {c.rank: c.node for c in self.trainer_ranks}
-        out = []
-        for i, devices in enumerate(self.rollout_devices):
-            span = f"{devices[0]}" if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"
-            if self.engines_per_device > 1:
-                span += f" (shared by {self.engines_per_device} engines)"
-            if self.colocate:
-                on = sorted({nodes.get(d, 0) for d in devices})
-                out.append(f"engine {i}: trainer device(s) {span} (node {', '.join(map(str, on))})")
-            else:
-                out.append(f"engine {i}: rollout device(s) {span} of its own")
-        return out
-
-
-def rank_coords(r: Recipe) -> list[RankCoord]:
-    """Megatron's default order: tp fastest, then cp, dp, pp (experts: etp, ep, edp, pp)."""
-    p, c = r.trainer.parallel, r.cluster
-    world = r.world_size
-    tp, cp, pp = p.tensor, p.context, p.pipeline
-    dp = world // (tp * cp * pp)
-    etp, ep = p.expert_tensor, p.expert
-    per_stage = world // pp
-    out = []
-    for rank in range(world):
-        tp_r, rest = rank % tp, rank // tp
-        cp_r, rest = rest % cp, rest // cp
-        dp_r, pp_r = rest % dp, rest // dp
-        in_stage = rank % per_stage
-        etp_r = in_stage % etp
-        ep_r = (in_stage // etp) % ep
-        out.append(
-            RankCoord(
-                rank, rank // c.gpus_per_node, rank % c.gpus_per_node, dp_r, tp_r, pp_r, cp_r, ep_r, etp_r
-            )
-        )
-    return out
-
-
-def num_mini_batches(r: Recipe, num_rows: int) -> int:
-    """Mini-batches (optimizer steps per PPO epoch) of a step's `num_rows` sequences: as many of
-    mini_batch_size x rollout.n as fit, to the nearest whole number, at least one and at most one per row (a
-    DAPO step can come up short of batch_size x n). A full step: batch_size / mini_batch_size."""
-    return max(1, min(num_rows, round(num_rows / (r.mini_batch_size * r.rollout.n))))
-
-
-def num_micro_batches(r: Recipe, num_rows: int) -> int:
-    """Micro-batches (gradient-accumulation steps) of one rank's `num_rows` sequences of a mini-batch; the last
-    one may be short."""
-    return math.ceil(num_rows / r.trainer.micro_batch_size)
-
-
-def total_optimizer_steps(r: Recipe) -> int:
-    """Optimizer steps of a whole run (the LR schedule's length): steps x mini-batches per step x PPO epochs."""
-    return r.run.steps * batches(r, 1).optimizer_steps_per_step
-
-
-def batches(r: Recipe, dp: int) -> Batches:
-    mini = r.mini_batch_size
-    per_rank = mini * r.rollout.n // dp
-    num_minis = num_mini_batches(r, r.data.batch_size * r.rollout.n)
-    return Batches(
-        prompts_per_step=r.data.batch_size,
-        rollouts_per_step=r.data.batch_size * r.rollout.n,
-        mini_batches_per_step=num_minis,
-        optimizer_steps_per_step=num_minis * r.trainer.ppo_epochs,
-        sequences_per_dp_rank=per_rank,
-        micro_batches_per_mini_batch=max(num_micro_batches(r, per_rank), 1),
-        max_sequence_tokens=r.rollout.max_prompt_tokens + r.rollout.max_response_tokens,
-        tokens_per_micro_batch=r.trainer.max_tokens_per_micro_batch,
-    )
 
 
 def lora_params(r: Recipe, m: ModelInfo) -> int:
@@ -448,102 +308,19 @@ def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
     )
 
 
-def _sleep_applies(r: Recipe) -> bool:
-    """rollout.sleep matters only for vLLM colocated with the trainer on GPUs in sync mode."""
-    c = r.cluster
-    return (
-        c.colocate and c.device == "cuda" and rollout_engine(r).reserves_memory and r.rollout.mode == "sync"
-    )
-
-
-def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
-    """Whether vLLM sleeps through each update: only where rollout.sleep applies, then as it says (auto: as the
-    plan's memory decided; without the model's shape, as always)."""
-    if not _sleep_applies(r):
-        return False
-    if plan.memory is None:
-        return r.rollout.sleep != "never"
-    return plan.memory.rollout_sleeps
-
-
-def resolved_sleep(r: Recipe, sleeps: bool) -> Recipe:
-    """The recipe with rollout.sleep auto replaced by what the plan decided (`rollout_sleeps`): 'always' where
-    vLLM sleeps through the update, else 'never' (what a worker without the plan acts on)."""
-    rollout = r.rollout.model_copy(update={"sleep": "always" if sleeps else "never"})
-    return r.model_copy(update={"rollout": rollout})
-
-
-def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
-    p, c = r.trainer.parallel, r.cluster
-    world = r.world_size
-    tp, pp, cp = p.tensor, p.pipeline, p.context
-    dp = max(world // (tp * pp * cp), 1)
-    unit = "GPU" if c.device == "cuda" else "CPU"
-    bundle = {"GPU": 1.0, "CPU": 1.0} if unit == "GPU" else {"CPU": 1.0}
-    bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
-    rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
-    rtp = r.rollout.tensor_parallel
-    per_device = r.rollout.engines_per_device if rtp == 1 else 1
-    engine_groups = max(
-        rollout_gpus // rtp, 1
-    )  # one per rtp devices; each device then holds `per_device` engines
-    num_engines = engine_groups * per_device
-    rollout_bundles = (
-        [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(engine_groups)]
-    )
-    b = batches(r, dp)
+def memory_notes(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> list[str]:
+    """The plan's notes from its memory estimate: a peak past the device, a token budget that would make the
+    update less host-bound, the shared-prompt passes' higher peak."""
     notes = []
-    if c.device == "cpu":
-        notes.append("cpu device: each 'GPU' is a CPU worker process; collectives use gloo")
-    if r.rollout.mode == "async":
-        where = (
-            "on the trainer's devices, resident next to it (no sleep)"
-            if c.colocate
-            else f"on {rollout_gpus} device(s) of its own"
-        )
-        notes.append(
-            f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
-        )
-    mem = memory(r, m, dp, b) if m is not None else None
-    if _sleep_applies(r) and r.rollout.sleep == "auto" and mem is not None:
-        notes.append(
-            "rollout.sleep auto: vLLM stays resident through the update (no sleep or wake)"
-            if not mem.rollout_sleeps
-            else f"rollout.sleep auto: vLLM sleeps through the update (resident, the peak would pass "
-            f"{RESIDENT_SHARE:.0%} of the {mem.capacity:.0f} GiB)"
-        )
-    if mem is not None and c.device == "cuda" and mem.peak > mem.capacity:
+    if r.cluster.device == "cuda" and mem.peak > mem.capacity:
         notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")
-    if mem is not None and m is not None:
-        note = _budget_note(r, m, dp, b, mem)
-        if note:
-            notes.append(note)
-    if mem is not None and _shares_prompts_on_a_gpu(r):
+    note = _budget_note(r, m, dp, b, mem)
+    if note:
+        notes.append(note)
+    if _shares_prompts_on_a_gpu(r):
         notes.append(
             f"trainer.shared_prompts always on a GPU: these figures are the plain passes'; with shared prompts "
             f"the trainer's measured peak was 1.12-1.18x theirs (expect up to ~{SHARED_PEAK * mem.trainer_total:.1f}"
             f" GiB) and the update slower (0.47-0.90x; docs/defaults.md#shared-prompts)"
         )
-    return Plan(
-        world_size=world,
-        device=c.device,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=p.expert,
-        etp=p.expert_tensor,
-        vpp=p.virtual_pipeline or 1,
-        colocate=c.colocate,
-        bundles_per_node=bundles,
-        rollout_bundles=rollout_bundles,
-        trainer_ranks=rank_coords(r),
-        rollout_engines=num_engines,
-        rollout_tp=rtp,
-        rollout_devices=[
-            list(range(g * rtp, (g + 1) * rtp)) for g in range(engine_groups) for _ in range(per_device)
-        ],
-        batches=b,
-        memory=mem,
-        notes=notes,
-    )
+    return notes
