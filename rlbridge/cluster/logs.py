@@ -70,6 +70,11 @@ def tail(path: Path, num_lines: int = 10) -> list[str]:
     return [line for line in lines if line.strip()][-num_lines:]
 
 
+def tail_text(text: str, lines: int = 15) -> str:
+    """The last `lines` lines of an error's text (a traceback), for a message."""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 def last_line(path: Path, width: int = 160) -> str | None:
     """The file's last line, shortened for a console line: without vLLM's process / time / source prefix
     ("(EngineCore_DP0 pid=212) INFO 10-06 12:00:40 [gpu_model_runner.py:3480] ...")."""

@@ -5,7 +5,7 @@ own mount namespace with an empty tmpfs mounted over one directory, HIDDEN: the 
 files, node_b sees an empty directory at the same path, as a host without the shared mount (or with a
 node-local directory of that name) would. Needs root (CAP_SYS_ADMIN) for `unshare --mount`; skipped otherwise.
 
-- `check_shared_run_dir` (rlbridge/cluster/ray_cluster.py), called in a process joined to the cluster: a run
+- `check_shared_run_dir` (rlbridge/cluster/ray_cluster/placement.py), called in a process joined to the cluster: a run
   directory outside HIDDEN passes on both nodes and leaves no file behind; one inside HIDDEN is refused naming
   node_b (its Ray node id), what it could not do, and the fix;
 - `rlbridge train` with `--run-dir` inside HIDDEN on the two nodes: exit 1 in seconds, that message without a

@@ -136,7 +136,7 @@ def ray_init_calls() -> list[tuple[str, ast.Call]]:
 def test_ray_dashboard_is_off_in_every_ray_init() -> None:
     calls = ray_init_calls()
     assert calls, "no ray.init found: the check would be vacuous"
-    assert any(where.startswith("rlbridge/cluster/ray_cluster.py") for where, _ in calls)
+    assert any(where.startswith("rlbridge/cluster/ray_cluster/") for where, _ in calls)
     for where, call in calls:
         dash = {k.arg: k.value for k in call.keywords}.get("include_dashboard")
         assert isinstance(dash, ast.Constant) and dash.value is False, (

@@ -19,7 +19,7 @@ PKG = ROOT / "rlbridge"
 
 ALLOWED = {  # library -> the files (relative to rlbridge/) that may import it
     "vllm": ("rollout/vllm.py",),
-    "ray": ("cluster/ray_cluster.py",),
+    "ray": ("cluster/ray_cluster/",),
     "megatron": ("engines/megatron/",),
     "mbridge": ("engines/megatron/",),
     "transformers": ("model/hf.py",),

@@ -232,7 +232,7 @@ def _fake_ray(
     monkeypatch: pytest.MonkeyPatch, ready_after: dict[str, float], answers: dict[str, Any]
 ) -> None:
     """ray.wait / ray.get over string refs: ref r is ready `ready_after[r]` seconds after the first wait."""
-    from rlbridge.cluster import ray_cluster as rc
+    import ray
 
     start: list[float] = []
 
@@ -244,8 +244,8 @@ def _fake_ray(
         done = [r for r in refs if time.monotonic() - start[0] >= ready_after[r]][:num_returns]
         return done, [r for r in refs if r not in done]
 
-    monkeypatch.setattr(rc.ray, "wait", wait)
-    monkeypatch.setattr(rc.ray, "get", lambda ref, timeout=None: answers[ref])
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: answers[ref])
 
 
 def test_startup_heartbeat_then_timeout_names_the_worker_its_phase_and_log(
@@ -310,6 +310,7 @@ def test_startup_wait_returns_the_answers_in_order(tmp_path: Path, monkeypatch: 
 
 
 def test_a_dead_worker_error_shows_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
     from ray.exceptions import ActorDiedError
 
     from rlbridge.cluster import ray_cluster as rc
@@ -321,7 +322,7 @@ def test_a_dead_worker_error_shows_its_log(tmp_path: Path, monkeypatch: pytest.M
     def get(ref: Any, timeout: float | None = None) -> Any:
         raise ActorDiedError()
 
-    monkeypatch.setattr(rc.ray, "get", get)
+    monkeypatch.setattr(ray, "get", get)
     with pytest.raises(RlbridgeError) as info:
         rc.Worker("rollout", _Handle(), path).wait("ref")
     message = str(info.value)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from ray.exceptions import OutOfMemoryError
 
 from rlbridge.cluster import ray_cluster as rc
@@ -29,7 +30,7 @@ def test_a_worker_killed_for_memory_is_named_with_its_log(
     def get(ref: Any, timeout: float | None = None) -> Any:
         raise OutOfMemoryError(RAY_TEXT)
 
-    monkeypatch.setattr(rc.ray, "get", get)
+    monkeypatch.setattr(ray, "get", get)
     with pytest.raises(RlbridgeError) as e:
         rc.Worker("rollout engine 1", handle=None, log_file=log).wait("ref")
     msg = str(e.value)
