@@ -10,7 +10,7 @@ Why not a second adapter on the same base: peft routes every forward through the
 policy's log-probs, the reference log-probs (adapters disabled) and the merged export would all depend on
 which adapter is active at the moment, and under full fine-tuning there is no shared frozen base at all.
 Two models keep the parameters, gradients and optimizer states disjoint by construction, at the price of a
-second copy of the (frozen, under LoRA) base weights, which rlbridge/plan.py counts.
+second copy of the (frozen, under LoRA) base weights, which rlbridge/plan/memory_estimate.py counts.
 
 Token values follow advantages.gae's convention: `values[:, t]` is V(s_t), the value of the state before
 response token t, read from the last hidden state at the position that predicts token t (P + t - 1, the

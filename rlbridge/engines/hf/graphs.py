@@ -33,7 +33,7 @@ r16). Its forward's saved activations are freed at the end of its backward's rec
 recording reuses that memory: every shape's graphs write and read the same blocks, which is safe because a pass
 replays its forward and its backward before any other pass replays anything (one pass at a time, in order). So the
 pool holds about one pass's activations, next to the allocator's own for the eager passes: `rlbridge plan` counts
-one more pass (of at most MAX_PASS_TOKENS positions) and MAX_GRAPHS sets of gradients (plan.py). Only passes of at
+one more pass (of at most MAX_PASS_TOKENS positions) and MAX_GRAPHS sets of gradients (plan/memory_estimate.py). Only passes of at
 most MAX_PASS_TOKENS positions are recorded (larger ones are compute-bound: a graph buys little there), and at
 most MAX_GRAPHS shapes are kept (the least recently used one is dropped).
 """
