@@ -303,7 +303,7 @@ PYEOF
       tail -12 "$OUT/$part/log.txt" ;;
     7bfit)  # issue 44 item 3: the largest token budget per pass validate-recipe accepts for ENGINE7B (default hf), one
             # step at it with every pass near the plan's worst case (must fit), the next multiple of 4096 refused
-      timeout "$(left)" "$PY" bench/size7b.py fit --engine "${ENGINE7B:-hf}" --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      timeout "$(left)" "$PY" bench/size7b.py fit --engine "${ENGINE7B:-hf}" --run-dir /tmp/rlb7b/fit --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
     mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first 8
             # layers: the whole 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each
