@@ -298,6 +298,7 @@ PYEOF
         --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -20 "$OUT/$part/log.txt" ;;
     7bexport)  # export-hf --merge-lora of that run; vLLM (CUDA, bf16) vs float32 transformers log-probs of fixed texts
+      rm -rf /tmp/rlb7b/merged  # a repeated export starts from an empty directory
       timeout "$(left)" "$PY" bench/size7b.py export --run-dir /tmp/rlb7b/${RUN7B:-hf} --export-dir /tmp/rlb7b/merged \
         --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -12 "$OUT/$part/log.txt" ;;
