@@ -124,7 +124,7 @@ class Trainer:
 def test_the_loop_stops_with_the_disk_full_message_and_the_resume_hint(
     small_disk: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rlbridge.run.resume.resolved_yaml", lambda recipe: "a: 1\n")
+    monkeypatch.setattr("rlbridge.checkpointer.resolved_yaml", lambda recipe: "a: 1\n")
     written: list[dict[str, Any]] = []
     session = SimpleNamespace(
         trainer=Trainer([1, 6]),
