@@ -120,6 +120,8 @@ def recipe(
         out["rollout"] = {**ro, "engine": "hf"}
     if mode == "async":
         out["rollout"] = {**out["rollout"], "mode": "async"}
+        # samples one version old: the trainer-vs-rollout gap holds one update's drift (as in test_async)
+        out["run"] = {**out["run"], "health": {**out["run"].get("health", {}), "max_logprob_diff": None}}
     return out
 
 
