@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from rlbridge.engines.registry import trainer_engine
 from rlbridge.errors import RecipeIssue
@@ -15,6 +16,9 @@ from rlbridge.recipe.targets import (
     unknown_targets,
 )
 from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
+
+if TYPE_CHECKING:
+    from rlbridge.plan import Memory
 
 # ----------------------------------------------------------------------------------- LoRA / sync
 
@@ -285,6 +289,15 @@ def check_async(r: Recipe, out: Issues) -> None:
         )
 
 
+def plan_memory(r: Recipe, m: ModelInfo) -> Memory:
+    """`rlbridge plan`'s memory estimate per device for `r` (its data-parallel size from the layout)."""
+    from rlbridge.plan import batches, memory
+
+    p = r.trainer.parallel
+    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
+    return memory(r, m, dp, batches(r, dp))
+
+
 def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     """async on shared GPUs: vLLM stays resident next to the trainer, so both must fit at once (plan.memory)."""
     c = r.cluster
@@ -295,11 +308,7 @@ def check_async_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
         or not rollout_engine(r).reserves_memory
     ):
         return
-    from rlbridge.plan import batches, memory
-
-    p = r.trainer.parallel
-    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
-    mem = memory(r, m, dp, batches(r, dp))
+    mem = plan_memory(r, m)
     if mem.trainer_total + mem.rollout_total <= mem.capacity:
         return
     margin = 1.0  # GiB for CUDA contexts and fragmentation
@@ -331,11 +340,9 @@ def least_rollout_share(r: Recipe, m: ModelInfo) -> float:
     """The smallest rollout.gpu_memory_utilization whose share of the device holds one engine's weights, its
     workspace and the KV cache of one sequence of max_prompt_tokens + max_response_tokens; else vLLM stops at
     start with "No available memory for the cache blocks"."""
-    from rlbridge.plan import DTYPE_BYTES, batches, memory
+    from rlbridge.plan import DTYPE_BYTES
 
-    p = r.trainer.parallel
-    dp = max(r.world_size // (p.tensor * p.pipeline * p.context), 1)
-    mem = memory(r, m, dp, batches(r, dp))
+    mem = plan_memory(r, m)
     tp, unit = r.rollout.tensor_parallel, DTYPE_BYTES[r.model.dtype]
     tokens = r.rollout.max_prompt_tokens + r.rollout.max_response_tokens
     kv = 2 * m.layers * max(m.kv_heads // tp, 1) * m.head_dim * unit * tokens / 1024**3
@@ -375,12 +382,9 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     and --force (commands that check recipes) runs it anyway. GPUs only: on a CPU the figure is host memory."""
     if r.cluster.device != "cuda":
         return
-    from rlbridge.plan import batches, memory
 
     def peak(recipe: Recipe) -> tuple[float, float]:
-        p = recipe.trainer.parallel
-        dp = max(recipe.world_size // (p.tensor * p.pipeline * p.context), 1)
-        mem = memory(recipe, m, dp, batches(recipe, dp))
+        mem = plan_memory(recipe, m)
         return mem.peak, mem.capacity
 
     need, capacity = peak(r)
