@@ -31,6 +31,7 @@ from rlbridge.metrics.log import Timer
 from rlbridge.pipeline import RolloutSource
 from rlbridge.plan import Plan, num_mini_batches
 from rlbridge.recipe.schema import DapoCfg, EvalMetric, Recipe, RewardCfg
+from rlbridge.run import directory
 from rlbridge.run.resume import ResumePoint, rollout_seed
 from rlbridge.run.signals import StopSignals
 from rlbridge.session import Session, log
@@ -195,8 +196,28 @@ def train_step(
     record["time_step"] = sum(timer.seconds.values())
     record["tokens_per_s"] = record["tokens"] / max(record["time_step"], 1e-9)
     s.metrics.write(record)
+    if r.run.save_rollouts:
+        save_rollouts(s.run_dir, step, ro, rewards, r.rollout.n)
     memory_notice(s.plan, record, s.memory_told)
     return record
+
+
+def save_rollouts(run_dir: Path, step: int, ro: Rollouts, rewards: torch.Tensor, n: int) -> None:
+    """run.save_rollouts: the step's samples in the batch's order (sample i belongs to prompt group i // n)."""
+    rows = [
+        {
+            "step": step,
+            "sample": i,
+            "group": i // n,
+            "response_ids": ro.response_ids[i],
+            "text": ro.texts[i] if ro.texts else None,
+            "finish_reason": ro.finish_reasons[i],
+            "reward": float(rewards[i]),
+            "weight_version": ro.weight_version,
+        }
+        for i in range(len(ro))
+    ]
+    directory.write_rollouts(run_dir, step, rows)
 
 
 def memory_notice(plan: Plan, record: dict[str, Any], told: set[str]) -> None:

@@ -55,6 +55,7 @@
 #                                       # TRL_PLAIN_ASYNC=0: without the plain async run)
 #   bash scripts/gpu_bench.sh rolloutstep  # bench/rollout_step.py: the rollout's share of an async quickstart step alone,
 #                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
+#   bash scripts/gpu_bench.sh engines2  # issue 43: two vLLM engines on the GPU vs one at 512 rollouts/step (two CLI runs)
 #   bash scripts/gpu_bench.sh 7bhf      # issue 44: the 7B recipe (qwen2.5-7b-random) through the CLI on one GPU, hf engine,
 #                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py; not run yet)
 #   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine (STEPS7B=2: 2 steps, checkpoint at 2)
@@ -287,6 +288,14 @@ PYEOF
           > "$OUT/$part/mb$mb-r$resp.txt" 2>&1
         tail -12 "$OUT/$part/mb$mb-r$resp.txt"
       done; done ;;
+    engines2)  # issue 43 item 6: two vLLM engines on the GPU (gpu_memory_utilization 0.3 each) vs one, hf trainer beside
+               # them, 512 rollouts/step of SmolLM2 (64 x 8, <= 256 tokens), both sleeping and waking every step;
+               # bench/engines_per_device.py (two CLI runs per round, the same seed, samples compared token for token)
+      timeout "$(left)" "$PY" bench/engines_per_device.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
+        --rounds "${EPD_ROUNDS:-1}" --steps "${EPD_STEPS:-4}" --warmup 1 --share 0.3 \
+        --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set rollout.sleep=always \
+        > "$OUT/$part/log.txt" 2>&1
+      grep -E "^round|^1 engine|Error|failed" "$OUT/$part/log.txt" | tail -12 ;;
     7bhf|7bmeg)  # issue 44: recipes/qwen2.5-7b-grpo-lora.yaml on one GPU through the CLI (bench/size7b.py), 5 steps of
                  # 32 x 8, <= 256 tokens, adapter checkpoint at step 5; the run stays in /tmp/rlb7b for 7bresume/7bexport
       engine=hf; [ "$part" = 7bmeg ] && engine=megatron
@@ -312,7 +321,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (smoke, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -50,6 +50,17 @@ def log_file(run_dir: Path, role: str) -> Path:
     return run_dir / "logs" / f"{role}.log"
 
 
+def write_rollouts(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> Path:
+    """RUN_DIR/rollouts/step_<N>.jsonl (run.save_rollouts): one JSON line per sample, written to a temporary
+    file and renamed, so a reader (or a resumed run repeating the step) never sees half a file."""
+    out = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+    out.parent.mkdir(exist_ok=True)
+    tmp = out.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ run status
 STATUS_FILE = "status.json"
 """{"state": running | finished | failed | interrupted, "pid", "host", "time", "error"}: written when a

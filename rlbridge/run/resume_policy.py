@@ -18,6 +18,7 @@ RESUME_SAFE_KEYS = (
     "run.keep",
     "run.eval_every",
     "run.eval_samples",
+    "run.save_rollouts",
     "run.loggers",
     "run.wandb",
     "run.health",

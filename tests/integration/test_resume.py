@@ -50,6 +50,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlbridge.data.arithmetic import arithmetic_rows
+from rlbridge.loop import token_digest
 from rlbridge.recipe.schema import ArithmeticCfg
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.trainer.role import UPDATE_SECONDS
@@ -108,7 +109,13 @@ def recipe(model_dir: Path, train: Path | None = None, val: Path | None = None) 
         "algorithm": {"name": "grpo"},
         "data": {**data, "batch_size": 2},  # 4 training rows: 2 steps per epoch
         "reward": {"terms": [{"fn": "tests.fixtures.toy_rewards:length"}], "timeout_s": 5},
-        "run": {"steps": STEPS, "save_every": 2, "eval_samples": 2, "health": {"max_logprob_diff": 1e-3}},
+        "run": {
+            "steps": STEPS,
+            "save_every": 2,
+            "eval_samples": 2,
+            "save_rollouts": True,
+            "health": {"max_logprob_diff": 1e-3},
+        },
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
     }
 
@@ -347,6 +354,16 @@ def test_kill_9_after_a_checkpoint_at_an_epoch_boundary_then_resume_is_exact(
     assert prompts == [r["prompt_sha"] for r in train_metrics(reference)]
     assert len(set(prompts)) == STEPS, prompts
     assert_same_run(run_dir, reference)
+    # run.save_rollouts: each step's samples once (step 3, repeated after the kill, rewritten whole), equal to
+    # the uninterrupted run's, and the same completions the step's rollout_sha digests
+    names = sorted(p.name for p in (run_dir / "rollouts").iterdir())
+    assert names == [f"step_{i:06d}.jsonl" for i in range(1, STEPS + 1)]
+    for rec in train_metrics(run_dir):
+        name = f"step_{rec['step']:06d}.jsonl"
+        rows = [json.loads(line) for line in (run_dir / "rollouts" / name).read_text().splitlines()]
+        assert (run_dir / "rollouts" / name).read_text() == (reference / "rollouts" / name).read_text()
+        assert [(r["sample"], r["group"]) for r in rows] == [(i, i // 4) for i in range(8)]
+        assert token_digest([r["response_ids"] for r in rows]) == rec["rollout_sha"]
 
 
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(

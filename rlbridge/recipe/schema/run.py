@@ -70,6 +70,10 @@ class RunCfg(Section):
     """Evaluate on data.val every N steps (0: only before and after training)."""
     eval_samples: PositiveInt = 100
     """Validation prompts per evaluation (greedy)."""
+    save_rollouts: bool = False
+    """Write every step's samples to RUN_DIR/rollouts/step_<N>.jsonl, one line per sample in the batch's order:
+    its prompt group, response token ids and text, finish reason, reward and weight version (what was trained
+    on, to read or compare between runs)."""
     loggers: list[Literal["console", "jsonl", "wandb", "tensorboard"]] = ["console", "jsonl"]
     """Metric sinks; jsonl is always written."""
     wandb: WandbCfg = WandbCfg()
