@@ -4,7 +4,8 @@ Runs `rlbridge train RECIPE` twice per round, alternated (round r: 1 engine then
 odd), each with `rollout.engines_per_device` K, `run.save_rollouts` on and the same seed; the other settings come
 from the recipe and `--set`. Per run: the median over the timed steps (the first `--warmup` steps dropped) of
 the step, generate, update and sync times, generated tokens per second of generation (`tokens / time_generate`),
-the sleep and wake seconds, the trainer's GPU peak; and, per step, the fraction of samples whose completion is
+the sleep and wake seconds, the trainer's GPU peak, the device's peak (nvidia-smi, every process on GPU 0) beside
+`rlbridge plan`'s estimates (trainer, rollout engines, peak); and, per step, the fraction of samples whose completion is
 token for token the same as the 1-engine run's of the same round (every prompt group draws from its own seed, so
 on a CPU they are all the same; on a GPU a different batch composition may change bf16 numerics).
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, rlbridge_train  # noqa: E402
+from bench.growth import DevicePeak, plan_gib  # noqa: E402
 
 TIMES = ("time_step", "time_generate", "time_update", "time_sync", "sleep_s", "wake_s")
 
@@ -86,15 +88,27 @@ def main() -> None:
         dirs: dict[int, Path] = {}
         for k in (1, 2) if rnd % 2 == 0 else (2, 1):
             run_dir = a.out / f"r{rnd}-engines{k}"
-            wall = rlbridge_train(a.recipe, run_dir, [*base, f"rollout.engines_per_device={k}"])
+            sets = [*base, f"rollout.engines_per_device={k}"]
+            with DevicePeak() as device:
+                wall = rlbridge_train(a.recipe, run_dir, sets)
             recs = records(run_dir)
             dirs[k] = run_dir
-            row = {"round": rnd, "engines": k, "wall_s": wall, **summarize(recs, a.warmup), "records": recs}
+            row = {
+                "round": rnd,
+                "engines": k,
+                "wall_s": wall,
+                **summarize(recs, a.warmup),
+                "device_peak_gib": None if device.peak_mib is None else device.peak_mib / 1024,
+                **plan_gib(a.recipe, sets),
+                "records": recs,
+            }
             runs.append(row)
             print(
                 f"round {rnd} engines {k}: step {row['time_step']:.3f} s, generate {row['time_generate']:.3f} s "
                 f"({row['generated_tokens_per_s']:.0f} tok/s), update {row['time_update']:.3f} s, "
-                f"sync {row['time_sync']:.3f} s, sleep {row['sleep_s']} s, wake {row['wake_s']} s, wall {wall:.0f} s",
+                f"sync {row['time_sync']:.3f} s, sleep {row['sleep_s']} s, wake {row['wake_s']} s, wall {wall:.0f} s; "
+                f"device peak {row['device_peak_gib']} GiB, plan rollout {row.get('plan_rollout_gib')} "
+                f"trainer {row.get('plan_trainer_gib')} peak {row.get('plan_peak_gib')} GiB",
                 flush=True,
             )
         steps = [r["step"] for r in records(dirs[1])]
