@@ -115,8 +115,8 @@ def export_hf(
     _check_out(out, force)
     point = find_checkpoint(Path(source), step=step, log=log)
     recipe = _recipe(point)
-    kind: WeightSync = "merged" if merge or merge is None else "adapter"
-    if kind == "adapter" and not recipe.lora.enabled:
+    kind = WeightSync.MERGED if merge or merge is None else WeightSync.ADAPTER
+    if kind == WeightSync.ADAPTER and not recipe.lora.enabled:
         raise RlbridgeError(
             f"--adapter-only needs a LoRA run; {point.path} is full fine-tuning (lora.rank 0): "
             "export it merged"
@@ -130,7 +130,7 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if kind == "merged":
+        if kind == WeightSync.MERGED:
             _write_merged(tmp, exported, max_shard_size)
         else:
             _write_adapter(tmp, exported)
@@ -189,19 +189,19 @@ def hf_exporter(
     if to_peft is not None:
         trainable = to_peft(recipe, base_dir, engine.model, trainable)
     engine.load_trainable_state(trainable)
-    if kind == "adapter":
-        weights = engine.export_weights("adapter")
+    if kind == WeightSync.ADAPTER:
+        weights = engine.export_weights(WeightSync.ADAPTER)
         config = dict(weights.adapter_config or {})
         config["base_model_name_or_path"] = base_model_name(recipe, base_dir)
         if recipe.model.revision is not None:
             config["revision"] = recipe.model.revision
         config.setdefault("peft_type", "LORA")
         notes = ["the adapter is DoRA: peft loads it, vLLM does not"] if recipe.lora.type == "dora" else []
-        return Exported(WeightExport("adapter", weights.tensors, config), None, base_dir, notes)
+        return Exported(WeightExport(WeightSync.ADAPTER, weights.tensors, config), None, base_dir, notes)
     state = engine.merged_state(drop_tied=False)
     config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
     notes = _settle_ties(engine.hf_model, state, config)
-    return Exported(WeightExport("merged", state), config, base_dir, notes)
+    return Exported(WeightExport(WeightSync.MERGED, state), config, base_dir, notes)
 
 
 def _settle_ties(model: Any, state: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
@@ -307,10 +307,10 @@ def _write_readme(
     )
     what = (
         "the base model with the adapters merged in (float32 merge, cast to " + r.model.dtype + ")"
-        if kind == "merged"
+        if kind == WeightSync.MERGED
         else "a PEFT adapter for the base model"
     )
-    if kind == "merged":
+    if kind == WeightSync.MERGED:
         load = (
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             'model = AutoModelForCausalLM.from_pretrained("PATH")\ntokenizer = AutoTokenizer.from_pretrained("PATH")\n'

@@ -41,6 +41,7 @@ from rlbridge.run import gpu_faults, stalls
 from rlbridge.trainer.client import RayTrainer, Trainer
 from rlbridge.trainer.group import TrainerGroup, start_trainer_group
 from rlbridge.trainer.role import TrainerRole
+from rlbridge.weights import WeightSync
 
 
 def log(msg: str) -> None:
@@ -459,7 +460,7 @@ class Session:
         r = self.recipe
         return (
             rollout_engine(r).warm_adapter
-            and r.rollout.weight_sync == "adapter"
+            and r.rollout.weight_sync == WeightSync.ADAPTER
             and r.cluster.device == "cuda"
         )
 
@@ -471,7 +472,7 @@ class Session:
     def _cuda_ipc(self) -> bool:
         """Whether syncs move merged weights by CUDA IPC handles (rollout.weight_transport cuda_ipc)."""
         r = self.recipe.rollout
-        return r.weight_sync == "merged" and r.weight_transport == "cuda_ipc"
+        return r.weight_sync == WeightSync.MERGED and r.weight_transport == "cuda_ipc"
 
     def wait_loaded(self) -> None:
         """Wait for a weight load sent in the background; its failure is raised here (the trainer's own error
@@ -507,7 +508,7 @@ class Session:
         ipc = self._cuda_ipc()
         # an adapter directory is handed over to its receiver, which removes it once read: with several engines
         # the adapter (small) goes through Ray's object store instead, each engine writing its own
-        shared_dir = kind == "merged" or self.plan is None or self.plan.rollout_engines == 1
+        shared_dir = kind == WeightSync.MERGED or self.plan is None or self.plan.rollout_engines == 1
         ref = trainer.export_weights(kind, as_files=same_node and not ipc and shared_dir, cuda_ipc=ipc)
         self.version = self.version + 1 if version is None else version
         rollout, v = self.rollout, self.version

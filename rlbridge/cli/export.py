@@ -41,7 +41,7 @@ def export_hf(
             log=lambda msg: render.out.print(f"[dim]export[/] {msg}", soft_wrap=True),
         )
     render.out.print(
-        f"[bold green]exported[/] step {res.step} ({'merged' if res.kind == 'merged' else 'adapter'}) to "
+        f"[bold green]exported[/] step {res.step} ({res.kind}) to "
         f"{res.out}: {len(res.files)} files, {res.bytes / 1e6:.1f} MB in {res.seconds:.1f} s",
         soft_wrap=True,
     )

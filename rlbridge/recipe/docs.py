@@ -8,6 +8,7 @@ tests/unit/test_docs.py fails when the committed page differs from `render_refer
 
 from __future__ import annotations
 
+import enum
 import re
 import types
 import typing
@@ -67,6 +68,8 @@ def type_name(tp: Any) -> str:
         return " ".join([type_name(base), *_bounds(meta)])
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " \\| ".join(f"`{m.value}`" for m in tp)
     if origin in (Union, types.UnionType):
         return " \\| ".join("null" if a is type(None) else type_name(a) for a in get_args(tp))
     if origin is list:

@@ -317,7 +317,7 @@ def _value_fix(kind: str, key: str, ctx: dict[str, Any], value: Any, default: An
         fix = f"write {key} as a number"
     elif kind in ("bool_parsing", "bool_type"):
         fix = f"write {key}: true or {key}: false"
-    elif kind == "literal_error":
+    elif kind in ("literal_error", "enum"):
         fix = f"choose one of: {ctx.get('expected')}"
     else:
         return None

@@ -29,7 +29,7 @@ from rlbridge.model.experts import stack_expert_weights
 from rlbridge.model.routing import RoutingRecorder
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 from rlbridge.weights.directory import read_export_dir
 
 log = logging.getLogger(__name__)
@@ -166,9 +166,9 @@ class HFRollout:
         start = time.perf_counter()
         if weights.path:
             weights = read_export_dir(weights)
-        if weights.kind == "merged":
+        if weights.kind == WeightSync.MERGED:
             self._load_merged(weights.tensors)
-        elif weights.kind == "adapter":
+        elif weights.kind == WeightSync.ADAPTER:
             self._load_adapter(weights)
         else:
             raise ValueError(f"WeightExport.kind must be 'merged' or 'adapter', got {weights.kind!r}")

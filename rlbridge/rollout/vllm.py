@@ -75,7 +75,7 @@ from rlbridge.rollout.vllm_compat import (
     routed_experts,
     sampled_logprobs,
 )
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 from rlbridge.weights.directory import ram_tempdir, remove_dir, write_adapter, write_merged
 
 log = logging.getLogger(__name__)
@@ -291,9 +291,9 @@ class VllmRollout:
     def load_weights(self, weights: WeightExport, version: int) -> None:
         """Make the engine sample from these weights from now on, as `version`."""
         start = time.perf_counter()
-        if weights.kind == "merged":
+        if weights.kind == WeightSync.MERGED:
             self._load_merged(weights)
-        elif weights.kind == "adapter":
+        elif weights.kind == WeightSync.ADAPTER:
             self._load_adapter(weights, version)
         else:
             raise ValueError(f"WeightExport.kind must be 'merged' or 'adapter', got {weights.kind!r}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.vllm_spec import VLLM_LORA_RANKS
+from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments for a recipe (pure: testable without vLLM). executor: vLLM's
     distributed_executor_backend at tensor_parallel > 1 ("mp" or "ray"; see rollout/vllm.py's docstring)."""
-    adapter = rollout_cfg.weight_sync == "adapter"
+    adapter = rollout_cfg.weight_sync == WeightSync.ADAPTER
     if adapter and not 0 < lora_rank <= rollout_cfg.max_lora_rank:
         raise ValueError(
             f"rollout.weight_sync=adapter needs 0 < lora.rank <= rollout.max_lora_rank "

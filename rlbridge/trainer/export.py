@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlbridge.errors import RlbridgeError
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class WeightSender:
 
         kind = weights.kind
         if (
-            kind == "merged"
+            kind == WeightSync.MERGED
         ):  # one directory for the run, its file overwritten in place (weights/directory.py)
             if self._merged_dir is None:
                 self._merged_dir = ram_tempdir("rlbridge-merged-")
@@ -66,12 +66,14 @@ class WeightSender:
             "%s weights exported in %.3f s (engine %.3f s, write %.3f s, %s, %.1f MB)",
             kind, end - started, exported - started, end - exported, how, self.last_bytes / 1e6,
         )  # fmt: skip
-        return WeightExport(kind, {}, weights.adapter_config, path=str(out), sender_keeps=kind == "merged")
+        return WeightExport(
+            kind, {}, weights.adapter_config, path=str(out), sender_keeps=kind == WeightSync.MERGED
+        )
 
     def _share_merged(self, weights: WeightExport) -> WeightExport:
         from rlbridge.weights import ipc
 
-        if weights.kind != "merged":
+        if weights.kind != WeightSync.MERGED:
             raise RlbridgeError(
                 f"rollout.weight_transport cuda_ipc moves merged weights, not {weights.kind!r}"
             )
@@ -80,7 +82,7 @@ class WeightSender:
         self.release()  # one the rollout never loaded (a failed sync) goes first
         device = torch.device("cuda", torch.cuda.current_device())
         payload, self._shared = ipc.share(weights.tensors, dtype=self.dtype, device=device)
-        return WeightExport("merged", {}, ipc=payload)
+        return WeightExport(WeightSync.MERGED, {}, ipc=payload)
 
     def release(self) -> None:
         """Drop the tensors of the last CUDA IPC export (the rollout has loaded them, or the sync failed) and

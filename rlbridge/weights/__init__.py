@@ -10,14 +10,22 @@ engine on the same GPU). Importing the package imports no torch (recipe validati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-WeightSync = Literal["merged", "adapter"]
-"""rollout.weight_sync, a WeightExport's kind, export-hf's choice: every weight of the HF model with the adapters
-folded in (merged), or the PEFT adapter's lora_A / lora_B tensors alone (adapter)."""
+
+class WeightSync(StrEnum):
+    """rollout.weight_sync, a WeightExport's kind, export-hf's choice. A `str` enum: each member equals its value,
+    so recipe YAML, the resolved recipe.yaml and checkpoint JSON hold the same plain strings ("merged",
+    "adapter") and code compares against the members."""
+
+    MERGED = "merged"
+    """Every weight of the HF model, with the adapters folded in."""
+    ADAPTER = "adapter"
+    """The PEFT adapter's lora_A / lora_B tensors alone."""
 
 
 @dataclass

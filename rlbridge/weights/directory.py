@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rlbridge.run.process import pid_alive
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 from rlbridge.weights.hf_files import MERGED_FILE, SAFETENSORS_DTYPES, save_hf
 
 
@@ -88,9 +88,11 @@ def remove_dir(path: Path | None) -> None:
 
 def write_merged(weights: WeightExport, out_dir: Path, *, base_dir: str | Path, dtype: torch.dtype) -> Path:
     """A 'merged' export (full HF state dict) as an HF directory, floating tensors cast to `dtype`."""
-    if weights.kind != "merged":
+    if weights.kind != WeightSync.MERGED:
         raise ValueError(f"write_merged needs a 'merged' WeightExport, got kind={weights.kind!r}")
-    return save_hf(out_dir, WeightExport("merged", _in_dtype(weights.tensors, dtype)), base_dir=base_dir)
+    return save_hf(
+        out_dir, WeightExport(WeightSync.MERGED, _in_dtype(weights.tensors, dtype)), base_dir=base_dir
+    )
 
 
 def _in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -132,7 +134,7 @@ def overwrite_merged(weights: WeightExport, out_dir: Path, *, dtype: torch.dtype
 
 def write_adapter(weights: WeightExport, out_dir: Path) -> Path:
     """An 'adapter' export as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
-    if weights.kind != "adapter":
+    if weights.kind != WeightSync.ADAPTER:
         raise ValueError(f"write_adapter needs an 'adapter' WeightExport, got kind={weights.kind!r}")
     if not weights.adapter_config:
         raise ValueError(
@@ -144,7 +146,7 @@ def write_adapter(weights: WeightExport, out_dir: Path) -> Path:
             f"adapter export holds non-LoRA tensors (e.g. {bad[:3]}); export kind='merged' for those"
         )
     config = {"peft_type": "LORA", **_json_safe(weights.adapter_config)}
-    return save_hf(out_dir, WeightExport("adapter", weights.tensors, config))
+    return save_hf(out_dir, WeightExport(WeightSync.ADAPTER, weights.tensors, config))
 
 
 def _json_safe(value: Any) -> Any:
@@ -167,7 +169,7 @@ def read_export_dir(weights: WeightExport) -> WeightExport:
 
     assert weights.path is not None
     path = Path(weights.path)
-    name = MERGED_FILE if weights.kind == "merged" else "adapter_model.safetensors"
+    name = MERGED_FILE if weights.kind == WeightSync.MERGED else "adapter_model.safetensors"
     tensors = load_file(str(path / name))
     if weights.sender_keeps:  # never a view of a file the next version overwrites
         tensors = {k: v.clone() for k, v in tensors.items()}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 
 MERGED_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -55,13 +55,13 @@ def save_hf(out_dir: str | Path, weights: WeightExport, *, base_dir: str | Path 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = _saveable(weights.tensors)
-    if weights.kind == "merged":
+    if weights.kind == WeightSync.MERGED:
         if base_dir is None:
             raise ValueError("save_hf of merged weights needs base_dir (for config.json and the tokenizer)")
         _remove_weight_files(out)
         _copy_base_files(Path(base_dir), out, _float_dtype(tensors))
         _save_tensors(tensors, out / MERGED_FILE)
-    elif weights.kind == "adapter":
+    elif weights.kind == WeightSync.ADAPTER:
         if not weights.adapter_config:
             raise ValueError("an adapter WeightExport needs adapter_config (the adapter_config.json content)")
         _write_text(out / ADAPTER_CONFIG_FILE, json.dumps(weights.adapter_config, indent=2, sort_keys=True))

@@ -51,15 +51,17 @@ class HfWeights:
         lm_head is left out), adapters folded in float32 and cast to model.dtype. Unchanged tensors share
         storage with the live model: write them out before the next train_step. 'adapter': peft's
         lora_A / lora_B tensors (copies on the host) and adapter_config.json content."""
-        if kind == "merged":
-            return WeightExport("merged", self.merged_state())
-        if kind == "adapter":
+        if kind == WeightSync.MERGED:
+            return WeightExport(WeightSync.MERGED, self.merged_state())
+        if kind == WeightSync.ADAPTER:
             if self.peft is None:
                 raise RlbridgeError(
                     "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
                 )
             # host copies in one transfer per dtype, not one synchronizing copy per tensor (420 for SmolLM2)
-            return WeightExport("adapter", host_copies(self.adapter_tensors()), self.adapter_config())
+            return WeightExport(
+                WeightSync.ADAPTER, host_copies(self.adapter_tensors()), self.adapter_config()
+            )
         raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
 
     def adapter_tensors(self) -> dict[str, Tensor]:

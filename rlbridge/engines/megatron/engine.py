@@ -284,18 +284,18 @@ class MegatronTrainEngine:
                 "DoRA's magnitude vector (the merge would be wrong); use lora.type lora or the hf engine"
             )
         with compat.device_scope():
-            if kind == "merged":
+            if kind == WeightSync.MERGED:
                 tensors = export.normalize_merged_names(
                     self.bundle.export_merged(self.model), tied=self.bundle.tied
                 )
-                return WeightExport("merged", tensors)
-            if kind == "adapter":
+                return WeightExport(WeightSync.MERGED, tensors)
+            if kind == WeightSync.ADAPTER:
                 if self.bundle.export_adapter is None:
                     raise RlbridgeError(
                         "adapter export needs LoRA (lora.rank > 0); use merged weights for full fine-tuning"
                     )
                 tensors = export.peft_adapter_names(self.bundle.export_adapter(self.model))
-                return WeightExport("adapter", tensors, export.peft_adapter_config(self.recipe))
+                return WeightExport(WeightSync.ADAPTER, tensors, export.peft_adapter_config(self.recipe))
         raise ValueError(f"unknown export kind {kind!r} (expected 'merged' or 'adapter')")
 
     @property

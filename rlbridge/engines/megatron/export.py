@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_targets
+from rlbridge.weights import WeightSync
 
 PEFT_PREFIX = "base_model.model."
 
@@ -347,7 +348,7 @@ def full_checkpoint_to_hf(recipe: Recipe, tensors: dict[str, torch.Tensor]) -> d
 
             with compat.device_scope():
                 state.load_state(engine.model, engine.optimizer, tensors, {}, "the checkpoint")
-            merged = engine.export_weights("merged").tensors
+            merged = engine.export_weights(WeightSync.MERGED).tensors
         finally:
             engine.close()
     dtype = getattr(torch, recipe.model.dtype)

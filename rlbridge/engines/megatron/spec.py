@@ -57,7 +57,7 @@ def _export_full(recipe: Recipe, point: ResumePoint, log: Callable[[str], None])
     from rlbridge.export import Exported
     from rlbridge.model.cache import ensure_model
     from rlbridge.run import checkpoint as ckpt
-    from rlbridge.weights import WeightExport
+    from rlbridge.weights import WeightExport, WeightSync
 
     base_dir = ensure_model(recipe.model.path)
     loaded = ckpt.load_checkpoint(point.path)
@@ -70,7 +70,9 @@ def _export_full(recipe: Recipe, point: ResumePoint, log: Callable[[str], None])
     local = recipe.model_copy(update={"model": recipe.model.model_copy(update={"path": str(base_dir)})})
     state = full_checkpoint_to_hf(local, loaded.tensors["trainable"])
     config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-    return Exported(WeightExport("merged", state), config, base_dir)  # a tied output layer is left out
+    return Exported(
+        WeightExport(WeightSync.MERGED, state), config, base_dir
+    )  # a tied output layer is left out
 
 
 def _to_peft(recipe: Recipe, base_dir: Path, model: Any, trainable: dict[str, Tensor]) -> dict[str, Tensor]:

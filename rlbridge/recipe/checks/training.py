@@ -16,6 +16,7 @@ from rlbridge.recipe.targets import (
     unknown_targets,
 )
 from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
+from rlbridge.weights import WeightSync
 
 if TYPE_CHECKING:
     from rlbridge.plan import Memory
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 def check_lora(r: Recipe, out: Issues) -> None:
     lora, ro = r.lora, r.rollout
-    if ro.weight_sync == "adapter":
+    if ro.weight_sync == WeightSync.ADAPTER:
         if not lora.enabled:
             out.append(
                 RecipeIssue(
@@ -103,7 +104,7 @@ def check_weight_transport(r: Recipe, out: Issues) -> None:
         ("rollout.engine", not rollout_engine(r).loads_ipc, ro.engine,
          "only the vLLM rollout loads weights from IPC handles",
          f"set rollout.engine: {rollout_engines_that(lambda e: e.loads_ipc)}"),
-        ("rollout.weight_sync", ro.weight_sync != "merged", ro.weight_sync,
+        ("rollout.weight_sync", ro.weight_sync != WeightSync.MERGED, ro.weight_sync,
          "it moves merged weights (an adapter is small: files cost little)", "set rollout.weight_sync: merged"),
         ("rollout.tensor_parallel", ro.tensor_parallel != 1, str(ro.tensor_parallel),
          "one vLLM worker must hold the whole model on the trainer's GPU", "set rollout.tensor_parallel: 1"),

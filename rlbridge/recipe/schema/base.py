@@ -3,6 +3,7 @@ integers bounded) and the integer type most keys use."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -12,6 +13,20 @@ PositiveInt = Annotated[int, Field(ge=1)]
 MAX_INT = 2**31 - 1
 """The largest integer a recipe takes (any key): counts past it overflow the int32 indices and seeds of torch,
 numpy and vLLM somewhere in a run, and a number that large is a typo (`steps: 100000000000000000000000`)."""
+
+
+def enum_key(default: StrEnum, title: str) -> Any:
+    """The field of a key whose values are a `str` enum's (e.g. rollout.weight_sync): its JSON Schema lists the
+    values in place, as a `Literal` key's does, instead of a `$ref` to a definition, so that `rlbridge schema`
+    reads like every other choice and an editor shows the values on hover. `title` is the one pydantic gives
+    other keys (the name, words capitalized)."""
+    values = [member.value for member in type(default)]
+
+    def in_place(schema: dict[str, Any]) -> None:
+        schema.pop("$ref", None)
+        schema.update(enum=values, type="string")
+
+    return Field(default, title=title, json_schema_extra=in_place)
 
 
 class Section(BaseModel):

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlbridge.recipe.schema.base import PositiveInt, Section
+from rlbridge.recipe.schema.base import PositiveInt, Section, enum_key
 from rlbridge.weights import WeightSync
 
 
@@ -39,7 +39,7 @@ class RolloutCfg(Section):
     engine suppresses EOS until then): every response has exactly that length. For measuring step time and memory
     at a given response length (bench/growth.py); it changes what the policy learns from. Evaluation (greedy) still
     stops at EOS."""
-    weight_sync: WeightSync = "merged"
+    weight_sync: WeightSync = enum_key(WeightSync.MERGED, "Weight Sync")
     """How trained weights reach the rollout: merged full weights, or a LoRA adapter (needs lora.rank > 0)."""
     weight_transport: Literal["files", "cuda_ipc"] = "files"
     """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in
