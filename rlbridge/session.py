@@ -1,18 +1,14 @@
 """Everything a run holds while it trains: data, tokenizer, reward pool, Ray workers, metrics log.
 
 `Session` is a context manager: whatever was started (Ray, the vLLM engine, reward workers) is stopped on
-the way out, failure included. The loop (loop.py) only calls its verbs.
+the way out, failure included. The loop (loop.py) only calls its verbs: generate, sync the weights, release the
+rollout's memory. How the workers start and where they are placed is launch.py.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +22,18 @@ from rlbridge.cluster import logs
 from rlbridge.cluster import ray_cluster as rc
 from rlbridge.data.datasets import LazyEncoded, PromptSampler, encode_prompts, open_prompts
 from rlbridge.data.reward_pool import RewardPool
-from rlbridge.engines.registry import trainer_engine
-from rlbridge.metrics.log import MetricsLog, console
+from rlbridge.launch import StartWorkers, start_ray_workers
+from rlbridge.metrics.log import MetricsLog, log, log_plain
 from rlbridge.model.tokenizer import load_tokenizer
-from rlbridge.plan import Plan, resolved_sleep, rollout_sleeps
+from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.base import SamplingCfg
-from rlbridge.rollout.client import RayRollout, RolloutClient, Sent
-from rlbridge.rollout.group import RolloutGroup
-from rlbridge.rollout.memory import RolloutMemory
+from rlbridge.rollout.client import RolloutClient, Sent
 from rlbridge.rollout.registry import rollout_engine
 from rlbridge.run import directory as rundir
-from rlbridge.run import gpu_faults, stalls
-from rlbridge.trainer.client import RayTrainer, Trainer
-from rlbridge.trainer.group import TrainerGroup, start_trainer_group
-from rlbridge.trainer.role import TrainerRole
+from rlbridge.run import stalls
+from rlbridge.trainer.client import Trainer
 from rlbridge.weights import WeightSync
-
-
-def log(msg: str) -> None:
-    console.print(f"[dim]rlbridge[/] {msg}")
-
-
-def log_plain(text: str) -> None:
-    """`log` for text that is not markup: it may quote paths and worker log lines, whose brackets rich would
-    read as tags ("[W1201 ... utils.cpp:68]")."""
-    log(escape(text))
 
 
 class Encoded:
@@ -59,19 +41,6 @@ class Encoded:
 
     def __init__(self, prompts: list[Any], ids: list[list[int]]) -> None:
         self.prompts, self.ids = prompts, ids
-
-
-@dataclass
-class Workers:
-    """What a session trains with: the trainer and the rollout (typed clients), and the rollout's GPU memory."""
-
-    trainer: Trainer
-    rollout: RolloutClient
-    memory: RolloutMemory
-
-
-StartWorkers = Callable[["Session"], Workers]
-"""Starts a session's workers once its data, rewards and metrics are ready (default: Ray actors)."""
 
 
 class Session:
@@ -91,8 +60,9 @@ class Session:
         self._loading: tuple[Sent[None], Any] | None = None
         """A weight load sent without waiting (`sync_weights(background=True)`): its call and the export it loads,
         waited for before the next sync or generation (`wait_loaded`)."""
-        self._pg: Any = None
-        self._start_workers: StartWorkers = start_workers or Session._start_ray_workers
+        self.placement_group: Any = None
+        """The Ray placement group the workers were placed in (launch.py), removed on the way out."""
+        self._start_workers: StartWorkers = start_workers or start_ray_workers
         self.trainer: Trainer | None = None
         """The trainer's typed client: the hf engine's one worker, or the megatron ranks behind one group."""
         self.rollout: RolloutClient | None = None
@@ -108,7 +78,7 @@ class Session:
             back="the trainer-vs-rollout log-prob gap is back within run.health.max_logprob_diff_growth"
         )
         self.memory_told: set[str] = set()
-        """What the loop has said of the trainer's measured GPU peak against the plan (loop.memory_notice)."""
+        """What the loop has said of the trainer's measured GPU peak against the plan (health.memory_notice)."""
         self.stall = stalls.from_recipe(
             recipe.run.health,
             lambda msg: log(f"[yellow]warning[/] {escape(msg)}"),
@@ -125,13 +95,6 @@ class Session:
         )
         """The workers' own rlbridge warnings, from their log files to the console."""
         self._stack = ExitStack()
-        self._start_time = 0.0
-        """When the workers were asked for (time.monotonic)."""
-        self._multi_node = False
-        """The workers run on a cluster of several nodes (cluster.address or cluster.nodes > 1)."""
-        self._announced: list[rc.Worker] = []
-        """The workers whose start-up gets its own line (the hf trainer, the rollout engines; not megatron ranks)."""
-        self._rollout_workers: list[rc.Worker] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
@@ -199,7 +162,7 @@ class Session:
         for w in (self.rollout, self.trainer):
             if w is not None:
                 w.kill()
-        rc.shutdown(self._pg)
+        rc.shutdown(self.placement_group)
         from rlbridge.weights.directory import sweep_ram_dirs
 
         sweep_ram_dirs()  # the killed workers' last weight directories in /dev/shm (540 MB for SmolLM2 merged)
@@ -223,187 +186,6 @@ class Session:
                 f"{r.rollout.max_prompt_tokens} and were left out"
             )
         return Encoded(kept, ids)
-
-    def _start_ray_workers(self) -> Workers:
-        r, plan = self.recipe, self.plan
-        sleeps = rollout_sleeps(r, plan)
-        # the trainer releases torch's cached blocks after each update only for a vLLM that wakes into them:
-        # it gets rollout.sleep as the plan decided auto (it has no plan of its own)
-        trainer_recipe = r if r.rollout.sleep != "auto" else resolved_sleep(r, sleeps)
-        rc.connect(r.cluster, plan, log_plain)
-        self.driver_log.apply()  # Ray's loggers, as ray.init left them
-        bundles = [b for node in plan.bundles_per_node for b in node] + plan.rollout_bundles
-        if r.cluster.address:
-            rc.check_nodes(r.cluster)
-        self._pg = rc.reserve(
-            bundles,
-            timeout_s=r.cluster.placement_timeout_s,
-            log=log_plain,
-            fail_fast=r.cluster.address is None,
-        )
-        place = self._placement(len(bundles) - len(plan.rollout_bundles))
-        if self._multi_node:  # before any worker starts: every node sees the run directory
-            rc.check_shared_run_dir(self.run_dir, place.nodes + place.rollout_nodes, log_plain)
-        gpu = 1.0 if r.cluster.device == "cuda" else 0.0
-        share = 0.5 if r.cluster.colocate else 1.0
-        threads = os.cpu_count() or 1
-        rollout_threads = threads
-        if (
-            r.rollout.mode == "async" and r.cluster.device == "cpu"
-        ):  # both compute at once: half the cores each
-            rollout_threads = max(threads // 2, 1)
-            threads = max(threads - rollout_threads, 1)
-        log_plain(f"starting the trainer and rollout workers (their output: {self.run_dir / 'logs'})")
-        self._start_time = time.monotonic()
-        starting: list[tuple[rc.Worker, Any]] = []
-        multi_rank = trainer_engine(r).multi_rank
-        trainer: rc.Worker | TrainerGroup | None = None
-        if not multi_rank:
-            trainer = rc.start_worker(
-                TrainerRole,
-                "trainer",
-                self._pg,
-                place.slots[0],
-                num_cpus=share,
-                num_gpus=gpu * share,
-                log_file=rundir.log_file(self.run_dir, "trainer"),
-                echo=self.echo,
-                args=(trainer_recipe, str(self.model_dir)),
-                kwargs={"num_threads": threads, **self._prerecord_kwargs()},
-                node=self._node(place, 0),
-            )
-            self._announced = [trainer]
-            client = self.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
-            starting.append((trainer, trainer.send_started()))
-        rollout_client, engines = self._start_rollout(place, rollout_threads)
-        self.rollout = rollout_client  # stopped on the way out even if the start fails
-        self._rollout_workers = engines
-        self._announced += engines
-        starting += [(w, w.send_started()) for w in engines]
-        # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
-        memory = RolloutMemory(rollout_client, enabled=sleeps)
-        joins: list[Any] = []
-        if multi_rank:  # one actor per rank (bundle i); forms while the rollout loads
-            trainer, joins = start_trainer_group(
-                trainer_recipe,
-                self._pg,
-                self.model_dir,
-                num_cpus=share,
-                num_gpus=gpu * share,
-                run_dir=self.run_dir,
-                log=log_plain,
-                echo=self.echo,
-                slots=place.slots,
-                nodes=[self._node(place, i) for i in range(r.world_size)],
-            )
-            client = self.trainer = RayTrainer(trainer)
-            starting += list(zip(trainer.ranks, joins, strict=True))
-        for worker, _ in starting:  # out of GPU memory: the error names the recipe key to change
-            role = "rollout" if any(worker is w for w in engines) else "trainer"
-            worker.explain = functools.partial(gpu_faults.explain, role=role, recipe=r, plan=plan)
-        answers = rc.wait_started(
-            starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
-        )
-        if isinstance(trainer, TrainerGroup):
-            log(
-                f"trainer: {len(joins)} megatron ranks formed, model loaded ({time.monotonic() - self._start_time:.1f} s)"
-            )
-            trainer.formed(answers[-len(joins) :], log_plain)
-        return Workers(client, rollout_client, memory)
-
-    def _start_rollout(self, place: rc.Placement, threads: int) -> tuple[RolloutGroup, list[rc.Worker]]:
-        """The plan's rollout engines, each a Ray actor placed as `engine_specs` says. On CPU the engines split
-        the cores (they generate at the same time)."""
-        r, kind = self.recipe, rollout_engine(self.recipe)
-        specs = engine_specs(self.plan, place)
-        if r.cluster.device == "cpu":
-            threads = max(threads // len(specs), 1)
-        workers = [
-            rc.start_worker(
-                kind.worker(),
-                spec.name,
-                self._pg,
-                spec.bundles[0],
-                num_cpus=spec.num_cpus,
-                num_gpus=spec.num_gpus,
-                log_file=rundir.log_file(self.run_dir, spec.log),
-                echo=self.echo,
-                args=(str(self.model_dir), r.rollout, r.model),
-                kwargs={
-                    **kind.worker_kwargs(r, threads),
-                    **(spec.parallel if kind.spreads_tensor_parallel else {}),
-                },
-                node=self._engine_node(place, i),
-            )
-            for i, spec in enumerate(specs)
-        ]
-        if len(specs) > 1:
-            log_plain(f"rollout: {len(specs)} engines ({'; '.join(self.plan.engine_places())})")
-        clients: list[RolloutClient] = [RayRollout(w) for w in workers]
-        group = RolloutGroup(clients, seeds_per_group=kind.seeds_per_group, ready=rc.answered)
-        return group, workers
-
-    def _engine_node(self, place: rc.Placement, engine: int) -> rc.NodeInfo | None:
-        """Rollout engine `engine`'s node, named in its errors (clusters of several nodes only)."""
-        if not self._multi_node:
-            return None
-        if self.plan.colocate:
-            return self._node(place, self.plan.rollout_devices[engine][0])
-        return place.rollout_nodes[engine] if engine < len(place.rollout_nodes) else None
-
-    def _prerecord_kwargs(self) -> dict[str, Any]:
-        """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make
-        likely while vLLM starts (TrainerRole.prerecord)."""
-        if not self.recipe.trainer.cuda_graphs:
-            return {}
-        data = self.train_data
-        if isinstance(data, LazyEncoded):  # a sample, not every row of a large source
-            return {"prompt_lengths": [len(ids) for ids in data.first(4096)[1]]}
-        return {"prompt_lengths": [len(ids) for ids in data.ids]}
-
-    def _placement(self, num_trainer: int) -> rc.Placement:
-        """Where the trainer's devices landed, node by node; printed on a cluster of several nodes, with a warning
-        when that differs from the plan's cluster.nodes x cluster.gpus_per_node."""
-        place = rc.placement(self._pg, num_trainer)
-        c = self.recipe.cluster
-        self._multi_node = bool(c.address) or len({n.id for n in place.nodes + place.rollout_nodes}) > 1
-        if self._multi_node:
-            for line in place.describe():
-                log_plain(
-                    f"placement: {line}"
-                    + (" (and their rollout engines)" if line.startswith("node ") and c.colocate else "")
-                )
-            counts = [place.node_of_slot.count(j) for j in range(len(place.nodes))]
-            if c.address and counts != [c.gpus_per_node] * c.nodes:
-                log(
-                    "[yellow]warning[/] "
-                    + escape(
-                        f"Ray placed the trainer's devices {counts} per node, not the plan's "
-                        f"cluster.nodes {c.nodes} x gpus_per_node {c.gpus_per_node}: the nodes' "
-                        "free resources differ from the recipe's"
-                    )
-                )
-        return place
-
-    def _node(self, place: rc.Placement, device: int) -> rc.NodeInfo | None:
-        """The node of trainer device `device`, named in its worker's errors (clusters of several nodes only)."""
-        return place.nodes[place.node_of_slot[device]] if self._multi_node else None
-
-    def _started(self, worker: rc.Worker, answer: rc.Started) -> None:
-        """The start-up line of the hf trainer or a rollout engine (`Worker.send_started`'s answer): seconds since
-        the workers were asked for, of which the Ray worker process took those before its constructor ran; on a
-        cluster of several nodes, the Ray node the worker reports it runs on."""
-        if not any(worker is w for w in self._announced):
-            return  # a megatron rank: the group's line comes once all have formed
-        seconds = time.monotonic() - self._start_time
-        phases = logs.describe_phases({"ray worker": max(0.0, seconds - answer.seconds), **answer.phases})
-        rollout = any(worker is w for w in self._rollout_workers)
-        what = rollout_engine(self.recipe).started if rollout else "model loaded"
-        gpus = answer.gpus
-        where = f" on GPU {', '.join(gpus)}" if gpus and self.recipe.cluster.device == "cuda" else ""
-        if self._multi_node and answer.node:  # where Ray put it, as the worker itself reads it
-            where += f" (ray node {answer.node[:8]})"
-        log_plain(f"{worker.name}: {what}{where} ({seconds:.1f} s: {phases})")
 
     # ------------------------------------------------------------------ verbs used by the loop
     def started_trainer(self) -> Trainer:
@@ -558,57 +340,3 @@ def release_export(trainer: Trainer, *, failing: bool) -> None:
         if not failing:
             raise
         log_plain(f"warning: releasing the trainer's CUDA IPC export failed too: {e}")
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Where one rollout engine's actor goes and what it holds (`engine_specs`)."""
-
-    name: str
-    log: str
-    """Its log file's role name (logs/<log>.log)."""
-    bundles: list[int]
-    """Its placement-group bundles; the actor sits on the first."""
-    num_cpus: float
-    num_gpus: float
-    parallel: dict[str, Any]
-    """At rollout.tensor_parallel > 1, how the engine starts its workers (VllmRollout's executor, ray_bundles,
-    ray_gpus_per_worker); empty at 1."""
-
-
-def engine_specs(plan: Plan, place: rc.Placement) -> list[EngineSpec]:
-    """Each rollout engine of the plan (plan.rollout_devices) as an actor. Colocated, engine i shares its trainer
-    devices' bundles (half of each: the trainer rank holds the other half), its actor on the first; at
-    rollout.tensor_parallel t > 1 one actor cannot hold t bundles, so the actor takes no device and vLLM starts a
-    Ray worker on each bundle (rollout/vllm.py "Tensor parallelism"). Separate, engine i's actor holds the whole
-    bundle of t devices reserved for it after the trainer's, and vLLM's workers run in its processes. Engines
-    sharing a device (rollout.engines_per_device k) each hold 1/k of what one engine would."""
-    gpu = 1.0 if plan.device == "cuda" else 0.0
-    tp, num = plan.rollout_tp, len(plan.rollout_devices)
-    gpu /= plan.engines_per_device  # rollout.engines_per_device engines share a device (tensor_parallel 1)
-    out = []
-    for i, bundles in enumerate(engine_bundles(plan, place)):
-        name, log = ("rollout", "rollout") if num == 1 else (f"rollout engine {i}", f"rollout-engine{i}")
-        if plan.colocate:
-            spread = tp > 1
-            parallel = (
-                {"executor": "ray", "ray_bundles": bundles, "ray_gpus_per_worker": gpu * 0.5}
-                if spread
-                else {}
-            )
-            cpus = 0.5 / plan.engines_per_device
-            out.append(EngineSpec(name, log, bundles, cpus, 0.0 if spread else gpu * 0.5, parallel))
-        else:
-            parallel = {"executor": "mp"} if tp > 1 else {}
-            out.append(EngineSpec(name, log, bundles, tp / plan.engines_per_device, gpu * tp, parallel))
-    return out
-
-
-def engine_bundles(plan: Plan, place: rc.Placement) -> list[list[int]]:
-    """The placement-group bundles of each rollout engine (plan.rollout_devices): colocated, the bundles of its
-    trainer devices (Placement.slots, node by node); separate, its one bundle of rollout.tensor_parallel devices
-    among those reserved after the trainer's (plan.rollout_bundles)."""
-    if plan.colocate:
-        return [[place.slots[d] for d in devices] for devices in plan.rollout_devices]
-    first = sum(len(node) for node in plan.bundles_per_node)
-    return [[first + i // plan.engines_per_device] for i in range(len(plan.rollout_devices))]

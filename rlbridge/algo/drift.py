@@ -1,5 +1,5 @@
 """run.health.max_logprob_diff_growth: whether the trainer-vs-rollout log-prob gap grows as a run goes on. Pure
-Python over the metrics records (no torch): the loop asks it after every update (loop.check_drift) and `rlbridge
+Python over the metrics records (no torch): the loop asks it after every update (health.check_drift) and `rlbridge
 report` replays a run's records through it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-expert bookkeeping for mixture-of-experts models, shared by both trainer engines (pure torch).
 
-The first-step gate (trainer/role.py) proves that training reaches every tensor it should. On an MoE model a
+The first-step gate (trainer/gate.py) proves that training reaches every tensor it should. On an MoE model a
 whole-tensor check is not enough: an expert's LoRA can stay dead while the rest trains (Megatron-Bridge #5635:
 expert LoRA that "silently compute[s] the wrong numbers" or is "detached from autograd"), and an expert that no
 token was routed to legitimately gets no gradient. So each engine reports

@@ -1,15 +1,18 @@
-"""Which evaluation metrics a run has, for the console, the final summary and the report: the recipe's eval.metrics
-in their order (each a mean, printed as a number, or a pass rate, printed as a percentage), then the fixed metrics
-older runs logged (eval_accuracy, eval_format) where their records have them."""
+"""The evaluation metrics: which a run has, for the console, the final summary and the report (the recipe's
+eval.metrics in their order, each a mean, printed as a number, or a pass rate, printed as a percentage, then the
+fixed metrics older runs logged, eval_accuracy and eval_format, where their records have them), and each one's
+value from the reward pool's result (`eval_metric`: a mean, a pass rate or pass@k; `train_accuracy` of a
+training step's samples)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from rlbridge.recipe.schema import EvalCfg
+from rlbridge.recipe.schema import EvalCfg, EvalMetric, Recipe, RewardCfg
 
 
 class EvalColumn(NamedTuple):
@@ -42,3 +45,37 @@ def eval_columns(
         return cols
     known = {c.key for c in cols}
     return [c for c in [*cols, *(c for c in LEGACY if c.key not in known)] if c.key in logged]
+
+
+def train_accuracy(r: Recipe, res: Any) -> dict[str, float]:
+    """`accuracy` of a step's samples: the share passing the recipe's first pass-rate metric of eval.metrics (k 1:
+    its term and threshold); nothing when the recipe names none (no task-specific default)."""
+    rate = next((m for m in r.eval.metrics if m.threshold is not None and m.k == 1), None)
+    if rate is None:
+        return {}
+    return {"accuracy": eval_metric(rate, res, r.reward, n=1)}
+
+
+def eval_metric(m: EvalMetric, res: Any, reward: RewardCfg, *, n: int) -> float:
+    """One eval.metrics entry from a RewardResult of n completions per prompt (prompt-major): the term's mean over
+    the scored completions, the share of prompts whose completion passes the threshold, or pass@k, unbiased from n
+    samples (1 - C(n - c, k) / C(n, k) with c of them passing: Chen et al. 2021), averaged over prompts."""
+    values: list[float | None] = (
+        list(res.scores) if m.term == "reward" else list(res.terms[term_name(reward, m.term)])
+    )
+    if m.threshold is None:
+        scored = [v for v in values if v is not None]
+        return sum(scored) / len(scored) if scored else float("nan")
+    groups = [values[i : i + n] for i in range(0, len(values), n)]
+    rates = []
+    for group in groups:
+        c = sum(1 for v in group if v is not None and v >= m.threshold)
+        rates.append(1.0 - math.comb(n - c, m.k) / math.comb(n, m.k))
+    return sum(rates) / len(rates) if rates else float("nan")
+
+
+def term_name(reward: RewardCfg, term: str) -> str:
+    """The RewardResult.terms key of a term named by its fn or model:<model> (the first term of that name)."""
+    fns = [t.name for t in reward.resolved_terms()]
+    j = fns.index(term)
+    return term if fns.count(term) == 1 else f"{term}#{j}"

@@ -33,6 +33,17 @@ from rlbridge.recipe.schema import WandbCfg
 console = Console(highlight=False, stderr=True)
 
 
+def log(msg: str) -> None:
+    """A line of the driver's on the console (rich markup), prefixed `rlbridge`."""
+    console.print(f"[dim]rlbridge[/] {msg}")
+
+
+def log_plain(text: str) -> None:
+    """`log` for text that is not markup: it may quote paths and worker log lines, whose brackets rich would
+    read as tags ("[W1201 ... utils.cpp:68]")."""
+    log(escape(text))
+
+
 Watch = Callable[[str], AbstractContextManager[None]]
 """Something that watches one run of a phase: rlbridge.run.stalls.StallWatch."""
 

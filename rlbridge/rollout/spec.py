@@ -53,7 +53,7 @@ class RolloutEngineSpec:
     engines sample what one does (rollout/group.py); else it takes one seed per call."""
     spreads_tensor_parallel: bool = False
     """At rollout.tensor_parallel > 1 it starts its own workers on the engine's devices, told how by the
-    session (session.engine_specs: executor, ray_bundles, ray_gpus_per_worker)."""
+    session (launch.engine_specs: executor, ray_bundles, ray_gpus_per_worker)."""
     stand_in: bool = False
     """The smoke run (`rlbridge train --smoke`) rolls out with it in place of the recipe's engine (cheap to
     start on a CPU, the same weight-sync export)."""

@@ -23,7 +23,8 @@ import torch
 from rlbridge.batch import SeqBatch
 from rlbridge.cluster.ray_cluster import Worker
 from rlbridge.trainer.group import TrainerGroup
-from rlbridge.trainer.role import SavedCheckpoint, TrainerRole
+from rlbridge.trainer.role import TrainerRole
+from rlbridge.trainer.state import SavedCheckpoint
 from rlbridge.weights import WeightSync
 
 P = ParamSpec("P")

@@ -2,17 +2,16 @@
 
 It runs inside a Ray actor (cluster/), or in-process in tests; it holds no Ray code itself. The engine
 (hf or megatron) only knows forward/backward/step; this role decides old log-probs, splits mini-batches,
-builds the loss closure from the recipe, and checks that the first updates really train.
+builds the loss closure from the recipe, and has the first updates checked (gate.py: that they really train).
+What it saves in a checkpoint and restores from one is state.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +22,20 @@ from rlbridge.algo import correction
 from rlbridge.algo.objective import LossInputs, make_loss_fn, make_value_loss_fn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.base import (
-    CheckpointableEngine,
     DataParallelEngine,
-    ExpertEngine,
-    LimitedCheckpointEngine,
-    MoeBook,
-    PortableCheckpointEngine,
     RecordingEngine,
     TrainEngine,
     WeightExport,
 )
-from rlbridge.engines.moe import ExpertId, expert_report, sum_counts
 from rlbridge.engines.registry import build_critic, build_engine
 from rlbridge.errors import RlbridgeError
 from rlbridge.plan import num_micro_batches, num_mini_batches
 from rlbridge.recipe.schema import PpoCfg, Recipe
 from rlbridge.rollout.registry import rollout_engine
+from rlbridge.trainer import state as trainer_state
 from rlbridge.trainer.export import WeightSender
+from rlbridge.trainer.gate import FirstStepGate
+from rlbridge.trainer.state import SavedCheckpoint
 from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
@@ -62,21 +58,6 @@ def apply_cudnn_attention_env(environ: dict[str, str] | None = None) -> bool:
     if value == "0":
         torch.backends.cuda.enable_cudnn_sdp(False)
     return bool(torch.backends.cuda.cudnn_sdp_enabled())
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """What `TrainerRole.save_checkpoint` wrote (a rank that does not write: path "", 0 bytes)."""
-
-    path: str
-    bytes: int
-    seconds: float
-    notes: list[str]
-    """What retention deleted, one line each."""
-
-
-class HealthError(RlbridgeError):
-    """A health gate failed; the message says which and how to turn it off."""
 
 
 class TrainerRole:
@@ -112,14 +93,10 @@ class TrainerRole:
         self.is_holder = True
         """Whether this process returns the weight export (global rank 0 of a multi-rank trainer)."""
         self.updates = 0
-        self._signal_updates = 0
         self.sender = WeightSender(self.model_dir, getattr(torch, recipe.model.dtype))
         """Hands the weight exports to the rollout (export.py) and keeps what they need between syncs."""
-        self._start: dict[str, torch.Tensor] | None = None
-        self._frozen: dict[str, float] | None = None
-        self._gate_done = not recipe.run.health.first_step
-        self._routed: dict[ExpertId, int] = {}
-        """Tokens routed per expert in the training forwards since the gate started (MoE models)."""
+        self.gate = FirstStepGate(engine, enabled=recipe.run.health.first_step)
+        """run.health.first_step: the first updates with a learning signal really train (trainer/gate.py)."""
         if prompt_lengths:
             self.prerecord(prompt_lengths)
         device_memory_peaks()  # the first step's peak then starts from the built model, not from its load
@@ -225,13 +202,7 @@ class TrainerRole:
             old[mine] = self.engine.logprobs(batch if self.dp_size == 1 else batch.select(mine))
             old_seconds = time.perf_counter() - start
         seen = _SeenLogprobs(batch.size, batch.response_width)  # the first pass's live log-probs, per row
-        if self._start is None and not self._gate_done:
-            self._start = {k: v.detach().clone() for k, v in self.engine.trainable_state().items()}
-            self._frozen = self.engine.frozen_fingerprint()
-            moe = self._moe()
-            if moe is not None:  # collective on a multi-rank engine: every rank starts the gate together
-                moe.routed_tokens()
-                self._routed = {}
+        self.gate.begin()
         metrics: list[dict[str, float]] = []
         for epoch in range(r.trainer.ppo_epochs):
             for rows in minis:
@@ -260,7 +231,7 @@ class TrainerRole:
             out.update(
                 correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
             )
-        self._health(out, has_signal=bool(adv_bt.abs().sum() > 0))
+        self.gate.check(out, has_signal=bool(adv_bt.abs().sum() > 0))
         out.update(device_memory_peaks())
         resident = (
             rollout_engine(r).reserves_memory and r.rollout.sleep == "never"
@@ -327,223 +298,20 @@ class TrainerRole:
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_support(self) -> str | None:
-        """None when this trainer can save and restore checkpoints, else why not."""
-        if isinstance(self.engine, PortableCheckpointEngine):
-            return (
-                self.engine.checkpoint_problem() if isinstance(self.engine, LimitedCheckpointEngine) else None
-            )
-        if not isinstance(self.engine, CheckpointableEngine):
-            return (
-                f"trainer.engine={self.recipe.trainer.engine} cannot checkpoint yet (its engine has no "
-                "optimizer_state, load_optimizer_state)"
-            )
-        if _world_size() > 1:
-            return "checkpoints of a multi-rank trainer need a layout-free engine state (checkpoint_state)"
-        return None
-
-    def _checkpointable(self) -> CheckpointableEngine:
-        problem = self.checkpoint_support()
-        if problem:
-            raise RlbridgeError(problem)
-        assert isinstance(self.engine, CheckpointableEngine)
-        return self.engine
-
-    def _engine_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        """The tensor groups and the trainer's part of state.json (collective for a multi-rank engine)."""
-        from rlbridge.run import rng
-
-        mine: dict[str, Any] = {
-            "engine": self.recipe.trainer.engine,
-            "updates": self.updates,
-            "gate_done": self._gate_done,
-            "signal_updates": self._signal_updates,
-        }
-        if isinstance(self.engine, PortableCheckpointEngine):  # full tensors on global rank 0, any layout
-            problem = self.checkpoint_support()
-            if problem:
-                raise RlbridgeError(problem)
-            groups, mine["optimizer"] = self.engine.checkpoint_state()
-            mine["layout_free"] = True
-            if self.critic is not None:
-                assert isinstance(self.critic, PortableCheckpointEngine)
-                critic, mine["critic_optimizer"] = self.critic.checkpoint_state()
-                if critic:
-                    groups.update(critic=critic["trainable"], critic_optimizer=critic["optimizer"])
-            mine["rng_ranks"] = _gather_rng(rng.rng_state())
-            mine["rng"] = mine["rng_ranks"][0] if mine["rng_ranks"] else rng.rng_state()
-            return groups, mine
-        engine = self._checkpointable()
-        optim_tensors, mine["optimizer"] = engine.optimizer_state()
-        mine["rng"] = rng.rng_state()
-        groups = {"trainable": self.engine.trainable_state(), "optimizer": optim_tensors}
-        if self.critic is not None:  # PPO: the critic's adapter (or weights) + value head, and its AdamW
-            critic_optim, mine["critic_optimizer"] = self.critic.optimizer_state()
-            groups.update(critic=self.critic.trainable_state(), critic_optimizer=critic_optim)
-        return groups, mine
+        """None when this trainer can save and restore checkpoints, else why not (trainer/state.py)."""
+        return trainer_state.checkpoint_support(self)
 
     def save_checkpoint(
         self, run_dir: str, step: int, state: dict[str, Any], recipe_yaml: str, keep: int
     ) -> SavedCheckpoint:
-        """Write checkpoint `step` from this process (the tensors never travel through the driver): the
-        trainable tensors (adapters only under LoRA), optimizer and scheduler state, the RNG states and the
-        gate state, next to the driver's `state` (data position, driver RNG, weight version). Atomic (see
-        rlbridge/run/checkpoint.py). A multi-rank trainer gathers full, layout-free tensors to global rank 0,
-        which alone writes."""
-        from rlbridge.run import checkpoint as ckpt
-
-        start = time.perf_counter()
-        groups, mine = self._engine_state()
-        if not self.is_holder:
-            return SavedCheckpoint("", 0, time.perf_counter() - start, [])
-        notes: list[str] = []
-        path = ckpt.save_checkpoint(
-            Path(run_dir),
-            step,
-            tensors=groups,
-            state={**state, "trainer": mine},
-            recipe_yaml=recipe_yaml,
-            keep=keep,
-            log_fn=notes.append,
-        )
-        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        return SavedCheckpoint(str(path), size, time.perf_counter() - start, notes)
+        """Write checkpoint `step` from this process (the tensors never travel through the driver), next to the
+        driver's `state`: trainer/state.save."""
+        return trainer_state.save(self, run_dir, step, state, recipe_yaml, keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore the trainable tensors, optimizer + scheduler, RNG and gate state of checkpoint `path`
-        (verified first; every rank of a multi-rank trainer reads it); returns its state.json content for
-        the driver to restore the rest. A checkpoint of another recipe (another model, LoRA rank, algorithm,
-        ...: any key resume_policy does not let change) is refused naming the keys, before any tensor loads."""
-        from rlbridge.run import checkpoint as ckpt
-        from rlbridge.run import rng
-        from rlbridge.run.directory import resolved_yaml
-        from rlbridge.run.resume_policy import check_resume_compatible
-
-        problem = self.checkpoint_support()
-        if problem:
-            raise RlbridgeError(problem)
-        loaded = ckpt.load_checkpoint(Path(path))
-        mine = loaded.state.get("trainer") or {}
-        if mine.get("engine") != self.recipe.trainer.engine:
-            raise RlbridgeError(
-                f"checkpoint {path} was written by the {mine.get('engine')} engine, this run uses "
-                f"trainer.engine={self.recipe.trainer.engine}"
-            )
-        layout_free = mine.get("layout_free") is True
-        refused = check_resume_compatible(
-            loaded.recipe_yaml, resolved_yaml(self.recipe), layout_free=layout_free
-        )
-        if refused:
-            raise RlbridgeError(f"checkpoint {path} is not of this run's recipe: " + "; ".join(refused))
-        if "trainable" not in loaded.tensors:
-            raise RlbridgeError(f"checkpoint {path} holds no trainable.safetensors")
-        if self.critic is not None and ("critic" not in loaded.tensors or "critic_optimizer" not in mine):
-            raise RlbridgeError(
-                f"checkpoint {path} holds no critic (critic.safetensors), which algorithm.name=ppo needs"
-            )
-        policy = {"trainable": loaded.tensors["trainable"], "optimizer": loaded.tensors.get("optimizer", {})}
-        if isinstance(self.engine, PortableCheckpointEngine):
-            self.engine.load_checkpoint_state(policy, mine["optimizer"])
-            if self.critic is not None:
-                assert isinstance(self.critic, PortableCheckpointEngine)
-                self.critic.load_checkpoint_state(
-                    {
-                        "trainable": loaded.tensors["critic"],
-                        "optimizer": loaded.tensors.get("critic_optimizer", {}),
-                    },
-                    mine["critic_optimizer"],
-                )
-            ranks = mine.get("rng_ranks") or [mine["rng"]]
-            rank = torch.distributed.get_rank() if _world_size() > 1 else 0
-            rng.set_rng_state(ranks[rank] if len(ranks) == _world_size() else ranks[0])
-        else:
-            engine = self._checkpointable()
-            engine.load_trainable_state(policy["trainable"])
-            engine.load_optimizer_state(policy["optimizer"], mine["optimizer"])
-            if self.critic is not None:
-                self.critic.load_trainable_state(loaded.tensors["critic"])
-                self.critic.load_optimizer_state(
-                    loaded.tensors.get("critic_optimizer", {}), mine["critic_optimizer"]
-                )
-            rng.set_rng_state(mine["rng"])
-        self.updates = int(mine.get("updates", 0))
-        self._gate_done = bool(mine.get("gate_done", self._gate_done))
-        self._signal_updates = int(mine.get("signal_updates", 0))
-        self._start = self._frozen = None
-        return loaded.state
-
-    # ---------------------------------------------------------------- health gates
-    def _health(self, m: dict[str, Any], *, has_signal: bool) -> None:
-        if self._gate_done or self._start is None or not has_signal or m.get("skipped"):
-            return
-        self._signal_updates += 1
-        gn = m.get("grad_norm", float("nan"))
-        if not math.isfinite(gn) or gn <= 0:
-            raise HealthError(
-                f"first update: grad_norm is {gn} (expected finite and > 0): nothing is training. "
-                "Check LoRA targets and recompute settings; turn the gate off with run.health.first_step: false"
-            )
-        now = self.engine.trainable_state()
-        frozen = self.engine.frozen_fingerprint()
-        moved_frozen = [k for k, v in frozen.items() if self._frozen is not None and v != self._frozen.get(k)]
-        if moved_frozen:
-            raise HealthError(
-                f"frozen tensors changed during the update: {', '.join(moved_frozen[:5])}"
-                f"{' ...' if len(moved_frozen) > 5 else ''} (run.health.first_step: false turns this check off)"
-            )
-        unchanged = [k for k, v in now.items() if torch.equal(v, self._start[k])]
-        unchanged = self._check_experts(now, unchanged)
-        # LoRA's B starts at zero, so A gets no gradient on the first update with a signal: allow two.
-        if unchanged and self._signal_updates >= 2:
-            raise HealthError(
-                f"{len(unchanged)} of {len(now)} trainable tensors did not change after {self._signal_updates} "
-                "updates with a learning signal: "
-                f"{', '.join(unchanged[:5])}{' ...' if len(unchanged) > 5 else ''} "
-                "(run.health.first_step: false turns this check off)"
-            )
-        if not unchanged:
-            self._gate_done = True
-            self._start = None
-
-    def _moe(self) -> MoeBook | None:
-        return self.engine.moe if isinstance(self.engine, ExpertEngine) else None
-
-    def _check_experts(self, now: dict[str, torch.Tensor], unchanged: list[str]) -> list[str]:
-        """On an MoE model: every expert the router sent tokens to must have trained (each of its adapter tensors,
-        or parts of packed ones, changed); a dead one stops the run by name. Tensors of experts that received no
-        tokens cannot change and are left out of `unchanged` (returned)."""
-        moe = self._moe()
-        if moe is None or self._start is None:
-            return unchanged
-        self._routed = sum_counts([self._routed, moe.routed_tokens()])
-        report = expert_report(moe.expert_views(self._start), moe.expert_views(now), self._routed)
-        if report.dead and self._signal_updates >= 2:
-            raise HealthError(
-                f"{len(report.dead)} experts received tokens but their adapters did not change after "
-                f"{self._signal_updates} updates with a learning signal: {report.describe(report.dead)} "
-                "(expert LoRA detached from autograd?). run.health.first_step: false turns this check off"
-            )
-        idle = set(report.unrouted)
-
-        def only_idle(name: str) -> bool:
-            keys = set(moe.expert_views({name: now[name]}))
-            return bool(keys) and keys <= idle
-
-        return [k for k in unchanged if not only_idle(k)]
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _gather_rng(mine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's RNG state, in global rank order, on global rank 0 ([] elsewhere; [mine] alone)."""
-    if _world_size() == 1:
-        return [mine]
-    dist = torch.distributed
-    out: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, out if dist.get_rank() == 0 else None, dst=0)
-    return out
+        """Restore this trainer from checkpoint `path` (verified first, refused if of another recipe); returns its
+        state.json content for the driver to restore the rest: trainer/state.load."""
+        return trainer_state.load(self, path)
 
 
 class _SeenLogprobs:

@@ -171,7 +171,7 @@ def test_train_two_steps(engine: str, sync: str, cli_runs: dict[tuple[str, str],
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
     assert all(isinstance(g, float) and math.isfinite(g) and g < P.cli_gap_bound for g in gaps), gaps
-    if not DRY_RUN:  # the trainer's measured GPU peak (loop.memory_notice), on CUDA only
+    if not DRY_RUN:  # the trainer's measured GPU peak (health.memory_notice), on CUDA only
         assert all(r.get("trainer_gpu_gib_max", 0) > 0 for r in records), records
         assert "trainer GPU memory: peak" in " ".join(run.tail(10**7).split()), run.tail()
         # colocated: vLLM sleeps in the update and wakes in the sync, each timed (issue 16 goal 3: <= 2 % of a step)

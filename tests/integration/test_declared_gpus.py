@@ -2,7 +2,7 @@
 
 Ray hands out declared GPUs like real ones: it assigns ids and sets CUDA_VISIBLE_DEVICES in each actor, which is
 what puts vLLM and the trainer on their devices on a real machine. The session's own placement code
-(ray_cluster.reserve / placement / start_worker, session.engine_specs, the plan's bundles) places probe actors,
+(ray_cluster.reserve / placement / start_worker, launch.engine_specs, the plan's bundles) places probe actors,
 one per trainer rank and one per rollout engine, for several layouts, and what Ray reports (GPU ids, bundle,
 node) is compared with the plan's placement (plan.rollout_devices, `rlbridge plan`'s "rollout engines" line):
 
@@ -32,10 +32,10 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from rlbridge.cluster import ray_cluster as rc
+from rlbridge.launch import engine_specs
 from rlbridge.model.info import read_model_info
 from rlbridge.plan import Plan, make_plan
 from rlbridge.recipe.load import load_recipe
-from rlbridge.session import engine_specs
 
 pytestmark = [pytest.mark.integration]
 

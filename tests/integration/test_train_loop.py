@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CONSOLE_PREFIXES = (
-    # stderr: rlbridge.session.log / signals ("rlbridge ..."), the metrics console sink (train, eval and
+    # stderr: rlbridge.metrics.log.log / signals ("rlbridge ..."), the metrics console sink (train, eval and
     # checkpoint lines, a logger's warning)
     "rlbridge ",
     "step ",

@@ -29,7 +29,7 @@ from rlbridge.checkpointer import Checkpointer
 from rlbridge.errors import RlbridgeError
 from rlbridge.run import checkpoint as ckpt
 from rlbridge.run.signals import StopSignals
-from rlbridge.trainer.role import SavedCheckpoint
+from rlbridge.trainer.state import SavedCheckpoint
 
 SIZE = "4m"
 

@@ -396,7 +396,7 @@ def test_health_problems_name_the_key() -> None:
 
 def test_loop_warns_by_default_and_stops_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     from rlbridge.errors import RlbridgeError
-    from rlbridge.loop import check_mismatch
+    from rlbridge.health import check_mismatch
     from rlbridge.recipe.schema import Recipe
 
     def recipe(**health: Any) -> Recipe:
@@ -493,7 +493,7 @@ def test_a_lasting_gap_is_warned_once_then_every_tenth_step_and_its_end_told(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from rlbridge.algo.correction import MismatchNotices
-    from rlbridge.loop import check_mismatch
+    from rlbridge.health import check_mismatch
     from rlbridge.recipe.schema import Recipe
 
     r = Recipe.model_validate(

@@ -1,4 +1,4 @@
-"""DAPO's collect step in the loop (rlbridge.loop.collect) on a scripted session: the soft overlong penalty
+"""DAPO's collect step in the loop (rlbridge.collect.collect) on a scripted session: the soft overlong penalty
 is added to the rewards, all-equal groups are dropped and the batch is refilled from further prompts (at most
 max_refill_rounds extra rounds), and a batch still short is trained as it is, with the metrics saying so."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlbridge.batch import Rollouts
-from rlbridge.loop import collect
+from rlbridge.collect import collect
 from rlbridge.metrics.log import Timer
 from rlbridge.pipeline import RolloutSource
 from rlbridge.recipe.schema import Recipe

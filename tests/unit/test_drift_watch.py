@@ -1,4 +1,4 @@
-"""run.health.max_logprob_diff_growth (algo/correction.DriftWatch, loop.check_drift): a trainer-vs-rollout log-prob
+"""run.health.max_logprob_diff_growth (algo/correction.DriftWatch, health.check_drift): a trainer-vs-rollout log-prob
 gap that grows as the weights move is reported; one that stays put (bf16 noise) or shrinks is not. Judged on the
 records of real H200 runs committed under bench/results/ and on hand-made series."""
 
@@ -14,7 +14,7 @@ import pytest
 from rlbridge.algo.correction import MismatchNotices
 from rlbridge.algo.drift import DRIFT_FLOOR, DriftWatch
 from rlbridge.errors import RlbridgeError
-from rlbridge.loop import check_drift
+from rlbridge.health import check_drift
 from rlbridge.recipe.schema import Recipe
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -155,7 +155,7 @@ def test_the_key_is_validated() -> None:
 
 def test_bypass_with_several_optimizer_steps_is_not_watched() -> None:
     """There the later mini-batches' log-probs were computed after this step's first optimizer steps."""
-    from rlbridge.loop import agreement_gap
+    from rlbridge.health import agreement_gap
 
     m = {"logprob_diff_mean": 0.03}
     plain = recipe()

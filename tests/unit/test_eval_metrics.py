@@ -17,8 +17,8 @@ import yaml
 from rlbridge.batch import Rollouts
 from rlbridge.data.datasets import Prompt
 from rlbridge.data.reward_pool import RewardPool, RewardResult
-from rlbridge.loop import eval_metric, evaluate
-from rlbridge.metrics.evals import eval_columns
+from rlbridge.loop import evaluate
+from rlbridge.metrics.evals import eval_columns, eval_metric
 from rlbridge.metrics.log import _eval_line
 from rlbridge.recipe import load_recipe
 from rlbridge.recipe.checks import run_checks
@@ -154,7 +154,7 @@ def test_evaluate_writes_what_the_recipe_names(tmp_path: Path) -> None:
 
 
 def test_train_accuracy_is_the_first_pass_rate_the_recipe_names(tmp_path: Path) -> None:
-    from rlbridge.loop import train_accuracy
+    from rlbridge.metrics.evals import train_accuracy
 
     raw = yaml.safe_load(Path("recipes/quickstart.yaml").read_text())
     path = tmp_path / "r.yaml"

@@ -240,12 +240,12 @@ def test_first_step_gate_passes_per_expert(moe_dir: Path) -> None:
     b, adv = role_batch()
     for _ in range(2):
         t.update(b, adv, t.logprobs(b), None)
-    assert t._gate_done
-    assert len(t._routed) == LAYERS * EXPERTS and all(v > 0 for v in t._routed.values())
+    assert t.gate.done
+    assert len(t.gate.routed) == LAYERS * EXPERTS and all(v > 0 for v in t.gate.routed.values())
 
 
 def test_first_step_gate_names_a_dead_expert(moe_dir: Path) -> None:
-    from rlbridge.trainer.role import HealthError
+    from rlbridge.trainer.gate import HealthError
 
     t = moe_role(moe_dir)
     name, param = next(

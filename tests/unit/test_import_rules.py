@@ -6,7 +6,7 @@
   sanctioned way to defer a heavy or late dependency and are left out);
 - the layers of the data flow (LAYERS): what rollout/ and algo/ share with the trainer engines lives in neutral
   packages (weights/, model/, batch.py), not in engines/; weights/ sits below both sides; the run directory does
-  not know the plan; data/ does not reach into run/.
+  not know the plan; data/ does not reach into run/; the driver's health checks do not reach the workers.
 """
 
 from __future__ import annotations
@@ -106,6 +106,11 @@ LAYERS = (  # (files under rlbridge/, packages or modules they must not import a
     ("weights/", ("rlbridge.engines", "rlbridge.rollout"), "weights/ is what both sides import"),
     ("run/directory.py", ("rlbridge.plan",), "the run directory takes the plan as JSON data"),
     ("data/", ("rlbridge.run",), "fault points are rlbridge/faults.py"),
+    (
+        "health.py",
+        ("rlbridge.session", "rlbridge.cluster", "rlbridge.trainer", "rlbridge.rollout"),
+        "the checks after an update read its metrics, the recipe and the plan, never the workers",
+    ),
 )
 
 

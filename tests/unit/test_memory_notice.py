@@ -1,4 +1,4 @@
-"""The trainer's measured GPU peak against the plan's estimate (loop.memory_notice): one line after the first
+"""The trainer's measured GPU peak against the plan's estimate (health.memory_notice): one line after the first
 step, one warning the first time a step's peak exceeds the estimate by more than 15 %, nothing off CUDA."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rlbridge.loop import memory_notice
+from rlbridge.health import memory_notice
 from rlbridge.model.info import read_model_info
 from rlbridge.plan import make_plan
 from rlbridge.recipe import load_recipe

@@ -1,4 +1,4 @@
-"""The plan's rollout engines (plan.rollout_devices) and how the session places them (session.engine_specs), for
+"""The plan's rollout engines (plan.rollout_devices) and how the session places them (launch.engine_specs), for
 the shipped multi-GPU recipes and the CPU quickstart with engines of its own; pure (no Ray: a Placement is built
 by hand, as ray_cluster.placement reads it back)."""
 
@@ -8,11 +8,11 @@ import pytest
 
 from rlbridge.cluster.ray_cluster import NodeInfo, Placement
 from rlbridge.errors import RecipeError
+from rlbridge.launch import engine_specs
 from rlbridge.model.info import read_model_info
 from rlbridge.plan import Plan, make_plan
 from rlbridge.recipe import validate_recipe
 from rlbridge.recipe.load import load_recipe
-from rlbridge.session import engine_specs
 
 
 def plan_of(recipe: str, *sets: str) -> Plan:

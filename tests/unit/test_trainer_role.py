@@ -9,7 +9,8 @@ import torch
 
 from rlbridge.batch import SeqBatch
 from rlbridge.recipe.schema import Recipe
-from rlbridge.trainer.role import HealthError, TrainerRole
+from rlbridge.trainer.gate import HealthError
+from rlbridge.trainer.role import TrainerRole
 from tests.fixtures.tiny_llama import build_tiny_llama
 
 
@@ -52,7 +53,7 @@ def test_gates_pass_on_a_healthy_run(model_dir: Path) -> None:
         assert (
             m["grad_norm"] > 0 and m["logprob_diff_max"] < 1e-5
         )  # on-policy: trainer == the given log-probs
-    assert t._gate_done
+    assert t.gate.done
 
 
 def test_no_signal_defers_the_gate(model_dir: Path) -> None:
@@ -61,9 +62,9 @@ def test_no_signal_defers_the_gate(model_dir: Path) -> None:
     b, adv, lp = batch()
     for a in (adv * 0, adv * 0, adv):
         t.update(b, a, lp, None)
-        assert not t._gate_done
+        assert not t.gate.done
     t.update(b, adv, lp, None)
-    assert t._gate_done
+    assert t.gate.done
 
 
 def test_zero_gradients_stop_the_run(model_dir: Path) -> None:

@@ -18,7 +18,7 @@ ACC = "tests.fixtures.trl_accuracy_reward:accuracy_reward"
 
 
 def _batch(prompts: list[Prompt], completions: list[str], n: int = 1) -> dict[str, Any]:
-    """What loop.reward_batch builds: every prompt n times, the raw rows, the prompt column left out."""
+    """What collect.reward_batch builds: every prompt n times, the raw rows, the prompt column left out."""
     return batch_kwargs(
         [p.messages if p.messages is not None else p.text for p in prompts for _ in range(n)],
         completions,

@@ -365,7 +365,7 @@ def test_stall_watch_warns_about_a_phase_far_slower_than_before() -> None:
 def test_worker_log_lines_print_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
     """A heartbeat or warning quotes a worker's log line: its brackets are not rich markup (a torch line
     starts "[W1201 ... utils.cpp:68]", which rich would swallow as a style; "[/x]" would raise)."""
-    from rlbridge.session import log_plain
+    from rlbridge.metrics.log import log_plain
 
     line = "rollout: its log: [W1201 15:02:26.689 utils.cpp:68] Warning [/x]"  # short: no wrap
     log_plain(line)
