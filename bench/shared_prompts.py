@@ -7,7 +7,7 @@ Prompt lengths uniform in [--prompt-min, --prompt-max], response lengths uniform
 (token-mean, random advantages, on-policy) under LoRA (`--lora-rank`, 0 = full fine-tuning) on a random-weight
 model of bench/trainer_gpu.py's shapes. tokens/s counts the real prompt + response tokens of every row (what
 the plain passes train on); `positions` counts the positions the passes compute (padding included). Both
-layouts give the same log-probs and gradients (tests/unit/test_shared_prompts.py), so only time differs.
+layouts give the same log-probs and gradients (tests/unit/engines/test_shared_prompts.py), so only time differs.
 
     python bench/shared_prompts.py [--model smollm2-135m] [--device cpu|cuda] [--prompts 8] [--n 4]
         [--prompt-min 40] [--prompt-max 56] [--response-min 8] [--response-max 48] [--micro 4]

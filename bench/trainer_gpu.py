@@ -42,7 +42,7 @@ S = prompt + response:
                                                            inputs, 2*r*H*T each, < 0.01 % at 7B: counted)
 
 torch's FlopCounterMode on a real forward + backward agrees with this count exactly, less the causal half of
-attention that an unfused kernel computes anyway (tests/unit/test_model_flops.py).
+attention that an unfused kernel computes anyway (tests/unit/bench/test_model_flops.py).
 
 MFU = model FLOPs / step time / measured peak. Not counted: megatron's output layer on the prompt positions
 (work the loss does not need), elementwise work (norms, RoPE, SwiGLU, softmax, log-softmax, optimizer).

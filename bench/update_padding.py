@@ -11,7 +11,7 @@ the CPU run uses fewer to finish in minutes). tokens/s counts the real prompt + 
 (what both layouts train on); `slots` counts the token positions the forward passes compute, padding
 included; `head_positions` those the output layer runs on (rows x (response width + 1)), which dominate
 with few layers and a large vocabulary (the CPU run). The two layouts give the same gradient
-(tests/unit/test_padding_free.py), so only time differs.
+(tests/unit/engines/test_padding_free.py), so only time differs.
 
     python bench/update_padding.py [--model smollm2-135m] [--layers 30] [--device cpu|cuda]
         [--dtype float32|bfloat16] [--batch 16] [--micro 4] [--lora-rank 16] [--warmup 1] [--steps 3]

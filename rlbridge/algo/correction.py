@@ -19,7 +19,7 @@ with the mini-batch's normalization unchanged. The factor multiplies the PPO-cli
 sampled), for every policy loss in losses.py; KL and entropy terms and PPO's critic are not weighted.
 
 Everything is computed in float64 from detached inputs. The module has no recipe logic beyond reading its
-section, so every function is tested against hand-written float64 loops (tests/unit/test_correction.py).
+section, so every function is tested against hand-written float64 loops (tests/unit/algo/test_correction.py).
 """
 
 from __future__ import annotations

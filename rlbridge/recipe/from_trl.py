@@ -4,7 +4,7 @@ Each row names a `GRPOConfig` field (TRL 1.16, with the `TrainingArguments` fiel
 default there, the recipe keys it becomes and how its value is carried over. `recipe_overrides` applies every
 row to a script's settings and returns dotted recipe keys (what `--set` takes); `render_table` prints the
 table the page shows, so the page, the conversion and the test that checks TRL's real defaults
-(tests/unit/test_from_trl.py) read the same rows. Nothing here imports TRL.
+(tests/unit/recipe/test_from_trl.py) read the same rows. Nothing here imports TRL.
 """
 
 from __future__ import annotations

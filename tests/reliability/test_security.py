@@ -8,9 +8,9 @@
 - The Ray dashboard is off: every `ray.init(...)` in rlbridge/ passes `include_dashboard=False`.
 
 Elsewhere (referenced in docs/reliability.md): a `!!python/object` recipe is refused and never executed
-(tests/unit/test_recipe_load.py::test_python_tag_is_refused_not_executed); paths that would escape a root
-are refused (tests/unit/test_checkpoint.py::test_safe_join_refuses_escapes, used by export and by manifest
-verification); a planted WANDB_API_KEY never reaches the run directory or logs (tests/unit/test_loggers.py).
+(tests/unit/recipe/test_recipe_load.py::test_python_tag_is_refused_not_executed); paths that would escape a root
+are refused (tests/unit/run/test_checkpoint.py::test_safe_join_refuses_escapes, used by export and by manifest
+verification); a planted WANDB_API_KEY never reaches the run directory or logs (tests/unit/metrics/test_loggers.py).
 
 Reproduce: `.venv/bin/python -m pytest tests/reliability/test_security.py -v`
 """

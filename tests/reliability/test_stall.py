@@ -11,7 +11,7 @@ The hang (parametrized; the default suite runs "update", the harder path):
   evaluation samples, then 4 per step: the 3rd sample of step 3); it creates a flag file first, so the resumed
   run does not hang again. One reward worker, reward.timeout_s 600 (the pool's own timeout must not end the
   hang first). Run it with RLBRIDGE_TEST_STALL_ALL=1 (it passed on 2026-12-01, 102 s; the same hang in a real
-  reward worker is in tests/unit/test_stalls.py).
+  reward worker is in tests/unit/run/test_stalls.py).
 
 stall_factor 2, stall_floor_s 3, stall_stop_s 8.
 """

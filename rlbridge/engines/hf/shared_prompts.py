@@ -8,7 +8,7 @@ forward, its backward and every log-prob pass). Here a pass over rows that share
    a differentiable index, so each prompt's gradient is the sum over its responses' passes, as in the plain
    forward) and to its own earlier tokens, at the positions and with the padding mask of the plain forward.
 Every response token sees the same inputs as in one forward over [prompt, response], so log-probs, losses and
-gradients are equal up to float summation order (tests/unit/test_shared_prompts.py: float32 and float64).
+gradients are equal up to float summation order (tests/unit/engines/test_shared_prompts.py: float32 and float64).
 
 The positions computed per pass drop from rows x (P + R) to prompts x P + rows x R. What is not shared: the
 attention of each response token over its prompt's keys (as before), and a second set of kernel launches.

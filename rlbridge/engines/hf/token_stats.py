@@ -9,7 +9,7 @@ rows while it is in cache (each step a handful of vector ops on it) and writes t
 With a large vocabulary on a CPU those vocabulary-wide passes are a large share of the update
 (docs/defaults.md#vllm-on-the-cpu).
 
-Exact up to float32 rounding order (tests/unit/test_token_stats.py compares values and gradients with
+Exact up to float32 rounding order (tests/unit/engines/test_token_stats.py compares values and gradients with
 autograd's float64 result). Entropy's gradient is computed only where the loss uses it (entropy_coef > 0).
 
 `response_logits` runs the model for those logits (the output layer on the response positions only);
