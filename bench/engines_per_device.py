@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--share", type=float, default=0.3, help="rollout.gpu_memory_utilization of each engine")
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--only", type=int, choices=(1, 2), help="run only this engine count (no comparison)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     base = [
@@ -86,7 +87,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for rnd in range(a.rounds):
         dirs: dict[int, Path] = {}
-        for k in (1, 2) if rnd % 2 == 0 else (2, 1):
+        for k in [a.only] if a.only else (1, 2) if rnd % 2 == 0 else (2, 1):
             run_dir = a.out / f"r{rnd}-engines{k}"
             sets = [*base, f"rollout.engines_per_device={k}"]
             with DevicePeak() as device:
@@ -111,6 +112,8 @@ def main() -> None:
                 f"trainer {row.get('plan_trainer_gib')} peak {row.get('plan_peak_gib')} GiB",
                 flush=True,
             )
+        if a.only:
+            continue
         steps = [r["step"] for r in records(dirs[1])]
         fractions = same_fraction(dirs[1], dirs[2], steps)
         runs[-1]["same_as_one_engine"] = runs[-2]["same_as_one_engine"] = fractions
@@ -120,7 +123,7 @@ def main() -> None:
     ratios = {
         key: statistics.median(r[key] for r in one) / statistics.median(r[key] for r in two)
         for key in ("time_step", "time_generate")
-        if all(r[key] for r in runs)
+        if one and two and all(r[key] for r in runs)
     }
     print(f"1 engine / 2 engines (median over rounds; > 1: two are faster): {ratios}", flush=True)
     result = {

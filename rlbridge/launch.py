@@ -123,11 +123,9 @@ class RayLaunch:
             self.announced = [trainer]
             client = s.trainer = RayTrainer(trainer)  # stopped on the way out even if the start fails
             starting.append((trainer, trainer.send_started()))
-        rollout_client, engines = self._start_rollout(place, rollout_threads)
+        rollout_client, engines, last_wave = self._start_rollout(place, rollout_threads)
         s.rollout = rollout_client  # stopped on the way out even if the start fails
-        self.rollout_workers = engines
-        self.announced += engines
-        starting += [(w, w.send_started()) for w in engines]
+        starting += last_wave
         # colocated GPUs in sync mode, unless rollout.sleep lets vLLM stay resident; async: always resident
         memory = RolloutMemory(rollout_client, enabled=sleeps)
         joins: list[Any] = []
@@ -159,38 +157,62 @@ class RayLaunch:
             trainer.formed(answers[-len(joins) :], log_plain)
         return Workers(client, rollout_client, memory)
 
-    def _start_rollout(self, place: rc.Placement, threads: int) -> tuple[RolloutGroup, list[rc.Worker]]:
-        """The plan's rollout engines, each a Ray actor placed as `engine_specs` says. On CPU the engines split
-        the cores (they generate at the same time)."""
+    def _start_rollout(
+        self, place: rc.Placement, threads: int
+    ) -> tuple[RolloutGroup, list[rc.Worker], list[tuple[rc.Worker, Any]]]:
+        """The plan's rollout engines, each a Ray actor placed as `engine_specs` says, and the start-up calls of
+        those not yet waited for. On CPU the engines split the cores (they generate at the same time). Engines
+        sharing a device (rollout.engines_per_device k > 1) start in k waves, one engine per device each, every wave
+        after the previous one has started: vLLM sizes its KV cache by profiling the device's memory, and counts
+        what another engine allocates on the same device meanwhile as its own use (then it finds no memory
+        left for the cache)."""
         s = self.s
         r, kind = s.recipe, rollout_engine(s.recipe)
         specs = engine_specs(s.plan, place)
         if r.cluster.device == "cpu":
             threads = max(threads // len(specs), 1)
-        workers = [
-            rc.start_worker(
-                kind.worker(),
-                spec.name,
-                s.placement_group,
-                spec.bundles[0],
-                num_cpus=spec.num_cpus,
-                num_gpus=spec.num_gpus,
-                log_file=rundir.log_file(s.run_dir, spec.log),
-                echo=s.echo,
-                args=(str(s.model_dir), r.rollout, r.model),
-                kwargs={
-                    **kind.worker_kwargs(r, threads),
-                    **(spec.parallel if kind.spreads_tensor_parallel else {}),
-                },
-                node=self._engine_node(place, i),
-            )
-            for i, spec in enumerate(specs)
-        ]
+        waves = s.plan.engines_per_device
+        placed: dict[int, rc.Worker] = {}
+        starting: list[tuple[rc.Worker, Any]] = []
+        for wave in range(waves):
+            if starting:
+                rc.wait_started(
+                    starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
+                )
+            wave_workers = {
+                i: rc.start_worker(
+                    kind.worker(),
+                    spec.name,
+                    s.placement_group,
+                    spec.bundles[0],
+                    num_cpus=spec.num_cpus,
+                    num_gpus=spec.num_gpus,
+                    log_file=rundir.log_file(s.run_dir, spec.log),
+                    echo=s.echo,
+                    args=(str(s.model_dir), r.rollout, r.model),
+                    kwargs={
+                        **kind.worker_kwargs(r, threads),
+                        **(spec.parallel if kind.spreads_tensor_parallel else {}),
+                    },
+                    node=self._engine_node(place, i),
+                )
+                for i, spec in enumerate(specs)
+                if i % waves == wave
+            }
+            placed.update(wave_workers)
+            self.rollout_workers += wave_workers.values()
+            self.announced += wave_workers.values()
+            starting = [(w, w.send_started()) for w in wave_workers.values()]
+            for (
+                worker
+            ) in wave_workers.values():  # out of GPU memory: the error names the recipe key to change
+                worker.explain = functools.partial(gpu_faults.explain, role="rollout", recipe=r, plan=s.plan)
+        workers = [placed[i] for i in range(len(specs))]
         if len(specs) > 1:
             log_plain(f"rollout: {len(specs)} engines ({'; '.join(s.plan.engine_places())})")
         clients: list[RolloutClient] = [RayRollout(w) for w in workers]
         group = RolloutGroup(clients, seeds_per_group=kind.seeds_per_group, ready=rc.answered)
-        return group, workers
+        return group, workers, starting
 
     def _engine_node(self, place: rc.Placement, engine: int) -> rc.NodeInfo | None:
         """Rollout engine `engine`'s node, named in its errors (clusters of several nodes only)."""
