@@ -146,12 +146,6 @@ def stop_after_kill(
     return proc.returncode, times
 
 
-ACTORS = {  # which: (Ray actor class, fault point where it is killed, name in the error)
-    "rollout": ("VllmRollout", "generate#3", "generate 3"),
-    "trainer": ("TrainerRole", "update#2", "update 2"),
-}
-
-
 def kill_reward_worker(proc: subprocess.Popen[bytes], marker: Path, log: Path) -> float:
     """SIGKILL the reward worker held at `reward#10`; returns the seconds until the run reported the sample's
     reward error (the driver noticed, a fresh worker started, the step goes on)."""
