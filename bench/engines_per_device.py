@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,17 @@ def same_fraction(a: Path, b: Path, steps: list[int]) -> list[float]:
     return fractions
 
 
+def device_size() -> list[str]:
+    """`cluster.gpu_memory_gib` of this machine's GPU 0 (nvidia-smi), so that the plan is made for the card the
+    run is on (rlbridge train refuses a recipe whose planned peak exceeds the real card); none without it."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    cmd = [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+    return [f"cluster.gpu_memory_gib={int(float(out) / 1024 * 10) / 10}"] if out else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/quickstart-gpu.yaml")
@@ -78,6 +91,7 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     base = [
+        *device_size(),
         *a.sets,
         f"run.steps={a.steps}",
         "run.save_rollouts=true",

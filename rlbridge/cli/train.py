@@ -142,6 +142,14 @@ def run(valid: ValidRecipe, run_dir: Path | None, *, resume: ResumePoint | None 
     plan = make_plan(valid.recipe, valid.model)
     render.plan_summary(plan)
     with user_errors(), stop_on_signal():
+        from rlbridge.errors import RlbridgeError
+        from rlbridge.run.gpu_faults import device_size_problem
+
+        size = device_size_problem(valid.recipe, plan)
+        if size is not None and size[1]:
+            raise RlbridgeError(size[0])
+        if size is not None:
+            render.err.print(f"[yellow]warning[/] {size[0]}", soft_wrap=True)
         from rlbridge.loop import train as run_training
         from rlbridge.model.cache import ensure_model
 

@@ -12,12 +12,17 @@ for any other failure. Recognized (the message formats of vLLM 0.26 / 0.32 and t
 - vLLM at wake (colocated: its weights or KV cache come back after the update): `CUDA Error: out of memory`
   from its cumem allocator;
 - the trainer (or a rollout step) out of memory: `CUDA out of memory. Tried to allocate ...`.
+
+`device_size_problem`, before a run starts: the recipe's cluster.gpu_memory_gib against the GPUs the machine has.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import shutil
+import subprocess
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -145,3 +150,53 @@ def _trainer_fix(recipe: Recipe, plan: Plan | None, short_gib: float) -> str:
         f"set trainer.micro_batch_size: {fits} (now {mbs}; the plan estimates {act:.2f} GiB of activations at "
         f"{mbs}, {per_seq * fits:.2f} GiB at {fits}), or trainer.recompute.granularity: full" + async_note
     )
+
+
+DEVICE_SIZE_TOLERANCE = 0.05
+"""cluster.gpu_memory_gib may differ this much (relative) from the GPUs' memory before a run says so."""
+
+
+def device_size_problem(
+    recipe: Recipe, plan: Plan, *, query: Callable[[], str | None] | None = None
+) -> tuple[str, bool] | None:
+    """Before a run starts on a local GPU cluster: cluster.gpu_memory_gib (what the plan's memory checks assumed)
+    against the memory nvidia-smi reports for this machine's GPUs (the smallest). (text, fatal): fatal when the
+    plan's device peak does not fit the real GPUs (the run would run out of memory), else a warning when they
+    differ by more than DEVICE_SIZE_TOLERANCE. None when they agree, off CUDA, on a cluster given by
+    cluster.address (the driver may run on another kind of machine) or without nvidia-smi. `query` returns
+    nvidia-smi's memory.total list in MiB (tests pass their own)."""
+    c = recipe.cluster
+    if c.device != "cuda" or c.address is not None:
+        return None
+    sizes = []
+    for line in ((query or _gpu_totals)() or "").splitlines():
+        try:
+            sizes.append(float(line.strip()) / 1024)
+        except ValueError:
+            continue
+    if not sizes:
+        return None
+    real = min(sizes)
+    if abs(real - c.gpu_memory_gib) <= DEVICE_SIZE_TOLERANCE * real:
+        return None
+    said = f"cluster.gpu_memory_gib is {c.gpu_memory_gib:g} but this machine's GPUs have {real:.1f} GiB"
+    fix = f"set cluster.gpu_memory_gib: {math.floor(real * 10) / 10:g} (`rlbridge plan` then shows what fits)"
+    peak = None if plan.memory is None else plan.memory.peak
+    if peak is not None and peak > real:
+        return f"{said}: the plan's peak of {peak:.1f} GiB per device does not fit them; {fix}", True
+    return f"{said}: the plan's memory checks used {c.gpu_memory_gib:g}; {fix}", False
+
+
+def _gpu_totals() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        return subprocess.run(
+            [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None

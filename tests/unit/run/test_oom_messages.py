@@ -175,3 +175,35 @@ def test_the_worker_error_leads_with_the_reading(local_ray: Any, tmp_path: Path)
     plain = Worker("trainer", FailsInStep.remote())  # type: ignore[attr-defined]  # no reading set: as before
     with pytest.raises(RlbridgeError, match=r"^trainer worker failed: RuntimeError\("):
         plain.call("update", timeout=60)
+
+
+# --------------------------------------------------------------------------- cluster.gpu_memory_gib vs the GPUs
+def _planned(*sets: str) -> tuple[Any, Any]:
+    r = quickstart(*sets)
+    from rlbridge.model.cache import ensure_model
+
+    return r, make_plan(r, read_model_info(str(ensure_model(r.model.path))))
+
+
+def test_a_recipe_sized_for_a_bigger_gpu_is_refused_when_its_peak_does_not_fit() -> None:
+    from rlbridge.run.gpu_faults import device_size_problem
+
+    # the quickstart at 512 rollouts planned for 139 GiB (peak ~84.7 GiB) on a machine of 80 GB cards
+    r, plan = _planned("data.batch_size=64", "rollout.n=8", "rollout.max_response_tokens=256")
+    assert plan.memory is not None and plan.memory.peak > 79.6
+    text, fatal = device_size_problem(r, plan, query=lambda: "81559\n81559\n") or ("", False)
+    assert fatal, text
+    assert "cluster.gpu_memory_gib is 139 but this machine's GPUs have 79.6 GiB" in text
+    assert f"peak of {plan.memory.peak:.1f} GiB" in text and "set cluster.gpu_memory_gib: 79.6" in text
+
+
+def test_a_recipe_sized_for_another_gpu_gets_a_warning_when_it_fits() -> None:
+    from rlbridge.run.gpu_faults import device_size_problem
+
+    r, plan = _planned()  # the quickstart's own size: a peak of a few GiB
+    text, fatal = device_size_problem(r, plan, query=lambda: "81559") or ("", True)
+    assert not fatal and "the plan's memory checks used 139" in text
+    assert device_size_problem(r, plan, query=lambda: "143771") is None  # an H200's 140.4 GiB: within 5 %
+    assert device_size_problem(r, plan, query=lambda: None) is None  # no nvidia-smi
+    cpu, cpu_plan = _planned("cluster.device=cpu")
+    assert device_size_problem(cpu, cpu_plan, query=lambda: "81559") is None
