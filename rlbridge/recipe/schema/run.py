@@ -90,7 +90,9 @@ class ClusterCfg(Section):
     device: Literal["cuda", "cpu"] = "cuda"
     """Accelerator: cuda, or cpu (runs the same wiring with gloo; for smoke runs and CI)."""
     gpu_memory_gib: Annotated[float, Field(gt=0)] = 80.0
-    """Memory per device, used by the plan's memory estimate."""
+    """Memory per device, used by the plan's memory estimate. `rlbridge train` on a machine with GPUs (no
+    cluster.address) compares it with nvidia-smi's figure first: a run whose planned peak exceeds the real GPUs
+    is refused, and a difference over 5 % gets a warning."""
     colocate: bool = True
     """Trainer and rollout share the same devices (vLLM sleeps during the update)."""
     address: str | None = None
