@@ -118,7 +118,12 @@ trl_async() {
   grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20
 }
 left() { echo $(( deadline - $(date +%s) )); }
-scale=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set run.eval_every=0)
+# on a card more than 5 % from the GPU recipes' 139 GiB, the plan is made for the card the run is on (rlbridge train
+# refuses a planned peak above the real GPUs: an 80 GB card does not hold 139 GiB's plan at 512 rollouts)
+card=(); gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null |
+  awk '{g = $1 / 1024; d = (g - 139) / g; if (d > 0.05 || d < -0.05) printf "%.1f", g - 0.05}')
+[ -n "$gib" ] && card=(--set "cluster.gpu_memory_gib=$gib")
+scale=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set run.eval_every=0)
 for part in "$@"; do
   mkdir -p "$OUT/$part"
   echo "== $part, $(date -u +%H:%M:%SZ), $(left) s left"
@@ -186,13 +191,13 @@ for part in "$@"; do
     trl512|trl512async)
       extra=(); [ "$part" = trl512async ] && extra=(--also-async)
       timeout "$(left)" "$PY" bench/trl_grpo.py --recipe recipes/quickstart-gpu.yaml --steps 3 --warmup 1 \
-        --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 \
+        "${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 \
         --rlbridge-set trainer.max_tokens_per_micro_batch=32768 --work "$OUT/$part/work" --no-save "${extra[@]}" \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[bench\]|step_s_median|rlbridge_over_trl\"|over_" "$OUT/$part/log.txt" | tail -14 ;;
     growth)
       timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 3 --device "one H200" \
-        --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
+        "${card[@]}" --set trainer.max_tokens_per_micro_batch=32768 --out "$OUT/$part/runs" --no-save > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[growth\]" "$OUT/$part/log.txt" | tail -12 ;;
     growth2)
       timeout "$(left)" "$PY" bench/growth.py --recipe recipes/quickstart-gpu.yaml --steps 2 --device "one H200" \
@@ -248,7 +253,7 @@ PYEOF
       if [ "$part" = ab ]; then
         args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
       else
-        args=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
+        args=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
               --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
       fi
       # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
@@ -259,7 +264,7 @@ PYEOF
       if [ "$part" = abasync ]; then
         args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
       else
-        args=(--set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
+        args=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
               --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
       fi
       # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
