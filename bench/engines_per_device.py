@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,11 +68,9 @@ def same_fraction(a: Path, b: Path, steps: list[int]) -> list[float]:
 def device_size() -> list[str]:
     """`cluster.gpu_memory_gib` of this machine's GPU 0 (nvidia-smi), so that the plan is made for the card the
     run is on (rlbridge train refuses a recipe whose planned peak exceeds the real card); none without it."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    cmd = [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+    from rlbridge.run.gpu_faults import nvidia_smi
+
+    out = (nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0") or "").strip()
     return [f"cluster.gpu_memory_gib={int(float(out) / 1024 * 10) / 10}"] if out else []
 
 

@@ -144,9 +144,12 @@ class RayLaunch:
             )
             client = s.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
-        for worker, _ in starting:  # out of GPU memory: the error names the recipe key to change
-            role = "rollout" if any(worker is w for w in engines) else "trainer"
-            worker.explain = functools.partial(gpu_faults.explain, role=role, recipe=r, plan=plan)
+        for (
+            worker,
+            _,
+        ) in starting:  # out of GPU memory: the error names the recipe key (engines: _start_rollout)
+            if not any(worker is w for w in engines):
+                worker.explain = functools.partial(gpu_faults.explain, role="trainer", recipe=r, plan=plan)
         answers = rc.wait_started(
             starting, timeout_s=r.cluster.startup_timeout_s, log=log_plain, on_ready=self._started
         )

@@ -187,16 +187,16 @@ def device_size_problem(
     return f"{said}: the plan's memory checks used {c.gpu_memory_gib:g}; {fix}", False
 
 
-def _gpu_totals() -> str | None:
+def nvidia_smi(*args: str) -> str | None:
+    """`nvidia-smi ARGS`' standard output; None without nvidia-smi or when it fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        return subprocess.run(
-            [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
+        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _gpu_totals() -> str | None:
+    return nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")

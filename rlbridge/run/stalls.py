@@ -25,10 +25,8 @@ not watched.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import threading
 import time
 from collections import deque
@@ -41,6 +39,7 @@ from typing import Any
 
 from rlbridge import faults
 from rlbridge.errors import RlbridgeError
+from rlbridge.run.gpu_faults import nvidia_smi
 
 IDLE_CORES = 0.05
 """The run's workers together below this many cores over a stretch: nothing computes, they wait."""
@@ -145,18 +144,7 @@ def gpu_others(run_pids: frozenset[int], *, query: Callable[[], str | None] | No
 
 
 def _nvidia_smi() -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        return subprocess.run(
-            [exe, "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return nvidia_smi("--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits")
 
 
 def likely_cause(
