@@ -206,9 +206,8 @@ class RayLaunch:
             self.rollout_workers += wave_workers.values()
             self.announced += wave_workers.values()
             starting = [(w, w.send_started()) for w in wave_workers.values()]
-            for (
-                worker
-            ) in wave_workers.values():  # out of GPU memory: the error names the recipe key to change
+            # out of GPU memory: the error names the recipe key to change
+            for worker in wave_workers.values():
                 worker.explain = functools.partial(gpu_faults.explain, role="rollout", recipe=r, plan=s.plan)
         workers = [placed[i] for i in range(len(specs))]
         if len(specs) > 1:

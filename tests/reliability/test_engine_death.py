@@ -17,7 +17,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -32,21 +31,11 @@ from tests.integration.test_resume import (
     train_metrics,
     wait_for,
 )
+from tests.reliability.test_worker_death import actor_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 4
 KILL_BOUND_S = 60.0
-
-
-def engine_actors(pid_tree: list[psutil.Process]) -> list[psutil.Process]:
-    found = []
-    for p in pid_tree:
-        try:
-            if " ".join(p.cmdline()).startswith("ray::VllmRollout"):
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
 
 
 def test_a_killed_engine_of_two_stops_the_async_run_and_resume_finishes(tmp_path: Path) -> None:
@@ -65,7 +54,7 @@ def test_a_killed_engine_of_two_stops_the_async_run_and_resume_finishes(tmp_path
     try:
         manifest = run_dir / "checkpoints" / "step_000001" / "manifest.json"
         wait_for(manifest.is_file, proc, "the step-1 checkpoint", log)
-        engines = engine_actors(descendants(proc))
+        engines = actor_processes(proc, "VllmRollout")
         assert len(engines) == 2, [" ".join(p.cmdline()) for p in descendants(proc)]
         t0 = time.monotonic()
         engines[1].send_signal(signal.SIGKILL)

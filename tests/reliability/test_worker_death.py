@@ -101,8 +101,8 @@ def marker_pid(marker: Path, point: str) -> int:
     return int(line.split()[2])
 
 
-def find_actor(proc: subprocess.Popen[bytes], cls: str) -> psutil.Process:
-    """The Ray worker process of actor class `cls` under the driver: Ray titles it `ray::Cls` / `ray::Cls.method`."""
+def actor_processes(proc: subprocess.Popen[bytes], cls: str) -> list[psutil.Process]:
+    """The Ray worker processes of actor class `cls` under the driver: Ray titles them `ray::Cls` / `ray::Cls.method`."""
     found = []
     for p in descendants(proc):
         try:
@@ -110,6 +110,12 @@ def find_actor(proc: subprocess.Popen[bytes], cls: str) -> psutil.Process:
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
+    return found
+
+
+def find_actor(proc: subprocess.Popen[bytes], cls: str) -> psutil.Process:
+    """The one Ray worker process of actor class `cls` under the driver."""
+    found = actor_processes(proc, cls)
     assert len(found) == 1, (cls, describe(descendants(proc)))
     return found[0]
 
