@@ -89,6 +89,9 @@ class TrainerEngineSpec:
     refused_models: Mapping[str, str] = field(default_factory=dict)
     """config.json model_type -> why this engine cannot train such a model (the recipe checks refuse it with
     the reason: recipe/checks/model.py, check_model_family)."""
+    exports_dora: bool = False
+    """It exports lora.type dora's weights (every run exports them at its first weight sync to the rollout engine):
+    without this the recipe checks refuse DoRA (recipe/checks/training.py, check_lora)."""
     distributed_optimizer_checkpoints: bool = False
     """It checkpoints trainer.distributed_optimizer (every run writes checkpoints: without this the key is
     refused, recipe/checks/checkpoints.py)."""

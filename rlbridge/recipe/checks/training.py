@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from rlbridge.engines.registry import trainer_engine
+from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RecipeIssue
 from rlbridge.model.info import ModelInfo
 from rlbridge.recipe.checks.checkpoints import unsaved_layouts
@@ -26,6 +26,17 @@ if TYPE_CHECKING:
 
 def check_lora(r: Recipe, out: Issues) -> None:
     lora, ro = r.lora, r.rollout
+    if lora.enabled and lora.type == "dora" and not trainer_engine(r).exports_dora:
+        out.append(
+            RecipeIssue(
+                "lora.type",
+                f"trainer.engine {r.trainer.engine} cannot export DoRA weights (its exporter leaves out DoRA's "
+                "magnitude vector, so the merge would be wrong), and every run exports them to the rollout engine "
+                "at its first weight sync",
+                value="dora",
+                fix=f"set lora.type: lora, or trainer.engine: {trainer_engines_that(lambda e: e.exports_dora)}",
+            )
+        )
     if ro.weight_sync == WeightSync.ADAPTER:
         if not lora.enabled:
             out.append(

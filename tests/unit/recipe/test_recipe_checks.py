@@ -75,6 +75,13 @@ def test_base_recipe_is_valid(tmp_path: Path) -> None:
 # (description, overrides that break it, expected key, a fragment of the message, overrides that fix it)
 CASES = [
     (
+        "megatron cannot export DoRA (the first weight sync would fail)",
+        {"lora": {"rank": 16, "alpha": 32, "type": "dora"}},
+        "lora.type",
+        "trainer.engine megatron cannot export DoRA weights",
+        {"lora": {"rank": 16, "alpha": 32, "type": "lora"}},
+    ),
+    (
         "world not divisible by tp*pp*cp",
         {"trainer__parallel": {"tensor": 2, "pipeline": 3}},
         "trainer.parallel.tensor",
