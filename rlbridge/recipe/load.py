@@ -36,10 +36,15 @@ class Source:
 
     def where(self, key: str) -> str:
         """`--set ARG` for a key an override set (or one below it), else the file's line of the key or of
-        the nearest section above it that the file has."""
+        the nearest section above it that the file has; a key the file lacks and an override wrote below it (an
+        unknown section that `--set optim.lr=...` made) is that override's."""
         for o, argument in reversed(self.overrides.items()):  # the last override of a key is the one in force
             if key == o or key.startswith(o + "."):
                 return f"--set {argument}"
+        if key not in self.lines:
+            for o, argument in reversed(self.overrides.items()):
+                if o.startswith(key + "."):
+                    return f"--set {argument}"
         probe = key
         while probe:
             if probe in self.lines:

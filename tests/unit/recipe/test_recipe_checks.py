@@ -617,6 +617,7 @@ LIED = [
     ("--set a list by name", "", "", ("reward.terms.weight=0.5",), "reward.terms.weight",
      "--set reward.terms.weight=0.5", "reward.terms.0.weight"),
     ("--set below a value", "", "", ("run.steps.x=1",), "run.steps.x", "--set run.steps.x=1", "run.steps"),
+    ("--set an unknown section", "", "", ("optim.lr=.inf",), "optim", "--set optim.lr=.inf", "allowed keys"),
     ("--set a wrong value in a list", "", "", ("reward.terms.1.weight=heavy",), "reward.terms.1.weight",
      "--set reward.terms.1.weight=heavy", "number"),
 ]  # fmt: skip
