@@ -128,13 +128,16 @@ def _cat(items: list[Rollouts]) -> Rollouts:
     )
 
 
+_SUMMED = frozenset({"reward_error", "reward_model_error", "reward_model_s"})
+
+
 def _merge(items: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Sample-weighted mean of the rounds' reward metrics (reward_error: summed)."""
+    """Sample-weighted mean of the rounds' reward metrics (counts and seconds: summed)."""
     total = sum(c for c, _ in items) or 1
     out: dict[str, float] = {}
     for key in {k for _, m in items for k in m}:
         vals = [(c, m[key]) for c, m in items if key in m]
-        out[key] = sum(v for _, v in vals) if key == "reward_error" else sum(c * v for c, v in vals) / total
+        out[key] = sum(v for _, v in vals) if key in _SUMMED else sum(c * v for c, v in vals) / total
     return out
 
 
@@ -177,6 +180,9 @@ def score(s: Session, prompts: list[Any], ro: Rollouts, *, n: int) -> tuple[torc
         "response_length": sum(len(x) for x in ro.response_ids) / max(len(ro), 1),
         "clipped_ratio": sum(f == "length" for f in ro.finish_reasons) / max(len(ro), 1),
     }
+    if any(t.model is not None for t in s.recipe.reward.resolved_terms()):
+        metrics["reward_model_s"] = res.model_seconds  # inside time_reward
+        metrics["reward_model_error"] = float(res.model_errors)  # inside reward_error
     for line in res.errors[:3]:
         log(f"[red]reward error[/] {line}")
     return filled, metrics

@@ -14,7 +14,9 @@ scores every step) and import the user functions once, at start.
 Builtin rewards (ours, pure string parsing that cannot hang) run in-process: a builtin-only recipe
 starts no worker at all. A batched user function (TRL's form, rewards.py) is one task of the batch: it runs in a
 worker beside the per-sample tasks, with reward.timeout_s times the batch size to finish; a failure of that call
-fails the term on every sample of the batch.
+fails the term on every sample of the batch. Reward models (`reward.terms[].model`) are batched terms too, held by
+one worker of their own (on the term's device), which the other tasks never reach: their weights load once, and
+their seconds and failures are reported apart (RewardResult.model_seconds, model_errors).
 
 Every failure of a user function (an exception, NaN/inf or a non-number, a timeout, `sys.exit`,
 `os._exit`) makes that sample's score None and counts against `reward.error_budget`, kept over the
@@ -58,7 +60,7 @@ Outcome = tuple[float | None, str | None]
 Task = tuple[str, str, dict[str, Any]]
 Job = tuple[str, Any]
 """What a worker is sent: ("sample", Task), scored by every per-sample user function, or ("batch", (j, kwargs)),
-one call of the j-th batched user function."""
+one call of the j-th batched user function. It answers ("done", (outcomes, seconds))."""
 _TRACEBACK_CHARS = 4000
 _WORKER_CODE = "import sys; from rlbridge.data.reward_pool import worker_main; worker_main(int(sys.argv[1]))"
 _PR_SET_PDEATHSIG = 1
@@ -66,6 +68,19 @@ _PR_SET_PDEATHSIG = 1
 
 class RewardBudgetExceeded(RlbridgeError):
     """More reward errors over the run than `reward.error_budget` allows."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A reward model term as a worker builds it (model/reward_model.py)."""
+
+    path: str
+    device: str = "cpu"
+    batch_size: int = 16
+
+
+BatchSpec = str | ModelSpec
+"""A batched term as the workers get it: a function's `package.module:function`, or a reward model."""
 
 
 @dataclass
@@ -80,6 +95,10 @@ class RewardResult:
     """Per-term values (key: the term's fn, suffixed #i when a fn repeats)."""
     last_traceback: str | None = None
     """Full text of the last failure in this call."""
+    model_seconds: float = 0.0
+    """Seconds the reward model terms took to score this call (their worker's, summed over the terms)."""
+    model_errors: int = 0
+    """Samples a reward model term failed on (also counted in num_errors)."""
 
 
 def _call(fn: RewardFn, prompt: str, completion: str, sample: dict[str, Any]) -> Outcome:
@@ -114,12 +133,15 @@ def _call_batch(fn: Any, kwargs: dict[str, Any]) -> list[Outcome]:
     return out
 
 
-def _batch_fn(spec: str) -> Any:
-    """A worker's batched scorer: a reward model (`model:<path>`, loaded here, once) or a batched function."""
-    if spec.startswith("model:"):
+def _batch_fn(spec: BatchSpec | None) -> Any:
+    """A worker's batched scorer: a reward model (loaded here, once) or a batched function; None for a term that
+    another kind of worker scores."""
+    if spec is None:
+        return None
+    if isinstance(spec, ModelSpec):
         from rlbridge.model.reward_model import RewardModel
 
-        return RewardModel(spec.removeprefix("model:"))
+        return RewardModel(spec.path, batch_size=spec.batch_size, device=spec.device)
     return resolve_reward_fn(spec, True)
 
 
@@ -146,11 +168,13 @@ def worker_main(fd: int) -> None:
         while (job := conn.recv()) is not None:
             faults.pause("reward")  # tests kill this worker here (rlbridge/faults.py); a no-op otherwise
             kind, payload = job
+            start = time.perf_counter()
             if kind == "batch":
                 j, kwargs = payload
-                conn.send(("done", _call_batch(batch_fns[j], kwargs)))
+                outcomes = _call_batch(batch_fns[j], kwargs)
             else:
-                conn.send(("done", [_call(fn, *payload) for fn in fns]))
+                outcomes = [_call(fn, *payload) for fn in fns]
+            conn.send(("done", (outcomes, time.perf_counter() - start)))
     except EOFError:  # the trainer went away
         return
 
@@ -160,8 +184,11 @@ class _Worker:
     proc: subprocess.Popen[bytes]
     conn: Connection
     deadline: float
+    models: bool = False
+    """The reward models' worker: it holds them and gets only their tasks."""
     ready: bool = False
     task: int | None = None
+    started: float = 0.0
 
 
 class RewardPool:
@@ -189,7 +216,15 @@ class RewardPool:
         self._user_specs = [
             t.name for t, b in zip(self.terms, self.batched, strict=True) if t.name not in BUILTINS and not b
         ]
-        self._batch_specs = [t.name for t, b in zip(self.terms, self.batched, strict=True) if b]
+        self._batch_specs: list[BatchSpec] = [
+            ModelSpec(t.model, t.device, t.batch_size) if t.model is not None else str(t.fn)
+            for t, b in zip(self.terms, self.batched, strict=True)
+            if b
+        ]
+        self._seconds: dict[int, float] = {}
+        """Seconds per task of the `score` call in progress (the worker's own timing; to its death or timeout)."""
+        self._model_jobs: list[int] = []
+        """The reward models' tasks of that call."""
         self._startup_timeout_s = startup_timeout_s
         self._workers: list[_Worker] = []
         self.total_errors = 0
@@ -207,7 +242,7 @@ class RewardPool:
         self.close()
 
     # ------------------------------------------------------------------------------------ workers
-    def _spawn(self) -> _Worker:
+    def _spawn(self, models: bool = False) -> _Worker:
         ours, theirs = socket.socketpair()
         env = {
             **os.environ,
@@ -227,8 +262,9 @@ class RewardPool:
             )
         theirs.close()  # so the worker's death reads as EOF here
         conn = Connection(ours.detach())
-        conn.send(([p or os.getcwd() for p in sys.path], self._user_specs, self._batch_specs))
-        return _Worker(proc, conn, deadline=time.monotonic() + self._startup_timeout_s)
+        batch = [s if isinstance(s, ModelSpec) == models else None for s in self._batch_specs]
+        conn.send(([p or os.getcwd() for p in sys.path], [] if models else self._user_specs, batch))
+        return _Worker(proc, conn, deadline=time.monotonic() + self._startup_timeout_s, models=models)
 
     def _kill(self, w: _Worker) -> None:
         if w.proc.poll() is None:
@@ -241,10 +277,14 @@ class RewardPool:
         self._workers.remove(w)
 
     def start(self) -> None:
-        """Start the workers (only if some term is a user function) and wait until they are ready."""
+        """Start the workers (reward.workers for the user functions, one for the reward models; none for builtins
+        only) and wait until they are ready."""
         if not (self._user_specs or self._batch_specs) or self._workers:
             return
-        self._workers = [self._spawn() for _ in range(self.cfg.workers)]
+        models = any(isinstance(s, ModelSpec) for s in self._batch_specs)
+        functions = bool(self._user_specs) or not all(isinstance(s, ModelSpec) for s in self._batch_specs)
+        self._workers = [self._spawn() for _ in range(self.cfg.workers if functions else 0)]
+        self._workers += [self._spawn(models=True)] if models else []
         while not all(w.ready for w in self._workers):
             self._step(deque(), [], [])
 
@@ -266,8 +306,13 @@ class RewardPool:
         self._jobs = tasks
         for w in list(self._workers):
             if w.ready and w.task is None and queue:
-                w.task = queue.popleft()
-                w.deadline = time.monotonic() + self._time_limit(tasks[w.task])
+                pick = next((q for q in queue if self._for_models(tasks[q]) == w.models), None)
+                if pick is None:
+                    continue
+                queue.remove(pick)
+                w.task = pick
+                w.started = time.monotonic()
+                w.deadline = w.started + self._time_limit(tasks[w.task])
                 try:
                     w.conn.send(tasks[w.task])
                 except OSError:  # died while idle: the task never ran; retry it elsewhere
@@ -303,7 +348,8 @@ class RewardPool:
                 raise RlbridgeError(f"reward worker failed to start:\n{why}")
             w.ready = True
         elif kind == "done" and w.task is not None:
-            out[w.task], w.task = payload, None
+            out[w.task], self._seconds[w.task] = payload
+            w.task = None
         elif kind == "timeout":
             job = self._jobs[w.task] if w.task is not None else ("sample", None)
             limit = self._time_limit(job)
@@ -327,6 +373,11 @@ class RewardPool:
                 out,
             )
 
+    def _for_models(self, job: Job) -> bool:
+        """A reward model's task (for the models' worker only)."""
+        kind, payload = job
+        return kind == "batch" and isinstance(self._batch_specs[payload[0]], ModelSpec)
+
     def _time_limit(self, job: Job) -> float:
         """reward.timeout_s per sample: a batched call scores the whole batch."""
         kind, payload = job
@@ -337,8 +388,9 @@ class RewardPool:
             kind, payload = self._jobs[w.task]
             size = len(payload[1]["completions"]) if kind == "batch" else len(self._user_specs)
             out[w.task] = [(None, error)] * size
+            self._seconds[w.task] = time.monotonic() - w.started
         self._kill(w)
-        self._workers.append(self._spawn())
+        self._workers.append(self._spawn(models=w.models))
 
     def _run_user(self, tasks: list[Job]) -> list[list[Outcome]]:
         self.start()
@@ -370,7 +422,9 @@ class RewardPool:
         tasks = list(zip(prompts, completions, samples, strict=True))
         if self._batch_specs and batch is None:
             batch = batch_kwargs(list(prompts), list(completions), list(samples))
+        self._seconds = {}
         result = _combine(self.terms, self._evaluate(tasks, batch), len(tasks))
+        result.model_seconds = sum(self._seconds.get(i, 0.0) for i in self._model_jobs)
         self.total_errors += result.num_errors
         if self.total_errors > self.cfg.error_budget:
             raise RewardBudgetExceeded(
@@ -388,6 +442,7 @@ class RewardPool:
             return [[] for _ in self.terms]
         jobs: list[Job] = [("sample", t) for t in tasks] if self._user_specs else []
         jobs += [("batch", (j, batch)) for j in range(len(self._batch_specs))]
+        self._model_jobs = [i for i, job in enumerate(jobs) if self._for_models(job)]
         done = self._run_user(jobs) if jobs else []
         per_sample, batched = (
             done[: len(jobs) - len(self._batch_specs)],
@@ -420,6 +475,9 @@ def _combine(terms: list[RewardTerm], per_term: list[list[Outcome]], num_samples
         if failed:
             fn, err = failed[-1]
             result.num_errors += 1
+            result.model_errors += any(
+                t.model is not None and o[1] is not None for t, o in zip(terms, outcomes, strict=True)
+            )
             result.errors.append(f"sample {i}, {fn}: {err.strip().splitlines()[-1][:500]}")
             result.last_traceback = f"{fn} on sample {i}:\n{err}"
             result.scores.append(None)

@@ -3,9 +3,10 @@ scores prompt + completion, as TRL's GRPOTrainer scores with one.
 
 The text is TRL's: a conversational prompt and its completion rendered together with the reward model's own chat
 template (`messages = prompt + completion`), a plain one concatenated; tokenized without added special tokens,
-padded on the right, and scored in batches of `batch_size` under `torch.inference_mode()`. It runs on the CPU of a
-reward worker process (reward_pool.py), like any batched reward function, with its time limit and error
-accounting; its weights load once, when the worker starts.
+padded on the right, and scored in batches of `batch_size` under `torch.inference_mode()`, in float32 on `device`
+(`cpu`, or `cuda`: the worker's first visible GPU). It runs in a reward worker process of its own (reward_pool.py),
+which loads its weights once, when the run starts, and scores only the reward-model terms: the time limit and the
+errors of a batched reward function apply, and its seconds and failures are counted apart.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rlbridge.errors import RlbridgeError
 class RewardModel:
     """Callable as a batched reward function: `(prompts=..., completions=..., **columns) -> list[float]`."""
 
-    def __init__(self, path: str, *, batch_size: int = 16) -> None:
+    def __init__(self, path: str, *, batch_size: int = 16, device: str = "cpu") -> None:
         import torch
 
         from rlbridge.model.hf import AutoModelForSequenceClassification, AutoTokenizer
@@ -33,6 +34,8 @@ class RewardModel:
         self.model: Any = AutoModelForSequenceClassification.from_pretrained(
             str(where), dtype=torch.float32
         ).eval()
+        self.device = torch.device(device)
+        self.model.to(self.device)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
@@ -61,7 +64,8 @@ class RewardModel:
                     padding_side="right",
                     add_special_tokens=False,
                 )
-                scores.extend(float(v) for v in self.model(**enc).logits[:, 0])
+                enc = {k: v.to(self.device) for k, v in enc.items()}
+                scores.extend(self.model(**enc).logits[:, 0].float().cpu().tolist())
         return scores
 
 

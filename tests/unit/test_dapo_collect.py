@@ -19,14 +19,14 @@ from rlbridge.recipe.schema import Recipe
 N, MAX_LEN = 2, 10
 
 
-def recipe(**algo: Any) -> Recipe:
+def recipe(reward: dict[str, Any] | None = None, **algo: Any) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "t",
             "model": {"path": "x"},
             "rollout": {"n": N, "max_response_tokens": MAX_LEN},
             "algorithm": {"name": "dapo", **algo},
-            "reward": {"fn": "arithmetic"},
+            "reward": reward or {"fn": "arithmetic"},
             "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
         }
     )
@@ -45,6 +45,7 @@ class Script:
         )
         self.sampler = SimpleNamespace(next_indices=self.next_indices)
         self.rewards = SimpleNamespace(score=self.score, has_batched=False)
+        self.model_errors = 0
 
     def next_indices(self, k: int) -> list[int]:
         self.pos += k
@@ -61,7 +62,14 @@ class Script:
         return Rollouts(p, resp, [[0.0] * len(x) for x in resp], ["stop"] * len(resp), 0, texts)
 
     def score(self, prompts: list[str], completions: list[str], rows: list[Any], batch: Any = None) -> Any:
-        return SimpleNamespace(scores=[float(c) for c in completions], terms={}, num_errors=0, errors=[])
+        return SimpleNamespace(
+            scores=[float(c) for c in completions],
+            terms={},
+            num_errors=self.model_errors,
+            errors=[],
+            model_seconds=0.25,
+            model_errors=self.model_errors,
+        )
 
 
 def run(r: Recipe, flat: set[int]) -> tuple[Script, Rollouts, torch.Tensor, dict[str, float]]:
@@ -107,3 +115,15 @@ def test_overlong_penalty_is_added() -> None:
     assert torch.allclose(rewards, expected)
     assert m["overlong_penalty"] == pytest.approx(float((expected - raw).mean()))
     assert m["reward_mean"] == pytest.approx(float(raw.mean()))  # reported before the penalty
+
+
+def test_a_reward_models_seconds_and_failures_add_up_over_the_refills() -> None:
+    """reward_model_s and reward_model_error (only with a reward model term) are summed over the rounds, as
+    reward_error is, not averaged as the rewards are."""
+    assert "reward_model_s" not in run(recipe(), flat={0, 2, 5})[3]
+    s = Script(recipe({"terms": [{"model": "org/rm"}]}), flat={0, 2, 5})
+    s.model_errors = 1
+    out = collect(s, 1, Timer(), lambda: False, RolloutSource(s))  # type: ignore[arg-type]
+    assert out is not None and s.calls == 3
+    m = out[2]
+    assert m["reward_model_s"] == pytest.approx(0.75) and m["reward_model_error"] == m["reward_error"] == 3

@@ -15,6 +15,16 @@ def check_reward(r: Recipe, out: Issues) -> None:
         if term.model is not None:
             from rlbridge.model.reward_model import model_problem
 
+            if term.device == "cuda" and r.cluster.device != "cuda":
+                out.append(
+                    RecipeIssue(
+                        f"reward.terms.{i}.device",
+                        f"the reward model would score on a GPU, but cluster.device is {r.cluster.device}",
+                        value="cuda",
+                        fix=f"set reward.terms.{i}.device: cpu (or cluster.device: cuda)",
+                    )
+                )
+
             problem = model_problem(term.model)
             if problem:
                 out.append(

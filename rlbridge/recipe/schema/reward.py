@@ -3,7 +3,7 @@ evaluation computes from those terms."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,7 +16,16 @@ class RewardTerm(Section):
     model: str | None = None
     """A reward model instead of a function: a sequence-classification model (local directory or Hub id in the
     Hugging Face cache) whose first logit scores prompt + completion, as TRL's GRPOTrainer scores with one; it runs
-    on the CPU of a reward worker, in batches. Its name in eval.metrics: `model:<this value>`."""
+    in batches in a reward worker of its own (loaded once, when the run starts), on `device`. Its name in
+    eval.metrics: `model:<this value>`; its time and failures are metrics of their own (reward_model_s,
+    reward_model_error)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where a reward model scores: `cpu`, or `cuda` (needs cluster.device cuda): the first GPU the driver node's
+    reward worker sees, beside the trainer and rollout engines colocated there, in float32. The plan's memory
+    estimate leaves it out: keep its weights' room free (rollout.gpu_memory_utilization)."""
+    batch_size: PositiveInt = 16
+    """Completions a reward model scores in one forward pass (right-padded); a larger batch is faster where memory
+    allows."""
     weight: float = 1.0
     """Weight in the sum."""
     batched: bool | None = None
@@ -28,6 +37,11 @@ class RewardTerm(Section):
     def _fn_or_model(self) -> RewardTerm:
         if (self.fn is None) == (self.model is None):
             raise ValueError("a reward term names either fn (a function) or model (a reward model)")
+        model_only = sorted({"device", "batch_size"} & self.model_fields_set)
+        if self.fn is not None and model_only:
+            raise ValueError(
+                f"{' and '.join(model_only)} belong to a reward model term (model: ...), not to fn {self.fn}"
+            )
         return self
 
     @property

@@ -1,6 +1,7 @@
 """A reward model as a reward term: a tiny random sequence-classification Llama built in the test scores prompt +
 completion in right-padded batches exactly as one unpadded text at a time does, with TRL's text (a conversation
-through the chat template); validation refuses a model without a classification head."""
+through the chat template); in the reward pool one worker of its own holds it, its seconds and failures are counted
+apart; validation refuses a model without a classification head and a GPU device on a CPU cluster."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from rlbridge.data.reward_pool import _batch_fn
+from rlbridge.data.reward_pool import ModelSpec, RewardPool, _batch_fn
+from rlbridge.errors import RecipeError
 from rlbridge.model.reward_model import RewardModel, model_problem
+from rlbridge.recipe import validate_recipe
 from rlbridge.recipe.schema import RewardCfg, RewardTerm
 from tests.fixtures.tiny_models import _common, build_tiny_llama_tied
 from tests.fixtures.tiny_tokenizer import build_tiny_tokenizer
@@ -30,9 +34,8 @@ def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_scores_match_one_text_at_a_time(reward_dir: Path) -> None:
-    rm = _batch_fn(f"model:{reward_dir}")  # what a reward worker builds for the term
-    assert isinstance(rm, RewardModel)
-    rm.batch_size = 2
+    rm = _batch_fn(ModelSpec(str(reward_dir), batch_size=2))  # what the models' worker builds for the term
+    assert isinstance(rm, RewardModel) and rm.batch_size == 2 and rm.device == torch.device("cpu")
     conversation = [{"role": "user", "content": "What is 1 + 1 ?"}]
     prompts = ["What is 2 + 2 ?", "What is", conversation]
     completions = [" 4", " 5 + 5 is 10 and 3", [{"role": "assistant", "content": "2"}]]
@@ -62,3 +65,58 @@ def test_validation_wants_a_classification_head(reward_dir: Path, tmp_path: Path
     assert [t.name for t in cfg.resolved_terms()] == ["arithmetic", f"model:{reward_dir}"]
     with pytest.raises(ValueError, match="either fn .* or model"):
         RewardTerm(fn="arithmetic", model="x")
+
+
+def test_the_pool_scores_it_in_a_worker_of_its_own(reward_dir: Path) -> None:
+    """Two function workers and one models' worker: the functions' workers never load the model (a per-sample
+    function there says so), the scores are the model's own, its seconds and failures are counted apart; a batch
+    past its time limit (reward.timeout_s per sample) fails the model term on every sample and a fresh models'
+    worker scores the next call."""
+    terms = [
+        {"model": str(reward_dir), "weight": 1.0, "batch_size": 3},
+        {"fn": "tests.fixtures.reward_fns:no_reward_model_here", "weight": 0.0},
+        {"fn": "format", "weight": 0.0},
+    ]
+    cfg = RewardCfg.model_validate({"terms": terms, "workers": 2})
+    prompts = ["What is 2 + 2 ?", "What is", "What is 1 + 1 ?", "What"]
+    completions = [" 4", " 5 + 5 is 10", " 2 #### 2", " 3"]
+    rows = [{"question": p, "answer": "4"} for p in prompts]
+    want = RewardModel(str(reward_dir))(prompts=prompts, completions=completions)
+    name = f"model:{reward_dir}"
+    with RewardPool(cfg) as pool:
+        assert sorted(w.models for w in pool._workers) == [False, False, True]
+        res = pool.score(prompts, completions, rows)
+        assert res.num_errors == 0 and res.model_errors == 0, res.errors
+        assert res.terms[name] == pytest.approx(want, abs=1e-5) and res.scores == pytest.approx(
+            want, abs=1e-5
+        )
+        assert res.terms["tests.fixtures.reward_fns:no_reward_model_here"] == [1.0] * 4
+        assert 0 < res.model_seconds < 30
+    alone = RewardCfg.model_validate({"terms": terms[:1], "workers": 2})
+    with RewardPool(alone) as pool:
+        assert [w.models for w in pool._workers] == [True]  # no function: no function workers
+        pool.cfg = alone.model_copy(update={"timeout_s": 1e-6})  # the batch's limit: 4 us
+        late = pool.score(prompts, completions, rows)
+        assert late.model_errors == late.num_errors == 4 and late.terms[name] == [None] * 4
+        assert "TimeoutError: a batched reward call" in str(late.last_traceback) and late.model_seconds < 5
+        pool.cfg = alone
+        again = pool.score(prompts, completions, rows)
+        assert again.model_errors == 0 and again.terms[name] == pytest.approx(want, abs=1e-5)
+        assert [w.models for w in pool._workers] == [True]
+
+
+def test_device_and_batch_size_are_validated(reward_dir: Path, tmp_path: Path) -> None:
+    raw = yaml.safe_load((Path(__file__).parents[3] / "recipes" / "quickstart.yaml").read_text())
+    raw["reward"]["terms"].append(
+        {"model": str(reward_dir), "weight": 0.1, "device": "cuda", "batch_size": 4}
+    )
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(f)
+    issue = {i.key: i for i in e.value.issues}["reward.terms.2.device"]
+    assert "cluster.device is cpu" in issue.message and "reward.terms.2.device: cpu" in str(issue.fix)
+    term = validate_recipe(f, ["reward.terms.2.device=cpu"]).recipe.reward.resolved_terms()[2]
+    assert (term.device, term.batch_size) == ("cpu", 4)
+    with pytest.raises(ValueError, match="device belong to a reward model term"):
+        RewardTerm(fn="arithmetic", device="cpu")
