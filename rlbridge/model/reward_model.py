@@ -36,8 +36,9 @@ class RewardModel:
         ).eval()
         self.device = torch.device(device)
         self.model.to(self.device)
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # the model scores its rightmost token that is not config.pad_token_id: that id must be the one the
+        # tokenizer pads with, whatever config.json says (TRL's GRPOTrainer sets it the same way)
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
 
     def texts(self, prompts: list[Any], completions: list[Any]) -> list[str]:

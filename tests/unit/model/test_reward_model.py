@@ -52,6 +52,28 @@ def test_scores_match_one_text_at_a_time(reward_dir: Path) -> None:
     assert got == pytest.approx(want, abs=1e-5) and len(set(got)) == 3
 
 
+def test_a_config_pad_id_other_than_the_tokenizers_does_not_change_padded_scores(
+    reward_dir: Path, tmp_path: Path
+) -> None:
+    """A model whose config.json names another pad token than its tokenizer pads with (found on a GPU machine whose
+    transformers left the tokenizer without one): the model pools its rightmost token that is not
+    config.pad_token_id, so padded rows would be scored at a pad position. The reward model follows the tokenizer,
+    as TRL does: batched scores equal one text at a time."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(reward_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(reward_dir))
+    assert tokenizer.pad_token_id == 0
+    model.config.pad_token_id = tokenizer.eos_token_id  # not what the tokenizer pads with
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = ["What is 2 + 2 ?", "What is", "What is 1 + 1 ?"]
+    completions = [" 4", " 5 + 5 is 10 and 3 and 7", " 2"]
+    batched = RewardModel(str(tmp_path), batch_size=3)(prompts=prompts, completions=completions)
+    alone = RewardModel(str(tmp_path), batch_size=1)(prompts=prompts, completions=completions)
+    assert batched == pytest.approx(alone, abs=1e-5)
+
+
 def test_validation_wants_a_classification_head(reward_dir: Path, tmp_path: Path) -> None:
     assert model_problem(str(reward_dir)) is None
     causal = build_tiny_llama_tied(tmp_path / "lm")
