@@ -24,9 +24,14 @@ class RecipeIssue:
     """file:line, or --set for an override."""
     fix: str | None = None
     """The smallest change that makes it valid."""
+    origin: str | None = None
+    """The recipe section whose values the problem was found in, when not `key`'s own: a data split (`data.train`)
+    whose rows lack what `key` names. A `--set` that changed it is the `where` (recipe/__init__.py); not printed."""
 
     def to_dict(self) -> dict[str, str | None]:
-        return asdict(self)
+        out = asdict(self)
+        del out["origin"]
+        return out
 
     def __str__(self) -> str:
         text = f"{self.key}: {self.message}"

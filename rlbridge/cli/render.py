@@ -57,7 +57,9 @@ def plan_summary(p: Plan) -> None:
             f"[bold]memory[/] per {'device' if p.device == 'cuda' else 'worker (host RAM)'} ~{_gib(m.peak)} GiB peak"
             + (f" of {m.capacity:.0f}" if p.device == "cuda" else "")
             + " "
-            f"(trainer {_gib(m.trainer_total)}, rollout {_gib(m.rollout_total)}); trainable "
+            f"(trainer {_gib(m.trainer_total)}, rollout {_gib(m.rollout_total)}"
+            + (f", reward model {_gib(m.reward_model_total)} on GPU 0" if m.reward_model_total else "")
+            + "); trainable "
             f"{m.trainable_params:,} of {m.total_params:,} params"
         )
     for note in p.notes:
@@ -85,6 +87,16 @@ def plan_full(p: Plan) -> None:
         t.add_row(
             "rollout", _gib(m.rollout_weights), "-", "-", "-", _gib(m.rollout_kv_cache), _gib(m.rollout_total)
         )
+        if m.reward_model_total:  # GPU 0 of node 0 only, in the peak; its CUDA context is in the total
+            t.add_row(
+                "reward model (GPU 0)",
+                _gib(m.reward_model_weights),
+                "-",
+                "-",
+                _gib(m.reward_model_activations),
+                "-",
+                _gib(m.reward_model_total),
+            )
         if m.trainable_params < m.total_params:
             t.add_row("train, full FT", "", "", "", "", "-", _gib(m.full_ft_trainer_total))
         out.print(t)

@@ -23,11 +23,13 @@ from rlbridge.plan.memory_estimate import (
     ALLOCATOR_RESERVE,
     CONTEXT_GIB,
     DTYPE_BYTES,
+    GIB,
     RESIDENT_SHARE,
     Memory,
     lora_params,
     memory,
     memory_notes,
+    reward_model_gib,
 )
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.registry import rollout_engine
@@ -36,6 +38,7 @@ __all__ = [
     "ALLOCATOR_RESERVE",
     "CONTEXT_GIB",
     "DTYPE_BYTES",
+    "GIB",
     "Batches",
     "Memory",
     "Plan",
@@ -48,6 +51,7 @@ __all__ = [
     "num_mini_batches",
     "rank_coords",
     "resolved_sleep",
+    "reward_model_gib",
     "rollout_sleeps",
     "total_optimizer_steps",
 ]

@@ -1,5 +1,6 @@
 """What each device must hold: the plan's memory estimate (trainer weights, gradients, optimizer state and
-activations; vLLM's weights and KV cache; the peak of the fullest phase) and the notes it leads to.
+activations; vLLM's weights and KV cache; a reward model scoring on the GPU; the peak of the fullest phase) and the
+notes it leads to.
 
 Rough by design (about +-30 %): for spotting a plan that cannot fit before any GPU is touched. The coefficients
 are fitted to measured peaks (docs/defaults.md#plan-memory); the engine-specific ones come from the engine's
@@ -13,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from rlbridge.engines.registry import trainer_engine
-from rlbridge.model.info import ModelInfo
+from rlbridge.errors import RlbridgeError
+from rlbridge.model.info import ModelInfo, read_model_info
 from rlbridge.plan.batches import Batches
 from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_width
 from rlbridge.rollout.registry import rollout_engine
@@ -70,6 +72,13 @@ class Memory:
     """PPO's critic, included in trainer_total: a second copy of the backbone (weights; under LoRA the frozen
     base again, engines/hf/critic.py), its gradients and AdamW state. No extra activations: its forward and
     backward run after the policy's, per micro-batch, and hold no vocabulary-sized logits."""
+    reward_model_weights: float = 0.0
+    """The reward models that score on the GPU (reward.terms[].device: cuda): their float32 weights, on the first
+    GPU of the driver's node (GPU 0 of node 0), in `peak`; 0 elsewhere."""
+    reward_model_activations: float = 0.0
+    """Their largest batch's forward (reward_model_gib)."""
+    reward_model_total: float = 0.0
+    """Weights, activations and the reward worker's CUDA context (CONTEXT_GIB): what `peak` holds for them."""
 
 
 def lora_params(r: Recipe, m: ModelInfo) -> int:
@@ -87,6 +96,35 @@ def lora_params(r: Recipe, m: ModelInfo) -> int:
             fan_in, fan_out = _LORA_SHAPES[target](m)
             total += m.layers * r.lora.rank * (fan_in + fan_out)
     return total
+
+
+def reward_model_gib(r: Recipe, b: Batches) -> tuple[float, float]:
+    """(weights, activations) in GiB of the reward models that score on the GPU (reward.terms[].device: cuda), all
+    held by one reward worker on the driver's first GPU (data/reward_pool.py): (0, 0) on a CPU cluster or for
+    models on the CPU.
+
+    Weights: float32, the parameters counted from each model's config.json as for the policy (ModelInfo), less an
+    untied output layer (a classification head replaces it: hidden x one label). Activations, an estimate (not
+    fitted to a measured peak): the worker scores one batch at a time under inference_mode, so the largest model's
+    batch of `batch_size` sequences of max_prompt_tokens + max_response_tokens tokens, at 4 bytes x (6 hidden +
+    3 intermediate) per token: about one layer's live float32 tensors (residual, norm, q/k/v, attention output;
+    the MLP's gate, up and their product), none kept for a backward. A model whose config.json cannot be read
+    counts nothing here (validation refuses it: checks/files.py)."""
+    if r.cluster.device != "cuda":
+        return 0.0, 0.0
+    weights = activations = 0.0
+    for term in r.reward.resolved_terms():
+        if term.model is None or term.device != "cuda":
+            continue
+        try:
+            rm = read_model_info(term.model)
+        except RlbridgeError:
+            continue
+        params = rm.total_params() - (0 if rm.tied_embeddings else rm.vocab * rm.hidden) + rm.hidden
+        weights += params * DTYPE_BYTES["float32"] / GIB
+        per_token = DTYPE_BYTES["float32"] * (6 * rm.hidden + 3 * rm.mlp_width_per_token())
+        activations = max(activations, term.batch_size * b.max_sequence_tokens * per_token / GIB)
+    return weights, activations
 
 
 def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
@@ -132,6 +170,9 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     # rollout.mode async keeps it resident while the trainer updates, so they do.
     per_device = r.rollout.engines_per_device if r.rollout.tensor_parallel == 1 else 1
     rollout_total = (rollout_w + kv) * per_device  # rollout.engines_per_device engines, each its own copy
+    rm_weights, rm_act = reward_model_gib(r, b)
+    # the reward worker's GPU (GPU 0 of node 0) is taken for the fullest device: the peak holds its models
+    rm_total = rm_weights + rm_act + CONTEXT_GIB if rm_weights else 0.0
     sleeps = False
     if r.cluster.device == "cpu":
         peak = trainer_total + rollout_total
@@ -140,9 +181,9 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         # vLLM resident through the update (async, or rollout.sleep letting it stay); a CUDA IPC export also
         # holds the merged weights on the trainer's side while vLLM is awake
         ipc = rollout_w if r.rollout.weight_transport == "cuda_ipc" else 0.0
-        resident = held + rollout_total + ipc + 2 * CONTEXT_GIB
+        resident = held + rollout_total + ipc + 2 * CONTEXT_GIB + rm_total
         if not r.cluster.colocate:
-            peak = held + CONTEXT_GIB
+            peak = held + CONTEXT_GIB + rm_total
         elif r.rollout.mode == "async":
             peak = resident
         else:
@@ -152,7 +193,7 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
                 or (r.rollout.sleep == "auto" and resident > RESIDENT_SHARE * capacity)
             )
             # asleep: the update, or the generation (the trainer keeps its weights and optimizer state)
-            asleep = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB
+            asleep = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB + rm_total
             peak = resident if can_sleep and not sleeps else asleep
     return Memory(
         round(weights, 3),
@@ -170,6 +211,9 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         round(full_total, 3),
         sleeps,
         round(critic, 3),
+        round(rm_weights, 3),
+        round(rm_act, 3),
+        round(rm_total, 3),
     )
 
 

@@ -72,7 +72,14 @@ def _checks_despite_schema_errors(
 
 
 def _located(issue: RecipeIssue, source: Source) -> RecipeIssue:
-    return issue if issue.where else replace(issue, where=source.where(issue.key))
+    """The issue with its `where`: the `--set` or file line of its key; when the key is the file's and a `--set`
+    changed the issue's origin (`--set data.train.path=...` to rows without the prompt column), that `--set`."""
+    if issue.where:
+        return issue
+    where = source.where(issue.key)
+    if issue.origin is not None and not where.startswith("--set "):
+        where = source.override_in(issue.origin) or where
+    return replace(issue, where=where)
 
 
 __all__ = ["Recipe", "RecipeError", "ValidRecipe", "load_recipe", "validate_recipe"]

@@ -52,6 +52,13 @@ class Source:
             probe = probe.rpartition(".")[0]
         return self.file
 
+    def override_in(self, section: str) -> str | None:
+        """`--set ARG` for the last override that set `section`, a key below it or a section above it; else None."""
+        for o, argument in reversed(self.overrides.items()):
+            if o == section or o.startswith(section + ".") or section.startswith(o + "."):
+                return f"--set {argument}"
+        return None
+
 
 # ------------------------------------------------------------------------------------------- YAML
 def _line_map(

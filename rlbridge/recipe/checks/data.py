@@ -1,6 +1,8 @@
 """The datasets a recipe points at, checked on their first rows: that the source opens, that the prompt and answer
 columns are there, that data.template's fields are columns of the rows, and that conversations (prompts given as
-messages) meet a chat template. Each issue names the split, the row and the recipe key to change.
+messages) meet a chat template. Each issue names the split, the row and the recipe key to change; one about rows
+(a key elsewhere, such as data.columns.prompt) has the split's path for its origin, so that a `--set` that pointed
+the split at those rows is the one blamed.
 
 Only the first PREVIEW_ROWS rows are read (a local file is streamed, never converted), so validation stays fast
 on a file of millions of rows; rows further down are checked when they are sampled.
@@ -124,6 +126,7 @@ def _check_rows(
                 "conversation (a list of messages), given to the chat template as it is",
                 value=data.template,
                 fix="remove data.template (put instructions into the conversation or data.system_prompt)",
+                origin=f"{key}.path",
             )
         )
     if conversations and data.chat_template is False:
@@ -133,6 +136,7 @@ def _check_rows(
                 f"is false, but {key} {conversations[0][0]}'s {columns.prompt!r} is a conversation, which only "
                 "a chat template turns into text",
                 fix="set data.chat_template: true (the tokenizer's) or a Jinja chat template",
+                origin=f"{key}.path",
             )
         )
     _check_reward_columns(r, which, usable[0][0], usable[0][1], columns.prompt, out)
@@ -156,6 +160,7 @@ def _check_template_fields(
             f"names the field {{{missing[0]}}}, but {key} {where} has no such column",
             value=data.template,
             fix=f"use the row's fields ({have}), or double the braces of literal text",
+            origin=f"{key}.path",
         )
     )
     return True
@@ -187,6 +192,7 @@ def _check_reward_columns(
                     f"no such column (columns besides the prompt: {', '.join(sorted(have)) or 'none'})",
                     value=term.fn,
                     fix="rename the dataset column, or give the parameter a default",
+                    origin=f"data.{which}.path",
                 )
             )
 
@@ -213,6 +219,7 @@ def _no_usable_row(
                     fix=f"set {which_key} to the column holding the "
                     f"{'prompt' if which_key == columns.prompt_key else 'reference answer'}, one of: "
                     f"{', '.join(have)}",
+                    origin=f"data.{which}.path",
                 )
             )
             return

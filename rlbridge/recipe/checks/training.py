@@ -413,7 +413,8 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
         RecipeIssue(
             "cluster.gpu_memory_gib",
             f"the estimated peak of {need:.1f} GiB per device exceeds the {capacity:.0f} GiB a device has "
-            "(`rlbridge plan --force` shows its parts: weights, gradients, optimizer state, activations, vLLM)",
+            "(`rlbridge plan --force` shows its parts: weights, gradients, optimizer state, activations, vLLM, "
+            "a reward model on the GPU)",
             fix=fix + "or pass --force to run it anyway (the estimate is within about 30 %)",
         )
     )
@@ -464,4 +465,9 @@ def _memory_changes(r: Recipe, least_share: float) -> list[tuple[str, Recipe]]:
         out.append(
             (f"rollout.gpu_memory_utilization: {share:g}", with_("rollout", gpu_memory_utilization=share))
         )
+    terms = r.reward.terms or []
+    for i, term in enumerate(terms):  # a reward model scoring on the GPU (plan.reward_model_gib)
+        if term.model is not None and term.device == "cuda":
+            cpu = [u.model_copy(update={"device": "cpu"}) if u is term else u for u in terms]
+            out.append((f"reward.terms.{i}.device: cpu", with_("reward", terms=cpu)))
     return [(how, changed) for how, changed in out if not unsaved_layouts(changed)]  # never a refused fix

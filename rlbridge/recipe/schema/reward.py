@@ -21,8 +21,9 @@ class RewardTerm(Section):
     reward_model_error)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where a reward model scores: `cpu`, or `cuda` (needs cluster.device cuda): the first GPU the driver node's
-    reward worker sees, beside the trainer and rollout engines colocated there, in float32. The plan's memory
-    estimate leaves it out: keep its weights' room free (rollout.gpu_memory_utilization)."""
+    reward worker sees, beside the trainer and rollout engines colocated there, in float32. `rlbridge plan` counts
+    it on that device (its weights, one batch_size batch and a CUDA context), and validation refuses a peak over
+    the device with it as with the rest."""
     batch_size: PositiveInt = 16
     """Completions a reward model scores in one forward pass (right-padded); a larger batch is faster where memory
     allows."""

@@ -1,10 +1,12 @@
 """A reward model as a reward term: a tiny random sequence-classification Llama built in the test scores prompt +
 completion in right-padded batches exactly as one unpadded text at a time does, with TRL's text (a conversation
 through the chat template); in the reward pool one worker of its own holds it, its seconds and failures are counted
-apart; validation refuses a model without a classification head and a GPU device on a CPU cluster."""
+apart; validation refuses a model without a classification head and a GPU device on a CPU cluster; the plan counts
+one on the GPU (float32 weights, a batch, a CUDA context) and refuses it past the device."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,77 @@ def test_device_and_batch_size_are_validated(reward_dir: Path, tmp_path: Path) -
     assert (term.device, term.batch_size) == ("cpu", 4)
     with pytest.raises(ValueError, match="device belong to a reward model term"):
         RewardTerm(fn="arithmetic", device="cpu")
+
+
+def _gpu_recipe(tmp_path: Path, term: dict[str, object] | None, **cluster: object) -> Path:
+    """The GPU quickstart (validated here without a GPU: validation reads config.json files only) with `term`
+    as a third reward term."""
+    raw = yaml.safe_load((Path(__file__).parents[3] / "recipes" / "quickstart-gpu.yaml").read_text())
+    if term is not None:
+        raw["reward"]["terms"].append(term)
+    raw["cluster"].update(cluster)
+    f = tmp_path / "gpu.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    return f
+
+
+def test_the_plan_counts_a_reward_model_on_the_gpu(reward_dir: Path, tmp_path: Path) -> None:
+    """Its float32 weights are the built model's own parameter count (from its config.json, as the policy's), its
+    activations grow with batch_size; the peak (GPU 0 of node 0) holds them and a CUDA context, a CPU one adds
+    nothing; `rlbridge plan` prints it on a line of its own."""
+    from transformers import AutoModelForSequenceClassification
+    from typer.testing import CliRunner
+
+    from rlbridge.cli import app
+    from rlbridge.plan import CONTEXT_GIB, GIB, make_plan, reward_model_gib
+
+    numel = sum(
+        p.numel() for p in AutoModelForSequenceClassification.from_pretrained(reward_dir).parameters()
+    )
+    term = {"model": str(reward_dir), "weight": 0.1, "device": "cuda", "batch_size": 4}
+    plain = validate_recipe(_gpu_recipe(tmp_path, None))
+    valid = validate_recipe(_gpu_recipe(tmp_path, term))
+    plan = make_plan(valid.recipe, valid.model)
+    weights, act = reward_model_gib(valid.recipe, plan.batches)
+    assert weights == pytest.approx(numel * 4 / GIB, rel=1e-9)
+    wider = {**term, "batch_size": 8}
+    assert reward_model_gib(
+        validate_recipe(_gpu_recipe(tmp_path, wider)).recipe, plan.batches
+    ) == pytest.approx((weights, 2 * act), rel=1e-9)
+    base = make_plan(plain.recipe, plain.model).memory
+    mem = plan.memory
+    assert base is not None and mem is not None and base.reward_model_total == 0.0
+    assert mem.reward_model_total == pytest.approx(weights + act + CONTEXT_GIB, abs=1e-3)
+    assert mem.peak == pytest.approx(base.peak + mem.reward_model_total, abs=2e-3)
+    on_cpu = validate_recipe(_gpu_recipe(tmp_path, {**term, "device": "cpu"}))
+    assert make_plan(on_cpu.recipe, on_cpu.model).memory == base
+    res = CliRunner().invoke(app, ["plan", str(_gpu_recipe(tmp_path, term))], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert (
+        "reward model (GPU 0)" in res.output
+        and f"reward model {mem.reward_model_total:.2f} on GPU 0" in res.output
+    )
+
+
+def test_a_reward_model_past_the_device_is_refused(tmp_path: Path) -> None:
+    """A 14B-shaped reward model (its config.json alone: validation reads no weights) in float32 beside the GPU
+    quickstart on a 64 GiB device: the peak is over the device, refused with the move to the CPU among the fixes;
+    on the CPU (or without it) the same recipe validates."""
+    big = tmp_path / "rm14b"
+    big.mkdir()
+    (big / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "hidden_size": 5120,
+                "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
+                "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False, "num_labels": 1,
+            }
+        )
+    )  # fmt: skip
+    term = {"model": str(big), "weight": 0.1, "device": "cuda"}
+    validate_recipe(_gpu_recipe(tmp_path, None, gpu_memory_gib=64))
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(_gpu_recipe(tmp_path, term, gpu_memory_gib=64))
+    issue = {i.key: i for i in e.value.issues}["cluster.gpu_memory_gib"]
+    assert "exceeds the 64 GiB" in issue.message and "reward.terms.2.device: cpu (~" in str(issue.fix)
+    validate_recipe(_gpu_recipe(tmp_path, {**term, "device": "cpu"}, gpu_memory_gib=64))

@@ -620,7 +620,15 @@ LIED = [
     ("--set an unknown section", "", "", ("optim.lr=.inf",), "optim", "--set optim.lr=.inf", "allowed keys"),
     ("--set a wrong value in a list", "", "", ("reward.terms.1.weight=heavy",), "reward.terms.1.weight",
      "--set reward.terms.1.weight=heavy", "number"),
+    ("--set a data file without the prompt column", "", "", ("data.train.path=ROWS",), "data.columns.prompt",
+     "--set data.train.path=ROWS", "problem, solution"),
+    ("a data file without the prompt column, a --set elsewhere", '{path: "builtin:arithmetic"}', "{path: ROWS}",
+     ("run.steps=5", "data.train.limit=1"), "data.columns.prompt", "r.yaml:12", "problem, solution"),
+    ("--set a data file the template's field is not in", TEMPLATE, "template: '{prompt} {hint}'",
+     ("data.train.path=QA",), "data.template", "--set data.train.path=QA", "{answer}, {prompt}, {question}"),
 ]  # fmt: skip
+"""ROWS and QA stand for data files the test writes: rows of problem and solution (no `question`, the default prompt
+column), and of question and answer."""
 
 
 def written(tmp_path: Path, old: str = "", new: str = "") -> Path:
@@ -640,6 +648,13 @@ def test_written_recipe_is_valid(tmp_path: Path) -> None:
 def test_refused_with_key_line_and_fix(
     tmp_path: Path, desc: str, old: str, new: str, sets: tuple[str, ...], key: str, where: str, fix: str
 ) -> None:
+    files = {"ROWS": tmp_path / "rows.jsonl", "QA": tmp_path / "qa.jsonl"}
+    files["ROWS"].write_text('{"problem": "1+1?", "solution": "2"}\n')
+    files["QA"].write_text('{"question": "1+1?", "answer": "2"}\n')
+    for name, path in files.items():
+        new = new.replace(f"path: {name}", f"path: {path}")
+        sets = tuple(s.replace(f"path={name}", f"path={path}") for s in sets)
+        where = where.replace(f"path={name}", f"path={path}")
     with pytest.raises(RecipeError) as e:
         validate_recipe(written(tmp_path, old, new), sets)
     found = {i.key: i for i in e.value.issues}
