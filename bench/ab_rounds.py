@@ -36,8 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import trl_async, trl_grpo  # noqa: E402
-
-LOG_TAIL_BYTES = 200_000
+from bench.common import keep_log  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ the arithmetic
@@ -116,13 +115,6 @@ def headline(label: str, s: dict[str, Any], a: str = "rlbridge", b: str = "trl")
 
 
 # ------------------------------------------------------------------------------------------ the rounds
-def keep_log(src: Path, dst: Path) -> None:
-    """The last LOG_TAIL_BYTES of a console log, copied flat."""
-    if src.exists():
-        data = src.read_bytes()
-        dst.write_bytes(data[-LOG_TAIL_BYTES:])
-
-
 def tools(a: argparse.Namespace) -> tuple[str, str]:
     """A and B, in this order in every round: rlbridge, then GRPOTrainer (trl) or AsyncGRPOTrainer (trl-async)."""
     return ("rlbridge", "trl-async" if a.trl_async else "trl")

@@ -27,6 +27,16 @@ PROGRESS = (
 """Lines of a child `rlbridge train` echoed as they come: a benchmark cut by a deadline still shows how far it got."""
 
 
+LOG_TAIL_BYTES = 200_000
+
+
+def keep_log(src: Path, dst: Path) -> None:
+    """The last LOG_TAIL_BYTES of a log, copied flat (a device call brings back only shallow files)."""
+    if src.exists():
+        data = src.read_bytes()
+        dst.write_bytes(data[-LOG_TAIL_BYTES:])
+
+
 def rlbridge_train(recipe: str, run_dir: Path, sets: list[str]) -> float:
     """`rlbridge train RECIPE --run-dir RUN_DIR --set ...` in a child process; its wall seconds. Progress lines
     (PROGRESS) go to stderr as they come; a failed run ends the benchmark with the run's last output."""

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, rlbridge_train  # noqa: E402
+from bench.common import keep_log, machine, rlbridge_train  # noqa: E402
 from bench.growth import DevicePeak, plan_gib  # noqa: E402
 
 TIMES = ("time_step", "time_generate", "time_update", "time_sync", "sleep_s", "wake_s")
@@ -102,6 +102,8 @@ def main() -> None:
             sets = [*base, f"rollout.engines_per_device={k}"]
             with DevicePeak() as device:
                 wall = rlbridge_train(a.recipe, run_dir, sets)
+            for log_file in sorted((run_dir / "logs").glob("*.log")):  # each engine's load and sync lines
+                keep_log(log_file, a.out / f"{run_dir.name}.{log_file.name}")
             recs = records(run_dir)
             dirs[k] = run_dir
             row = {
