@@ -38,7 +38,10 @@ class RewardTerm(Section):
     def _fn_or_model(self) -> RewardTerm:
         if (self.fn is None) == (self.model is None):
             raise ValueError("a reward term names either fn (a function) or model (a reward model)")
-        model_only = sorted({"device", "batch_size"} & self.model_fields_set)
+        # compared with the defaults, not with the keys written: a resolved recipe (run directory, --set of a
+        # whole list) carries every field of every term
+        defaults = type(self).model_fields
+        model_only = sorted(k for k in ("device", "batch_size") if getattr(self, k) != defaults[k].default)
         if self.fn is not None and model_only:
             raise ValueError(
                 f"{' and '.join(model_only)} belong to a reward model term (model: ...), not to fn {self.fn}"

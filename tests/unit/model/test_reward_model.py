@@ -143,7 +143,10 @@ def test_device_and_batch_size_are_validated(reward_dir: Path, tmp_path: Path) -
     term = validate_recipe(f, ["reward.terms.2.device=cpu"]).recipe.reward.resolved_terms()[2]
     assert (term.device, term.batch_size) == ("cpu", 4)
     with pytest.raises(ValueError, match="device belong to a reward model term"):
-        RewardTerm(fn="arithmetic", device="cpu")
+        RewardTerm(fn="arithmetic", device="cuda")
+    # a resolved recipe carries every field of every term: the defaults on a function term are accepted
+    again = RewardTerm.model_validate(RewardTerm(fn="arithmetic").model_dump())
+    assert (again.fn, again.device, again.batch_size) == ("arithmetic", "cpu", 16)
 
 
 def _gpu_recipe(tmp_path: Path, term: dict[str, object] | None, **cluster: object) -> Path:
