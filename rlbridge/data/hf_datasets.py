@@ -25,6 +25,9 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parqu
 """datasets' packaged builder for each local file suffix."""
 FINGERPRINT_ROWS = 1024
 """Rows hashed (evenly spaced) into a lazy source's fingerprint, besides its length."""
+PARQUET_BATCH_ROWS = 10_000
+"""Rows per batch when datasets converts a parquet file into its Arrow cache: its default is a whole row group
+(up to a million rows in a file pyarrow or pandas wrote), decoded at once."""
 
 
 def _datasets(key: str) -> Any:
@@ -107,7 +110,8 @@ def open_split(cfg: DatasetCfg, which: str) -> Any:
     ds_lib = _datasets(key)
     try:
         if builder is not None:
-            found = ds_lib.load_dataset(builder, data_files=str(path), split="train")
+            batch = {"batch_size": PARQUET_BATCH_ROWS} if builder == "parquet" else {}
+            found = ds_lib.load_dataset(builder, data_files=str(path), split="train", **batch)
         elif path.is_dir() and is_saved_dataset(path):
             found = _pick(ds_lib.load_from_disk(str(path)), cfg, which, key)
         elif path.is_dir():

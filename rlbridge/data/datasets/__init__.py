@@ -1,13 +1,14 @@
 """Prompts: load them (load.py), render and tokenize them (encode.py), and sample them (sampler.py). The rest of
 the code imports every name from `rlbridge.data.datasets`.
 
-Two ways in. A .jsonl or .parquet file (data.<split>.loader auto) and `builtin:arithmetic` are read whole into
-a list of `Prompt`s, forgiving per row and strict per file: a malformed row (not an object, a missing key, an
-empty or non-string prompt, invalid JSON or UTF-8) is skipped and counted, with the line numbers of the first
-few, but a file with no usable row, a missing file or a missing column is an `RlbridgeError` naming the recipe
-key to change. Every other source (Hub datasets, .json, .csv, folders; or any file with loader datasets) goes
-through Hugging Face datasets (hf_datasets.py) and stays on disk: `LazyEncoded` reads and tokenizes a row when
-the sampler reaches it, and the sampler passes over rows that cannot be prompts.
+Two ways in. A .jsonl or .parquet file of at most WHOLE_FILE_BYTES (data.<split>.loader auto; any size with loader
+memory) and `builtin:arithmetic` are read whole into a list of `Prompt`s, forgiving per row and strict per file: a
+malformed row (not an object, a missing key, an empty or non-string prompt, invalid JSON or UTF-8) is skipped and
+counted, with the line numbers of the first few, but a file with no usable row, a missing file or a missing
+column is an `RlbridgeError` naming the recipe key to change. Every other source (Hub datasets, .json, .csv,
+folders, a larger .jsonl or .parquet file; or any file with loader datasets) goes through Hugging Face datasets
+(hf_datasets.py) and stays on disk, memory-mapped: `LazyEncoded` reads and tokenizes a row when the sampler
+reaches it, and the sampler passes over rows that cannot be prompts.
 
 A prompt is a string (rendered with data.template into a user message) or a conversation (a list of
 `{role, content}` messages, TRL's conversational format), given to the chat template as it is.

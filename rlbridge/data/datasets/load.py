@@ -1,10 +1,11 @@
 """Loading: the rows of one split as `Prompt`s, and why a row is not one.
 
-A .jsonl or .parquet file (data.<split>.loader auto) and `builtin:arithmetic` are read whole into a list of
-`Prompt`s, forgiving per row and strict per file: a malformed row (not an object, a missing key, an empty or
-non-string prompt, invalid JSON or UTF-8) is skipped and counted, with the line numbers of the first few, but a
-file with no usable row, a missing file or a missing column is an `RlbridgeError` naming the recipe key to
-change. Every other source goes through Hugging Face datasets (hf_datasets.py) and stays on disk (`open_prompts`).
+A .jsonl or .parquet file of at most WHOLE_FILE_BYTES (data.<split>.loader auto, or any size with loader memory)
+and `builtin:arithmetic` are read whole into a list of `Prompt`s, forgiving per row and strict per file: a
+malformed row (not an object, a missing key, an empty or non-string prompt, invalid JSON or UTF-8) is skipped and
+counted, with the line numbers of the first few, but a file with no usable row, a missing file or a missing
+column is an `RlbridgeError` naming the recipe key to change. Every other source goes through Hugging Face datasets
+(hf_datasets.py) and stays on disk, memory-mapped (`open_prompts`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ Split = Literal["train", "val"]
 MAX_EXAMPLES = 5
 """Skipped rows described with their reason (the rest are counted), and unusable rows logged one by one."""
 _PARQUET_BATCH_ROWS = 4096
+WHOLE_FILE_BYTES = 64 * 1024**2
+"""The largest .jsonl / .parquet file loader auto reads whole into memory; a larger one goes through Hugging Face
+datasets (memory-mapped). Read whole, a row costs several times its size in Python objects and every prompt is
+tokenized at start."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,15 @@ class Columns(NamedTuple):
 
 
 def uses_datasets(cfg: DatasetCfg) -> bool:
-    """Whether the source is read through Hugging Face datasets (hf_datasets.py) rather than row by row."""
-    if cfg.path.startswith("builtin:"):
+    """Whether the source is read through Hugging Face datasets (hf_datasets.py) rather than whole into memory:
+    loader datasets, any source but a .jsonl or .parquet file, or (loader auto) such a file over
+    WHOLE_FILE_BYTES."""
+    if cfg.path.startswith("builtin:") or cfg.loader == "memory":
         return False
-    return cfg.loader == "datasets" or Path(cfg.path).suffix.lower() not in (".jsonl", ".parquet")
+    path = Path(cfg.path).expanduser()
+    if cfg.loader == "datasets" or path.suffix.lower() not in (".jsonl", ".parquet"):
+        return True
+    return path.is_file() and path.stat().st_size > WHOLE_FILE_BYTES
 
 
 def load_dataset(cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int) -> list[Prompt]:
@@ -135,7 +145,9 @@ def read_dataset(
             raise RlbridgeError(
                 f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
             )
-        rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path, cfg, key, columns)
+        rows = (
+            _jsonl_rows(path) if path.suffix.lower() == ".jsonl" else _parquet_rows(path, cfg, key, columns)
+        )
     prompts, skipped = _collect(rows, cfg, columns)
     if not prompts:
         why = str(skipped) if skipped.count else "the file has no rows"
@@ -152,17 +164,20 @@ def preview(
     """The first `num_rows` rows of a file or dataset as (where, row, problem reading it), and the column names
     where the format has them: what validate-recipe checks, reading only the start of the source."""
     key = f"data.{split}"
-    if uses_datasets(cfg):
+    path = Path(cfg.path).expanduser()
+    # A .jsonl / .parquet file is previewed by the row readers under any loader: they read the first rows only,
+    # where datasets' streaming parses a 10 MB chunk of JSON or a whole parquet row group first.
+    own_reader = path.is_file() and path.suffix.lower() in (".jsonl", ".parquet")
+    if uses_datasets(cfg) and not own_reader:
         from rlbridge.data.hf_datasets import preview as hf_preview
 
         rows, names = hf_preview(cfg, split, num_rows)
         return [(f"row {i + 1}", row, None) for i, row in enumerate(rows)], names
-    path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise RlbridgeError(
             f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
         )
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         return list(itertools.islice(_jsonl_rows(path), num_rows)), None
     columns = Columns.of(cfg, data_cfg, split)
     return list(itertools.islice(_parquet_rows(path, cfg, key, columns), num_rows)), None

@@ -120,7 +120,9 @@ class PromptSampler:
             raise RlbridgeError(
                 f"the checkpoint's data position is for {size} prompts but the dataset now has "
                 f"{len(self.prompts)}; resuming would not reproduce the data order. Restore "
-                "data.train.path and data.train.limit of the original run"
+                "data.train.path and data.train.limit of the original run (and data.train.loader: a .jsonl or "
+                ".parquet file read whole counts only its usable prompts; set loader memory for a run started "
+                "that way)"
             )
         if state.get("fingerprint", self._fingerprint) != self._fingerprint:
             raise RlbridgeError(

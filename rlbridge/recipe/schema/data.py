@@ -3,9 +3,10 @@ and rendered."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlbridge.recipe.schema.base import PositiveInt, Section
 
@@ -20,18 +21,28 @@ class DatasetCfg(Section):
     split: str | None = None
     """Split of a Hub dataset or a folder (default: train for data.train; validation, else test, for data.val).
     A single file has one split."""
-    loader: Literal["auto", "datasets"] = "auto"
-    """How rows are read. auto: a .jsonl or .parquet file row by row into memory (malformed rows skipped and
-    counted), every other source through Hugging Face datasets. datasets: Hugging Face datasets for a .jsonl or
-    .parquet file too: memory-mapped Arrow (converted once into the datasets cache), each row read and tokenized
-    when it is sampled, so a file of millions of rows never sits in memory; rows unusable as prompts are skipped
-    when sampled."""
+    loader: Literal["auto", "datasets", "memory"] = "auto"
+    """How rows are read. memory: a .jsonl or .parquet file row by row into memory (malformed rows skipped and
+    counted, every prompt tokenized at start). datasets: Hugging Face datasets: memory-mapped Arrow (a file is
+    converted once into the datasets cache), each row read and tokenized when it is sampled, so a file of millions
+    of rows never sits in memory; rows unusable as prompts are skipped when sampled. auto: memory for a .jsonl or
+    .parquet file up to 64 MiB, datasets for a larger one and for every other source. A run resumes with the
+    loader it started with (set it explicitly to resume a run started under another rule)."""
     prompt_key: str | None = None
     """Column holding the prompt, for this split only (default: data.columns.prompt)."""
     answer_key: str | None = None
     """Column holding the reference answer, for this split only (default: data.columns.answer)."""
     limit: Annotated[int, Field(ge=1)] | None = None
     """Use only the first `limit` rows."""
+
+    @model_validator(mode="after")
+    def _memory_reads_files(self) -> DatasetCfg:
+        if self.loader == "memory" and Path(self.path).suffix.lower() not in (".jsonl", ".parquet"):
+            raise ValueError(
+                f"loader memory reads a .jsonl or .parquet file, not {self.path}; remove loader (auto) or set "
+                "it to datasets"
+            )
+        return self
 
 
 class ColumnsCfg(Section):
