@@ -27,6 +27,7 @@ import os
 import secrets
 import string
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 
 import wandb
 
+from rlbridge.errors import RlbridgeError
 from rlbridge.metrics.sinks import scalars
 from rlbridge.recipe.schema import WandbCfg
 
@@ -120,15 +122,19 @@ class WandbSink:
         backfill = resumed
         if self.rewound_to >= 0:
             try:
-                self.run = wandb.init(resume_from=f"{run_id}?_step={self.rewound_to}", **kwargs)
+                self.run = init_when_free(
+                    run_id, lambda: wandb.init(resume_from=f"{run_id}?_step={self.rewound_to}", **kwargs)
+                )
+            except RlbridgeError:
+                raise
             except Exception as e:  # a server without rewind: continue the run as it is
                 warn(
                     f"warning: W&B refused to rewind run {run_id} to step {self.rewound_to} ({e!r}); continuing it"
                 )
                 backfill = False
-                self.run = wandb.init(id=run_id, resume="allow", **kwargs)
+                self.run = init_when_free(run_id, lambda: wandb.init(id=run_id, resume="allow", **kwargs))
         else:  # a new run, or (offline) a resume whose earlier files kept no step: all of them are logged again
-            self.run = wandb.init(id=run_id, resume="allow", **kwargs)
+            self.run = init_when_free(run_id, lambda: wandb.init(id=run_id, resume="allow", **kwargs))
         self.backfilled: list[int] = []
         """The steps logged again from metrics.jsonl at start: those after the rewind step up to the checkpoint
         (offline: the rows a kill lost)."""
@@ -144,6 +150,32 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+IN_USE_WAIT_S = 60.0
+"""How long a resume waits for W&B to let go of its run (see init_when_free)."""
+
+
+def init_when_free(run_id: str, init: Callable[[], Any], wait_s: float | None = None) -> Any:
+    """`init()`, retried while W&B answers that the run id "is in use": after a kill -9 the killed process's wandb
+    service can still hold the run for a while (it outlives its parent until it notices), and a resume started
+    at once is refused. Past `wait_s` (IN_USE_WAIT_S) the refusal is an RlbridgeError saying what to do."""
+    deadline = time.monotonic() + (IN_USE_WAIT_S if wait_s is None else wait_s)
+    delay = 0.5
+    while True:
+        try:
+            return init()
+        except Exception as e:
+            if "is in use" not in str(e):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise RlbridgeError(
+                    f"W&B run {run_id} is still held by another wandb process (the killed run's service?) after "
+                    f"{IN_USE_WAIT_S if wait_s is None else wait_s:.0f} s: wait for it to exit (`pgrep -af wandb`) "
+                    "and resume again, or resume with WANDB_MODE=disabled"
+                ) from e
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 # ------------------------------------------------------------------------------------------ reading back

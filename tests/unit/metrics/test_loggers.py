@@ -362,3 +362,37 @@ def test_a_refused_rewind_continues_the_run(tmp_path: Path, monkeypatch: pytest.
     sink.close()
     assert calls == [["resume_from"], ["id", "resume"]]
     assert "refused to rewind" in told[0] and sink.backfilled == []
+
+
+def test_a_resume_waits_while_wandb_still_holds_the_run() -> None:
+    """After a kill -9 the killed run's wandb service can hold the run id for a while; a resume started at once
+    got wandb's "run ID ... is in use" as a traceback (seen in test_resume on a loaded machine). The init is
+    retried while that is the answer, then refused with what to do; any other error passes at once."""
+    from rlbridge.errors import RlbridgeError
+    from rlbridge.metrics.wandb import init_when_free
+
+    answers: list[object] = [
+        RuntimeError("run ID abc is in use"),
+        RuntimeError("run ID abc is in use"),
+        "run",
+    ]
+
+    def init() -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert init_when_free("abc", init, wait_s=10) == "run" and not answers
+
+    def held() -> object:
+        raise RuntimeError("run ID abc is in use")
+
+    with pytest.raises(RlbridgeError, match="W&B run abc is still held .* WANDB_MODE=disabled"):
+        init_when_free("abc", held, wait_s=0.2)
+
+    def broken() -> object:
+        raise ValueError("no network")
+
+    with pytest.raises(ValueError, match="no network"):
+        init_when_free("abc", broken, wait_s=10)
