@@ -45,7 +45,12 @@ BATCH = 64
 PREVIEW_ROWS = 8
 
 
+WORDS = tuple("Natalia sold clips to of her friends in April and then she as many May How did sell".split())
+"""The words of `row`'s text, added to the tiny word-level tokenizer's vocabulary."""
+
+
 def row(i: int) -> dict[str, str]:
+    """A gsm8k-like row (~150-175 bytes of JSON) whose question ends with its row number."""
     a, b = 10 + i % 89, 3 + i % 7
     return {
         "question": f"Natalia sold clips to {a} of her friends in April, and then she sold {b} times as many "
@@ -136,10 +141,7 @@ def measure(path: str, loader: str, resume_at: float) -> dict[str, Any]:
     from rlbridge.recipe.schema import DataCfg
     from tests.fixtures.tiny_tokenizer import build_tiny_tokenizer
 
-    words = tuple(
-        "Natalia sold clips to of her friends in April and then she as many May How did sell".split()
-    )
-    tokenizer = build_tiny_tokenizer(extra_words=words)
+    tokenizer = build_tiny_tokenizer(extra_words=WORDS)
     data = DataCfg.model_validate({"train": {"path": path, "loader": loader}, "batch_size": BATCH})
     out: dict[str, Any] = {}
     with Peak() as p:  # what validate-recipe reads

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.data_rows import WORDS, row
 from rlbridge.data.datasets import (
     Columns,
     LazyEncoded,
@@ -31,17 +32,6 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 ROWS = 200_000
 BATCH = 64
-WORDS = tuple("Natalia sold clips to of her friends in April and then she as many May How did sell".split())
-
-
-def row(i: int) -> dict[str, str]:
-    """A gsm8k-like row (~175 bytes of JSON) whose question ends with its row number."""
-    a, b = 10 + i % 89, 3 + i % 7
-    return {
-        "question": f"Natalia sold clips to {a} of her friends in April, and then she sold {b} times as many "
-        f"in May. How many clips did she sell? #{i}",
-        "answer": f"{a} * {b} = {a * b}. #### {a + a * b}",
-    }
 
 
 def held_bytes(rows: list[dict[str, str]], data: DataCfg, tokenizer: object) -> int:
