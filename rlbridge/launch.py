@@ -144,10 +144,8 @@ class RayLaunch:
             )
             client = s.trainer = RayTrainer(trainer)
             starting += list(zip(trainer.ranks, joins, strict=True))
-        for (
-            worker,
-            _,
-        ) in starting:  # out of GPU memory: the error names the recipe key (engines: _start_rollout)
+        # out of GPU memory: the error names the recipe key (the engines' explainers: _start_rollout)
+        for worker, _ in starting:
             if not any(worker is w for w in engines):
                 worker.explain = functools.partial(gpu_faults.explain, role="trainer", recipe=r, plan=plan)
         answers = rc.wait_started(

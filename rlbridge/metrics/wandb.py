@@ -160,7 +160,8 @@ def init_when_free(run_id: str, init: Callable[[], Any], wait_s: float | None = 
     """`init()`, retried while W&B answers that the run id "is in use": after a kill -9 the killed process's wandb
     service can still hold the run for a while (it outlives its parent until it notices), and a resume started
     at once is refused. Past `wait_s` (IN_USE_WAIT_S) the refusal is an RlbridgeError saying what to do."""
-    deadline = time.monotonic() + (IN_USE_WAIT_S if wait_s is None else wait_s)
+    limit = IN_USE_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + limit
     delay = 0.5
     while True:
         try:
@@ -171,7 +172,7 @@ def init_when_free(run_id: str, init: Callable[[], Any], wait_s: float | None = 
             if time.monotonic() + delay > deadline:
                 raise RlbridgeError(
                     f"W&B run {run_id} is still held by another wandb process (the killed run's service?) after "
-                    f"{IN_USE_WAIT_S if wait_s is None else wait_s:.0f} s: wait for it to exit (`pgrep -af wandb`) "
+                    f"{limit:.0f} s: wait for it to exit (`pgrep -af wandb`) "
                     "and resume again, or resume with WANDB_MODE=disabled"
                 ) from e
             time.sleep(delay)
