@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from rlbridge.data.arithmetic import arithmetic_rows
+from rlbridge.data.hf_datasets import check_single_file
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import DataCfg, DatasetCfg
 
@@ -145,6 +146,7 @@ def read_dataset(
             raise RlbridgeError(
                 f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
             )
+        check_single_file(cfg, key)
         rows = (
             _jsonl_rows(path) if path.suffix.lower() == ".jsonl" else _parquet_rows(path, cfg, key, columns)
         )
@@ -177,6 +179,7 @@ def preview(
         raise RlbridgeError(
             f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
         )
+    check_single_file(cfg, key)
     if path.suffix.lower() == ".jsonl":
         return list(itertools.islice(_jsonl_rows(path), num_rows)), None
     columns = Columns.of(cfg, data_cfg, split)
