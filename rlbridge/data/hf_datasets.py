@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rlbridge.data.json_array import is_json_array, write_json_lines
 from rlbridge.errors import DataError, RlbridgeError
 from rlbridge.recipe.schema import DatasetCfg
 
@@ -150,7 +152,8 @@ def open_split(cfg: DatasetCfg, which: str) -> Any:
     try:
         if builder is not None:
             batch = {"batch_size": PARQUET_BATCH_ROWS} if builder == "parquet" else {}
-            found = ds_lib.load_dataset(builder, data_files=str(path), split="train", **batch)
+            data_file = json_lines_of(path, key) if builder == "json" and is_json_array(path) else path
+            found = ds_lib.load_dataset(builder, data_files=str(data_file), split="train", **batch)
         elif path.is_dir() and is_saved_dataset(path):
             _saved(cfg, key)
             found = _pick(ds_lib.load_from_disk(str(path)), cfg, which, key)
@@ -204,6 +207,35 @@ def _config_error(cfg: DatasetCfg, key: str, text: str) -> DataError | None:
         f"set {key}.config to one of them",
         value=cfg.config,
     )
+
+
+JSON_LINES_DIR = "rlbridge-json-lines"
+"""Folder of datasets' cache holding JSON array files converted to JSON Lines (`json_lines_of`)."""
+
+
+def json_lines_of(path: Path, key: str) -> Path:
+    """The JSON array in `path` as a JSON Lines file in datasets' cache, written once per version of the file (its
+    size and modification time) by reading one element at a time: datasets reads a JSON array whole into Python
+    objects, JSON Lines in chunks. An older version's conversion of the same file is removed."""
+    folder = Path(_datasets(key).config.HF_DATASETS_CACHE) / JSON_LINES_DIR
+    folder /= hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    stat = path.stat()
+    target = folder / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}.jsonl"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            if not write_json_lines(path, out, key):
+                raise RlbridgeError(f"{key}.path: {path} is an empty JSON array (no rows)")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    for old in folder.glob("*.jsonl"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    return target
 
 
 def _load_error(cfg: DatasetCfg, key: str, path: Path, e: Exception) -> RlbridgeError:
