@@ -24,9 +24,11 @@ class RecipeIssue:
     """file:line, or --set for an override."""
     fix: str | None = None
     """The smallest change that makes it valid."""
-    origin: str | None = None
-    """The recipe section whose values the problem was found in, when not `key`'s own: a data split (`data.train`)
-    whose rows lack what `key` names. A `--set` that changed it is the `where` (recipe/__init__.py); not printed."""
+    origin: tuple[str, ...] = ()
+    """The keys that chose the values the problem was found in, when not `key` alone, least specific first: the
+    rows of a data split lack what `key` names, and `data.train.path`, `.config` and `.split` chose those rows.
+    The last `--set` of one of them is the `where`; without one, a `key` the file does not write is put on the
+    file line of the last of them the file writes (recipe/__init__.py). Not printed."""
 
     def to_dict(self) -> dict[str, str | None]:
         out = asdict(self)
@@ -42,6 +44,15 @@ class RecipeIssue:
         if self.where:
             text += f"  [{self.where}]"
         return text
+
+
+class DataError(RlbridgeError):
+    """A data source that does not hold what the recipe asks of it (a split, a configuration), with the recipe key
+    to change and the fix, kept apart so that validate-recipe reports them as a recipe issue."""
+
+    def __init__(self, key: str, message: str, fix: str, value: str | None = None):
+        self.key, self.message, self.fix, self.value = key, message, fix, value
+        super().__init__(f"{key}: {message}; {fix}")
 
 
 class RecipeError(RlbridgeError):

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rlbridge.errors import RlbridgeError
+from rlbridge.data.json_array import is_json_array, write_json_lines
+from rlbridge.errors import DataError, RlbridgeError
 from rlbridge.recipe.schema import DatasetCfg
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -69,17 +71,50 @@ def default_split(which: str, names: list[str]) -> str | None:
 
 
 def _pick(found: Any, cfg: DatasetCfg, which: str, key: str) -> Any:
-    """One split of a DatasetDict (or the Dataset itself)."""
+    """One split of a DatasetDict (or the Dataset itself, which is one split)."""
     if not hasattr(found, "keys"):
+        if cfg.split not in (None, "train"):
+            raise DataError(
+                f"{key}.split",
+                f"{cfg.path} holds one split (a Dataset saved with save_to_disk), not a DatasetDict of splits",
+                f"remove {key}.split, or point {key}.path at a source with a split {cfg.split!r}",
+                value=cfg.split,
+            )
         return found
     names = list(found.keys())
     split = cfg.split or default_split(which, names)
     if split not in names:
-        raise RlbridgeError(
-            f"{key}.split: {cfg.path} has no split {split!r}; its splits: {', '.join(names)}; "
-            f"set {key}.split to one of them"
+        named = f"split {split!r}" if cfg.split else f"default split (for data.{which}: {_defaults(which)})"
+        raise DataError(
+            f"{key}.split",
+            f"{cfg.path} has no {named}; its splits: {', '.join(names)}",
+            f"set {key}.split to one of: {', '.join(names)}",
+            value=cfg.split,
         )
     return found[split]
+
+
+def _defaults(which: str) -> str:
+    return "train" if which == "train" else "validation, test, valid or val"
+
+
+def check_single_file(cfg: DatasetCfg, key: str) -> None:
+    """A single file is one split (train) of one configuration: a data.<split>.split or .config naming another is
+    an error, never ignored."""
+    if cfg.split not in (None, "train"):
+        raise DataError(
+            f"{key}.split",
+            f"a single file has one split ({cfg.path})",
+            f"remove {key}.split, or point {key}.path at the file of split {cfg.split!r}",
+            value=cfg.split,
+        )
+    if cfg.config is not None:
+        raise DataError(
+            f"{key}.config",
+            f"a single file has no configurations ({cfg.path})",
+            f"remove {key}.config, or point {key}.path at the file of configuration {cfg.config!r}",
+            value=cfg.config,
+        )
 
 
 def _single_file(path: Path, cfg: DatasetCfg, key: str) -> str:
@@ -89,12 +124,18 @@ def _single_file(path: Path, cfg: DatasetCfg, key: str) -> str:
             f"{key}.path: unsupported file type {path.suffix or '(none)'!r} ({cfg.path}); use .jsonl, .json, "
             ".csv, .parquet or .arrow, a folder, or a Hub dataset name"
         )
-    if cfg.split not in (None, "train"):
-        raise RlbridgeError(
-            f"{key}.split: a single file has one split; remove {key}.split (got {cfg.split!r}), or point "
-            f"{key}.path at the file of that split"
-        )
+    check_single_file(cfg, key)
     return builder
+
+
+def _saved(cfg: DatasetCfg, key: str) -> None:
+    if cfg.config is not None:
+        raise DataError(
+            f"{key}.config",
+            f"{cfg.path} is a folder written by save_to_disk, which has no configurations",
+            f"remove {key}.config, or point {key}.path at the folder of configuration {cfg.config!r}",
+            value=cfg.config,
+        )
 
 
 def open_split(cfg: DatasetCfg, which: str) -> Any:
@@ -111,8 +152,10 @@ def open_split(cfg: DatasetCfg, which: str) -> Any:
     try:
         if builder is not None:
             batch = {"batch_size": PARQUET_BATCH_ROWS} if builder == "parquet" else {}
-            found = ds_lib.load_dataset(builder, data_files=str(path), split="train", **batch)
+            data_file = json_lines_of(path, key) if builder == "json" and is_json_array(path) else path
+            found = ds_lib.load_dataset(builder, data_files=str(data_file), split="train", **batch)
         elif path.is_dir() and is_saved_dataset(path):
+            _saved(cfg, key)
             found = _pick(ds_lib.load_from_disk(str(path)), cfg, which, key)
         elif path.is_dir():
             found = _pick(ds_lib.load_dataset(str(path), cfg.config), cfg, which, key)
@@ -123,28 +166,95 @@ def open_split(cfg: DatasetCfg, which: str) -> Any:
     except (
         Exception
     ) as e:  # datasets raises ValueError, FileNotFoundError, ConnectionError, DatasetGenerationError
-        raise RlbridgeError(_load_error(cfg, key, path, e)) from None
+        raise _load_error(cfg, key, path, e) from None
     if cfg.limit is not None and cfg.limit < found.num_rows:
         found = found.select(range(cfg.limit))
     return found
 
 
-def _load_error(cfg: DatasetCfg, key: str, path: Path, e: Exception) -> str:
+_CONFIGS = (
+    re.compile(
+        r"[Aa]vailable(?: configs)?(?: in the cache)?: \[([^\]]*)\]"
+    ),  # "BuilderConfig 'x' not found. ..."
+    re.compile(r"configurations in the cache: (.*?) Please"),  # offline, none named, several cached
+)
+
+
+def _config_error(cfg: DatasetCfg, key: str, text: str) -> DataError | None:
+    """datasets' answer to a configuration the source lacks (or several and none named), as the key to change."""
+    found = next((m for m in (p.search(text) for p in _CONFIGS) if m), None)
+    if found is None:
+        return None
+    names = [n.strip(" '\"") for n in found.group(1).split(",") if n.strip(" '\"")]
+    if not names:  # nothing cached: the offline message below says what to do
+        return None
+    if cfg.config is None:
+        return DataError(
+            f"{key}.config",
+            f"{cfg.path} has several configurations: {', '.join(names)}",
+            f"set {key}.config to one of them",
+        )
+    if names == ["default"]:  # a folder of data files: its one configuration, taken without a name
+        return DataError(
+            f"{key}.config",
+            f"{cfg.path} has no configuration {cfg.config!r} (a folder of data files has one, unnamed)",
+            f"remove {key}.config",
+            value=cfg.config,
+        )
+    return DataError(
+        f"{key}.config",
+        f"{cfg.path} has no configuration {cfg.config!r}; its configurations: {', '.join(names)}",
+        f"set {key}.config to one of them",
+        value=cfg.config,
+    )
+
+
+JSON_LINES_DIR = "rlbridge-json-lines"
+"""Folder of datasets' cache holding JSON array files converted to JSON Lines (`json_lines_of`)."""
+
+
+def json_lines_of(path: Path, key: str) -> Path:
+    """The JSON array in `path` as a JSON Lines file in datasets' cache, written once per version of the file (its
+    size and modification time) by reading one element at a time: datasets reads a JSON array whole into Python
+    objects, JSON Lines in chunks. An older version's conversion of the same file is removed."""
+    folder = Path(_datasets(key).config.HF_DATASETS_CACHE) / JSON_LINES_DIR
+    folder /= hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    stat = path.stat()
+    target = folder / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}.jsonl"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            if not write_json_lines(path, out, key):
+                raise RlbridgeError(f"{key}.path: {path} is an empty JSON array (no rows)")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    for old in folder.glob("*.jsonl"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    return target
+
+
+def _load_error(cfg: DatasetCfg, key: str, path: Path, e: Exception) -> RlbridgeError:
     text = " ".join(str(e).split())[:600]
+    config_error = _config_error(cfg, key, text)
+    if config_error is not None:
+        return config_error
     if path.exists():
-        return f"{key}.path: Hugging Face datasets cannot read {cfg.path}: {text}"
+        return RlbridgeError(f"{key}.path: Hugging Face datasets cannot read {cfg.path}: {text}")
     name = f"{cfg.path}" + (f" (config {cfg.config})" if cfg.config else "")
     if isinstance(e, ConnectionError) or "offline" in text.lower():
         cfg_arg = f" {cfg.config}" if cfg.config else ""
-        return (
+        return RlbridgeError(
             f"{key}.path: {name} is not a local path and not in the Hugging Face datasets cache, and the Hub "
             f'cannot be reached (offline). Load it once online, e.g. python -c "import datasets; '
             f"datasets.load_dataset('{cfg.path}'{f', {cfg.config!r}' if cfg.config else ''})\", or download "
             f"its files (hf download {cfg.path}{cfg_arg} --repo-type dataset) and point {key}.path at the folder"
         )
-    if "config" in text.lower() and "config" not in (cfg.config or ""):
-        return f"{key}.config: {name}: {text}; set {key}.config to one of its configurations"
-    return f"{key}.path: cannot load {name} with Hugging Face datasets: {text}"
+    return RlbridgeError(f"{key}.path: cannot load {name} with Hugging Face datasets: {text}")
 
 
 def preview(cfg: DatasetCfg, which: str, num_rows: int) -> tuple[list[dict[str, Any]], list[str]]:
@@ -167,7 +277,7 @@ def preview(cfg: DatasetCfg, which: str, num_rows: int) -> tuple[list[dict[str, 
         except RlbridgeError:
             raise
         except Exception as e:
-            raise RlbridgeError(_load_error(cfg, key, path, e)) from None
+            raise _load_error(cfg, key, path, e) from None
         columns = list(stream.column_names or (rows[0].keys() if rows else []))
         return rows, columns
     found = open_split(cfg, which)

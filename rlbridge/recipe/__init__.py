@@ -72,13 +72,18 @@ def _checks_despite_schema_errors(
 
 
 def _located(issue: RecipeIssue, source: Source) -> RecipeIssue:
-    """The issue with its `where`: the `--set` or file line of its key; when the key is the file's and a `--set`
-    changed the issue's origin (`--set data.train.path=...` to rows without the prompt column), that `--set`."""
+    """The issue with its `where`: the `--set` or file line of its key; when the key is the file's (or a default)
+    and a `--set` changed one of the issue's origin keys (`--set data.train.split=test` to rows without the prompt
+    column), the last such `--set`; when the key is a default and the file writes an origin key, that key's line
+    (`split: test`, not the `data:` section)."""
     if issue.where:
         return issue
     where = source.where(issue.key)
-    if issue.origin is not None and not where.startswith("--set "):
-        where = source.override_in(issue.origin) or where
+    if issue.origin and not where.startswith("--set "):
+        written = issue.key in source.lines
+        where = (
+            source.override_in(*issue.origin) or (None if written else source.line_of(*issue.origin)) or where
+        )
     return replace(issue, where=where)
 
 

@@ -52,12 +52,18 @@ class Source:
             probe = probe.rpartition(".")[0]
         return self.file
 
-    def override_in(self, section: str) -> str | None:
-        """`--set ARG` for the last override that set `section`, a key below it or a section above it; else None."""
+    def override_in(self, *sections: str) -> str | None:
+        """`--set ARG` for the last override that set one of `sections`, a key below one or a section above one;
+        else None."""
         for o, argument in reversed(self.overrides.items()):
-            if o == section or o.startswith(section + ".") or section.startswith(o + "."):
+            if any(o == s or o.startswith(s + ".") or s.startswith(o + ".") for s in sections):
                 return f"--set {argument}"
         return None
+
+    def line_of(self, *keys: str) -> str | None:
+        """`FILE:LINE` of the last of `keys` that the file writes; else None."""
+        written = [k for k in keys if k in self.lines]
+        return f"{self.file}:{self.lines[written[-1]]}" if written else None
 
 
 # ------------------------------------------------------------------------------------------- YAML

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from rlbridge.data.arithmetic import arithmetic_rows
+from rlbridge.data.hf_datasets import check_single_file
+from rlbridge.data.json_array import array_rows, is_json_array
 from rlbridge.errors import RlbridgeError
 from rlbridge.recipe.schema import DataCfg, DatasetCfg
 
@@ -145,6 +147,7 @@ def read_dataset(
             raise RlbridgeError(
                 f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
             )
+        check_single_file(cfg, key)
         rows = (
             _jsonl_rows(path) if path.suffix.lower() == ".jsonl" else _parquet_rows(path, cfg, key, columns)
         )
@@ -165,9 +168,11 @@ def preview(
     where the format has them: what validate-recipe checks, reading only the start of the source."""
     key = f"data.{split}"
     path = Path(cfg.path).expanduser()
-    # A .jsonl / .parquet file is previewed by the row readers under any loader: they read the first rows only,
-    # where datasets' streaming parses a 10 MB chunk of JSON or a whole parquet row group first.
-    own_reader = path.is_file() and path.suffix.lower() in (".jsonl", ".parquet")
+    # A .jsonl / .parquet file (or a .json array) is previewed by the row readers under any loader: they read the
+    # first rows only, where datasets' streaming parses a 10 MB chunk of JSON, a whole parquet row group, or a whole
+    # JSON array first.
+    array = path.is_file() and path.suffix.lower() == ".json" and is_json_array(path)
+    own_reader = array or (path.is_file() and path.suffix.lower() in (".jsonl", ".parquet"))
     if uses_datasets(cfg) and not own_reader:
         from rlbridge.data.hf_datasets import preview as hf_preview
 
@@ -177,6 +182,9 @@ def preview(
         raise RlbridgeError(
             f"{key}.path: file not found: {cfg.path} (relative paths are from the current directory)"
         )
+    check_single_file(cfg, key)
+    if array:
+        return array_rows(path, key, num_rows), None
     if path.suffix.lower() == ".jsonl":
         return list(itertools.islice(_jsonl_rows(path), num_rows)), None
     columns = Columns.of(cfg, data_cfg, split)

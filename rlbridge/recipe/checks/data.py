@@ -1,8 +1,9 @@
 """The datasets a recipe points at, checked on their first rows: that the source opens, that the prompt and answer
 columns are there, that data.template's fields are columns of the rows, and that conversations (prompts given as
 messages) meet a chat template. Each issue names the split, the row and the recipe key to change; one about rows
-(a key elsewhere, such as data.columns.prompt) has the split's path for its origin, so that a `--set` that pointed
-the split at those rows is the one blamed.
+(a key elsewhere, such as data.columns.prompt) has the keys that chose the split's rows for its origin (path,
+config, split), so that a `--set` that pointed the split at those rows (`--set data.train.split=test`) is the one
+blamed, or, without one, the recipe line that did.
 
 Only the first PREVIEW_ROWS rows are read (a local file is streamed, never converted), so validation stays fast
 on a file of millions of rows; rows further down are checked when they are sampled.
@@ -15,7 +16,7 @@ import string
 from pathlib import Path
 from typing import Any, Literal
 
-from rlbridge.errors import RecipeIssue, RlbridgeError
+from rlbridge.errors import DataError, RecipeIssue, RlbridgeError
 from rlbridge.recipe.checks.common import Issues
 from rlbridge.recipe.schema import DataCfg, DatasetCfg, Recipe
 
@@ -50,6 +51,11 @@ def check_data(r: Recipe, out: Issues) -> None:
                 _check_template_fields(template_fields, f"data.{which}", "row 1", row, r.data, out)
             continue
         _check_rows(r, ds, which, template_fields, out)
+
+
+def chose(key: str, but: str = "") -> tuple[str, ...]:
+    """The keys of split `key` (data.train) that choose its rows, least specific first, without `but`."""
+    return tuple(k for k in (f"{key}.path", f"{key}.config", f"{key}.split") if k != but)
 
 
 def _template_fields(data: DataCfg, out: Issues) -> set[str] | None:
@@ -101,13 +107,19 @@ def _check_rows(
     key = f"data.{which}"
     try:
         rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)
+    except (
+        DataError
+    ) as e:  # a split or config the source lacks: its path chose the source (no path: no origin)
+        origin = () if e.key == f"{key}.path" else chose(key, but=e.key)
+        out.append(RecipeIssue(e.key, e.message, value=e.value, fix=e.fix, origin=origin))
+        return
     except RlbridgeError as e:  # the loaders' messages begin with the key to change ("data.val.split: ...")
         head, _, rest = str(e).partition(": ")
         named = head.startswith("data.") and " " not in head and rest
         out.append(RecipeIssue(head if named else f"{key}.path", rest if named else str(e), value=ds.path))
         return
     if not rows:
-        out.append(RecipeIssue(f"{key}.path", "the source has no rows", value=ds.path))
+        out.append(RecipeIssue(f"{key}.path", "the source has no rows", value=ds.path, origin=chose(key)))
         return
     columns = Columns.of(ds, data, which)
     results: list[tuple[str, Any, Prompt | str]] = [
@@ -126,7 +138,7 @@ def _check_rows(
                 "conversation (a list of messages), given to the chat template as it is",
                 value=data.template,
                 fix="remove data.template (put instructions into the conversation or data.system_prompt)",
-                origin=f"{key}.path",
+                origin=chose(key),
             )
         )
     if conversations and data.chat_template is False:
@@ -136,7 +148,7 @@ def _check_rows(
                 f"is false, but {key} {conversations[0][0]}'s {columns.prompt!r} is a conversation, which only "
                 "a chat template turns into text",
                 fix="set data.chat_template: true (the tokenizer's) or a Jinja chat template",
-                origin=f"{key}.path",
+                origin=chose(key),
             )
         )
     _check_reward_columns(r, which, usable[0][0], usable[0][1], columns.prompt, out)
@@ -160,7 +172,7 @@ def _check_template_fields(
             f"names the field {{{missing[0]}}}, but {key} {where} has no such column",
             value=data.template,
             fix=f"use the row's fields ({have}), or double the braces of literal text",
-            origin=f"{key}.path",
+            origin=chose(key),
         )
     )
     return True
@@ -192,7 +204,7 @@ def _check_reward_columns(
                     f"no such column (columns besides the prompt: {', '.join(sorted(have)) or 'none'})",
                     value=term.fn,
                     fix="rename the dataset column, or give the parameter a default",
-                    origin=f"data.{which}.path",
+                    origin=chose(f"data.{which}"),
                 )
             )
 
@@ -219,7 +231,7 @@ def _no_usable_row(
                     fix=f"set {which_key} to the column holding the "
                     f"{'prompt' if which_key == columns.prompt_key else 'reference answer'}, one of: "
                     f"{', '.join(have)}",
-                    origin=f"data.{which}.path",
+                    origin=chose(f"data.{which}"),
                 )
             )
             return
@@ -229,6 +241,7 @@ def _no_usable_row(
             f"none of the first {len(results)} rows is usable: {where}: {why}{listed}",
             value=ds.path,
             fix="fix the rows, or point data.columns at the prompt and answer columns",
+            origin=chose(f"data.{which}"),
         )
     )
 

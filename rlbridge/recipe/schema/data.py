@@ -17,15 +17,17 @@ class DatasetCfg(Section):
     datasets' `save_to_disk`, or holding data files), a Hugging Face Hub dataset name (`openai/gsm8k`; from the
     local datasets cache when offline), or `builtin:arithmetic` for the generated arithmetic task."""
     config: str | None = None
-    """Configuration of a Hub dataset (`openai/gsm8k`: main or socratic)."""
+    """Configuration of a Hub dataset (`openai/gsm8k`: main or socratic). A single file and a `save_to_disk` folder
+    have none (setting one is an error)."""
     split: str | None = None
     """Split of a Hub dataset or a folder (default: train for data.train; validation, else test, for data.val).
     A single file has one split."""
     loader: Literal["auto", "datasets", "memory"] = "auto"
     """How rows are read. memory: a .jsonl or .parquet file row by row into memory (malformed rows skipped and
     counted, every prompt tokenized at start). datasets: Hugging Face datasets: memory-mapped Arrow (a file is
-    converted once into the datasets cache), each row read and tokenized when it is sampled, so a file of millions
-    of rows never sits in memory; rows unusable as prompts are skipped when sampled. auto: memory for a .jsonl or
+    converted once into the datasets cache; a .json file of one JSON array first to JSON Lines, one element at a
+    time), each row read and tokenized when it is sampled, so a file of millions of rows never sits in memory; rows
+    unusable as prompts are skipped when sampled. auto: memory for a .jsonl or
     .parquet file up to 64 MiB, datasets for a larger one and for every other source. A run resumes with the
     loader it started with (set it explicitly to resume a run started under another rule)."""
     prompt_key: str | None = None

@@ -20,7 +20,7 @@ from rlbridge.data.datasets import (
     read_dataset,
     render_messages,
 )
-from rlbridge.errors import RlbridgeError
+from rlbridge.errors import DataError, RlbridgeError
 from rlbridge.recipe.schema import DataCfg, DatasetCfg
 from tests.fixtures.tiny_tokenizer import build_tiny_tokenizer
 
@@ -139,8 +139,13 @@ def test_hub_dataset_from_the_local_cache_offline(hf_home: Path) -> None:
         RlbridgeError, match=r"data\.train\.path: toy-org/absent is not a local path .*offline"
     ):
         _texts(_data("toy-org/absent"))
-    with pytest.raises(RlbridgeError, match=r"data\.train\.config: .*'other'"):
+    with pytest.raises(DataError, match=r"data\.train\.config: .*'other'; its configurations: main") as e:
         _texts(_data("toy-org/toy-math", config="other"))
+    assert e.value.key == "data.train.config" and e.value.fix == "set data.train.config to one of them"
+    _hub_cache(hf_home, "toy-org/toy-math", "socratic", {"train": _rows(5)})
+    with pytest.raises(DataError, match=r"data\.train\.config: .*several configurations: ") as e:
+        _texts(_data("toy-org/toy-math"))  # two cached, none named
+    assert "main" in e.value.message and "socratic" in e.value.message
 
 
 def test_conversational_prompts_and_recipe_chat_template() -> None:

@@ -623,7 +623,7 @@ LIED = [
     ("--set a data file without the prompt column", "", "", ("data.train.path=ROWS",), "data.columns.prompt",
      "--set data.train.path=ROWS", "problem, solution"),
     ("a data file without the prompt column, a --set elsewhere", '{path: "builtin:arithmetic"}', "{path: ROWS}",
-     ("run.steps=5", "data.train.limit=1"), "data.columns.prompt", "r.yaml:12", "problem, solution"),
+     ("run.steps=5", "data.train.limit=1"), "data.columns.prompt", "r.yaml:13", "problem, solution"),
     ("--set a data file the template's field is not in", TEMPLATE, "template: '{prompt} {hint}'",
      ("data.train.path=QA",), "data.template", "--set data.train.path=QA", "{answer}, {prompt}, {question}"),
 ]  # fmt: skip
@@ -664,6 +664,117 @@ def test_refused_with_key_line_and_fix(
     assert issue.fix is not None and fix in issue.fix, str(issue)
 
 
+TRAIN = '  train: {path: "builtin:arithmetic"}'
+"""WRITTEN's data.train line (13), which each SELECTED case replaces."""
+
+# (id, what replaces TRAIN, --set overrides, expected key, expected where, a fragment of the fix)
+SELECTED = [
+    ("--set split to rows without the prompt column", "  train: {path: DICT}", ("data.train.split=test",),
+     "data.columns.prompt", "--set data.train.split=test", "problem, solution"),
+    ("split in the file to rows without the prompt column", "  train:\n    path: DICT\n    split: test", (),
+     "data.columns.prompt", "r.yaml:15", "problem, solution"),
+    ("split in the file, a --set elsewhere", "  train:\n    path: DICT\n    split: test",
+     ("run.steps=5", "data.train.limit=1"), "data.columns.prompt", "r.yaml:15", "problem, solution"),
+    ("--set split to rows the template's field is not in", "  train: {path: DICT}\n  template: '{prompt} ({question})'",
+     ("data.train.split=test", "data.train.prompt_key=problem", "data.train.answer_key=solution"), "data.template",
+     "--set data.train.split=test", "{problem}"),
+    ("--set split to conversations under chat_template false", "  train: {path: DICT}\n  chat_template: false",
+     ("data.train.split=chat",), "data.chat_template", "--set data.train.split=chat", "data.chat_template: true"),
+    ("--set split to rows with no usable row", "  train: {path: DICT}", ("data.train.split=empty",),
+     "data.train.path", "--set data.train.split=empty", "fix the rows"),
+    ("--set a split the source lacks", "  train: {path: DICT}", ("data.train.split=dev",), "data.train.split",
+     "--set data.train.split=dev", "train, test"),
+    ("--set path to a source without the file's split", "  train:\n    path: DICT\n    split: test",
+     ("data.train.path=TRAIN_ONLY",), "data.train.split", "--set data.train.path=TRAIN_ONLY", "train"),
+    ("a split the source lacks in the file", "  train:\n    path: DICT\n    split: dev", (), "data.train.split",
+     "r.yaml:15", "train, test"),
+    ("--set config of a save_to_disk folder", "  train: {path: DICT}", ("data.train.config=main",),
+     "data.train.config", "--set data.train.config=main", "remove data.train.config"),
+    ("config of a save_to_disk folder in the file", "  train:\n    path: DICT\n    config: main", (),
+     "data.train.config", "r.yaml:15", "remove data.train.config"),
+    ("--set split of a saved Dataset (one split)", "  train: {path: ONE}", ("data.train.split=test",),
+     "data.train.split", "--set data.train.split=test", "remove data.train.split"),
+    ("--set config of a folder of data files", "  train: {path: FOLDER}", ("data.train.config=main",),
+     "data.train.config", "--set data.train.config=main", "remove data.train.config"),
+    ("--set split of a .jsonl file", "  train: {path: QA}", ("data.train.split=test",), "data.train.split",
+     "--set data.train.split=test", "remove data.train.split"),
+    ("--set config of a .jsonl file", "  train: {path: QA}", ("data.train.config=main",), "data.train.config",
+     "--set data.train.config=main", "remove data.train.config"),
+    ("config of a .json file in the file", "  train:\n    path: QA_JSON\n    config: main", (),
+     "data.train.config", "r.yaml:15", "remove data.train.config"),
+]  # fmt: skip
+"""DICT, ONE, TRAIN_ONLY and FOLDER stand for `datasets` sources the test writes (`sources`); QA and QA_JSON for a
+.jsonl and a .json file of question and answer rows."""
+
+
+def sources(tmp_path: Path) -> dict[str, Path]:
+    """save_to_disk folders: DICT (train: question/answer, test: problem/solution, chat: conversations, empty:
+    rows with empty prompts), TRAIN_ONLY (a DatasetDict of train only), ONE (a Dataset); FOLDER, a folder of
+    data files (train.jsonl, test.jsonl); QA and QA_JSON, single files."""
+    import json
+
+    datasets = pytest.importorskip("datasets")
+    qa = [{"question": f"{i} + 1?", "answer": str(i + 1)} for i in range(3)]
+    chat = [{"question": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in qa]
+    d = datasets.Dataset.from_list
+    out = {n: tmp_path / n.lower() for n in ("DICT", "TRAIN_ONLY", "ONE", "FOLDER")}
+    datasets.DatasetDict(
+        {
+            "train": d(qa),
+            "test": d([{"problem": r["question"], "solution": r["answer"]} for r in qa]),
+            "chat": d(chat),
+            "empty": d([{"question": " ", "answer": "1"}]),
+        }
+    ).save_to_disk(str(out["DICT"]))
+    datasets.DatasetDict({"train": d(qa)}).save_to_disk(str(out["TRAIN_ONLY"]))
+    d(qa).save_to_disk(str(out["ONE"]))
+    out["FOLDER"].mkdir()
+    for name in ("train", "test"):
+        (out["FOLDER"] / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in qa))
+    out["QA"], out["QA_JSON"] = tmp_path / "qa.jsonl", tmp_path / "qa.json"
+    out["QA"].write_text("".join(json.dumps(r) + "\n" for r in qa))
+    out["QA_JSON"].write_text(json.dumps(qa))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("desc", "train", "sets", "key", "where", "fix"), SELECTED, ids=[c[0] for c in SELECTED]
+)
+def test_data_selection_blames_the_key_that_chose_the_rows(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    desc: str,
+    train: str,
+    sets: tuple[str, ...],
+    key: str,
+    where: str,
+    fix: str,
+) -> None:
+    """An issue about a split's rows (or the split, or its config) is put on the `--set` that chose them: the
+    split, the config or the path, whichever was set last; without one, on the recipe line of the key, or (a key
+    the file does not write) of the split's most specific key the file writes."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    # longest names first: TRAIN_ONLY before TRAIN-free names, QA_JSON before QA
+    for name, path in sorted(sources(tmp_path).items(), key=lambda item: -len(item[0])):
+        train = train.replace(name, str(path))
+        sets = tuple(s.replace(f"={name}", f"={path}") for s in sets)
+        where = where.replace(f"={name}", f"={path}")
+    f = tmp_path / "r.yaml"
+    text = WRITTEN.replace(TRAIN, train, 1)
+    if "\n  template:" in train:  # the case's template replaces WRITTEN's
+        text = text.replace(f"\n  {TEMPLATE}", "", 1)
+    f.write_text(text)
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(f, sets)
+    found = {i.key: i for i in e.value.issues}
+    assert key in found, f"{desc}: expected an issue on {key}, got {[str(i) for i in e.value.issues]}"
+    issue = found[key]
+    assert issue.where is not None and issue.where.endswith(where), str(issue)
+    assert issue.fix is not None and fix in issue.fix, str(issue)
+
+
 def test_set_indexes_lists(tmp_path: Path) -> None:
     valid = validate_recipe(written(tmp_path), ["reward.terms.0.weight=0.5", "reward.terms.1.fn=arithmetic"])
     assert [(t.fn, t.weight) for t in valid.recipe.reward.resolved_terms()] == [
@@ -689,7 +800,7 @@ def test_dataset_rows_are_read_at_validation(tmp_path: Path) -> None:
     found = {i.key: i for i in e.value.issues}
     assert set(found) == {"data.columns.prompt"}, [str(i) for i in e.value.issues]  # the default column
     issue = found["data.columns.prompt"]
-    assert issue.where == f"{f}:12" and "'question'" in issue.message and "line 1" in issue.message
+    assert issue.where == f"{f}:13" and "'question'" in issue.message and "line 1" in issue.message
     assert issue.fix is not None and "problem" in issue.fix and "solution" in issue.fix
     fixed = validate_recipe(f, ["data.train.prompt_key=problem", "data.train.answer_key=solution"])
     assert fixed.recipe.data.train.prompt_key == "problem"
