@@ -22,7 +22,8 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface, remove_tied_weights_from_state_dict
 from transformers.utils import logging as hf_logging
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "AutoModel",
     "AutoModelForCausalLM",
     "AutoModelForSequenceClassification",
+    "AttentionInterface",
+    "AttentionMaskInterface",
     "AutoTokenizer",
     "DynamicCache",
     "DynamicLayer",
@@ -47,5 +50,6 @@ __all__ = [
     "hf_logging",
     "remove_tied_weights_from_state_dict",
     "revert_weight_conversion",
+    "sdpa_mask",
     "set_peft_model_state_dict",
 ]
