@@ -1,6 +1,6 @@
 """The hf engine's model, built once: the transformers model in the recipe's dtype on its device, float32 logits
-on a 16-bit one, attention masks in which every query may attend to itself, peft's LoRA / DoRA adapter,
-whole-layer recompute.
+on a 16-bit one, attention masks without fully masked query rows, peft's LoRA / DoRA adapter, whole-layer
+recompute.
 
 HFTrainEngine (engine.py) builds its model with these in this order and never changes its structure again.
 """
@@ -54,11 +54,11 @@ def load_model(recipe: Recipe, model_dir: Path, device: torch.device) -> PreTrai
 
 
 def attend_to_self(model: PreTrainedModel) -> None:
-    """Give an sdpa model masks in which no query row is fully masked (`self_attending_sdpa_mask`), for every forward
-    it runs: training passes, log-prob passes (the reference ones included), shared-prompt passes with their cache,
-    recorded CUDA-graph passes, and the critic's. Models on another attention implementation are left as they are
-    (eager masks with the dtype's finite minimum, so a fully masked row gets a finite uniform softmax; flash attention
-    drops padded queries).
+    """Give an sdpa model masks in which no query row is fully masked (`self_attending_sdpa_mask`: such a row may
+    attend to its own key), for every forward it runs: training passes, log-prob passes (the reference ones
+    included), shared-prompt passes with their cache, recorded CUDA-graph passes, and the critic's. Models on
+    another attention implementation are left as they are (eager masks with the dtype's finite minimum, so a fully
+    masked row gets a finite uniform softmax; flash attention drops padded queries).
 
     Why: a left-padding column (or any column whose key and every earlier one are padding) is a query row that may
     attend to no key. PyTorch's memory-efficient SDPA kernel returns zeros for such a row in the forward, but its
@@ -72,9 +72,7 @@ def attend_to_self(model: PreTrainedModel) -> None:
     AttentionInterface.register(SELF_ATTENDING_SDPA, AttentionInterface._global_mapping["sdpa"])
     AttentionMaskInterface.register(SELF_ATTENDING_SDPA, self_attending_sdpa_mask)
     model.set_attn_implementation(SELF_ATTENDING_SDPA)
-    if (
-        model.config._attn_implementation != SELF_ATTENDING_SDPA
-    ):  # transformers refuses models it cannot switch
+    if model.config._attn_implementation != SELF_ATTENDING_SDPA:  # a model transformers cannot switch
         log.warning(
             "%s keeps plain sdpa attention masks: on a GPU a padded batch's gradients may come out NaN (steps skipped)",
             type(model).__name__,
@@ -84,13 +82,14 @@ def attend_to_self(model: PreTrainedModel) -> None:
 def self_attending_sdpa_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0, **kwargs: Any
 ) -> Tensor | None:
-    """transformers' sdpa mask (causal, sliding window, padding, whatever the model asks for) with each query's own
-    key allowed: query q_offset + i attends key kv_offset + j where i + q_offset == j + kv_offset. A real position
-    already attends to itself (its key is real and not later), so its row is unchanged and so is its output, exactly;
-    a padded position that could attend to nothing attends to itself (attend_to_self says why). Its output is never
-    read by a real position (its key is masked for them) and its gradient from the loss is zero, so log-probs, losses
-    and gradients of real tokens are the same. None (sdpa's is_causal path, taken without padding) stays None: there
-    every row sees itself. Static shapes and no host synchronization: CUDA graphs record it."""
+    """transformers' sdpa mask (causal, sliding window, padding, whatever the model asks for) in which a query row
+    that may attend to no key may attend to its own: query q_offset + i to key kv_offset + j where
+    i + q_offset == j + kv_offset. Every other row is unchanged: real positions (they attend to themselves already)
+    and padded ones that see an earlier real token (right padding). Such a padded position's output is never read by
+    a real position (its key is masked for them) and its gradient from the loss is zero, so log-probs, losses and
+    gradients of real tokens are exactly those of the plain mask. None (sdpa's is_causal path, taken without
+    padding) stays None: there every row sees itself. Static shapes and no host synchronization: CUDA graphs
+    record it."""
     mask = sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -103,7 +102,8 @@ def self_attending_sdpa_mask(
         return None
     queries = torch.arange(q_length, device=mask.device) + q_offset
     keys = torch.arange(kv_length, device=mask.device) + kv_offset
-    return mask | (queries[:, None] == keys[None, :])
+    empty = ~mask.any(dim=-1, keepdim=True)  # [b, 1, q, 1]: rows with no allowed key
+    return mask | (empty & (queries[:, None] == keys[None, :]))
 
 
 def float32_logits(model: PreTrainedModel) -> None:
