@@ -23,10 +23,15 @@ from transformers import (
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface, remove_tied_weights_from_state_dict
+from transformers.modeling_utils import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    remove_tied_weights_from_state_dict,
+)
 from transformers.utils import logging as hf_logging
 
 __all__ = [
+    "ALL_ATTENTION_FUNCTIONS",
     "AutoConfig",
     "AutoModel",
     "AutoModelForCausalLM",

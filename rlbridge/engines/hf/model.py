@@ -20,6 +20,7 @@ from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.master import LOW_PRECISION
 from rlbridge.errors import RlbridgeError
 from rlbridge.model.hf import (
+    ALL_ATTENTION_FUNCTIONS,
     AttentionInterface,
     AttentionMaskInterface,
     AutoModelForCausalLM,
@@ -69,7 +70,7 @@ def attend_to_self(model: PreTrainedModel) -> None:
     (AttentionMaskConverter._unmask_unattended); transformers 5's sdpa masks do not."""
     if model.config._attn_implementation != "sdpa":
         return
-    AttentionInterface.register(SELF_ATTENDING_SDPA, AttentionInterface._global_mapping["sdpa"])
+    AttentionInterface.register(SELF_ATTENDING_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
     AttentionMaskInterface.register(SELF_ATTENDING_SDPA, self_attending_sdpa_mask)
     model.set_attn_implementation(SELF_ATTENDING_SDPA)
     if model.config._attn_implementation != SELF_ATTENDING_SDPA:  # a model transformers cannot switch
