@@ -4,7 +4,9 @@
 #
 #   bash scripts/gpu_check.sh 1      # vLLM engine (log-prob floor, merged / adapter syncs, sleep/wake; the engine
 #                                    # without LoRA in a child process), then one train step per engine, then a
-#                                    # reward model term on the GPU against float32 on the CPU (~20 s)
+#                                    # reward model term on the GPU against float32 on the CPU (~20 s), then
+#                                    # fully masked query rows: NaN gradients with plain sdpa masks, finite with
+#                                    # the hf engine's (~30 s, estimate)
 #                                    # (~3-3.5 min with RLBRIDGE_GPU_TESTS_EAGER=all, ~5-7 min compiled; estimate)
 #   bash scripts/gpu_check.sh 2      # `rlbridge train` via the CLI: {hf, megatron} x {merged, adapter}, 2 steps each,
 #                                    # one run per GPU at a time, then kill -9 + resume of a CLI run and its export-hf
@@ -47,7 +49,8 @@ cd "$root"
 files=()
 for p in "$@"; do  # several parts run in the order given, under one budget: bash scripts/gpu_check.sh 3 4
   case "$p" in
-    1) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py) ;;
+    1) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
+              tests/gpu/test_gpu_masked_rows.py) ;;
     2) files+=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
     3) files+=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
     4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU

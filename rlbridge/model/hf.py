@@ -22,14 +22,22 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    remove_tied_weights_from_state_dict,
+)
 from transformers.utils import logging as hf_logging
 
 __all__ = [
+    "ALL_ATTENTION_FUNCTIONS",
     "AutoConfig",
     "AutoModel",
     "AutoModelForCausalLM",
     "AutoModelForSequenceClassification",
+    "AttentionInterface",
+    "AttentionMaskInterface",
     "AutoTokenizer",
     "DynamicCache",
     "DynamicLayer",
@@ -47,5 +55,6 @@ __all__ = [
     "hf_logging",
     "remove_tied_weights_from_state_dict",
     "revert_weight_conversion",
+    "sdpa_mask",
     "set_peft_model_state_dict",
 ]

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch, ValueLossFn, pad_columns
 from rlbridge.engines.base import load_named, take_gradients
 from rlbridge.engines.hf.master import MasterWeights
+from rlbridge.engines.hf.model import attend_to_self
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state
 from rlbridge.model.hf import AutoModel, LoraConfig, PreTrainedModel, get_peft_model, hf_logging
@@ -65,6 +66,7 @@ class HFCritic:
         finally:
             hf_logging.set_verbosity(verbosity)
         nn.Module.to(backbone, self.device)
+        attend_to_self(backbone)  # no fully masked query rows (engines/hf/model.py)
         hidden = int(backbone.config.hidden_size)
         with torch.random.fork_rng(devices=[]):  # adapter and head init from run.seed, global RNG untouched
             torch.manual_seed(recipe.run.seed)

@@ -1,14 +1,17 @@
 """The hf engine's model, built once: the transformers model in the recipe's dtype on its device, float32 logits
-on a 16-bit one, peft's LoRA / DoRA adapter, whole-layer recompute.
+on a 16-bit one, attention masks without fully masked query rows, peft's LoRA / DoRA adapter, whole-layer
+recompute.
 
 HFTrainEngine (engine.py) builds its model with these in this order and never changes its structure again.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -16,12 +19,27 @@ from torch import Tensor, nn
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.master import LOW_PRECISION
 from rlbridge.errors import RlbridgeError
-from rlbridge.model.hf import AutoModelForCausalLM, LoraConfig, PeftModel, PreTrainedModel, get_peft_model
+from rlbridge.model.hf import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    LoraConfig,
+    PeftModel,
+    PreTrainedModel,
+    get_peft_model,
+    sdpa_mask,
+)
 from rlbridge.recipe.schema import Recipe
 from rlbridge.recipe.targets import hf_expert_parameters, hf_targets
 
+log = logging.getLogger(__name__)
+
 ADAPTER = "default"
 """peft's adapter name inside the live model (it never appears in exported names)."""
+SELF_ATTENDING_SDPA = "rlbridge_sdpa"
+"""The attention implementation `attend_to_self` gives an sdpa model: transformers' sdpa attention with the masks of
+`self_attending_sdpa_mask`."""
 
 
 def load_model(recipe: Recipe, model_dir: Path, device: torch.device) -> PreTrainedModel:
@@ -30,9 +48,63 @@ def load_model(recipe: Recipe, model_dir: Path, device: torch.device) -> PreTrai
         model_dir, dtype=getattr(torch, recipe.model.dtype)
     )
     nn.Module.to(base, device)
+    attend_to_self(base)
     if base.dtype in LOW_PRECISION:
         float32_logits(base)
     return base
+
+
+def attend_to_self(model: PreTrainedModel) -> None:
+    """Give an sdpa model masks in which no query row is fully masked (`self_attending_sdpa_mask`: such a row may
+    attend to its own key), for every forward it runs: training passes, log-prob passes (the reference ones
+    included), shared-prompt passes with their cache, recorded CUDA-graph passes, and the critic's. Models on
+    another attention implementation are left as they are (eager masks with the dtype's finite minimum, so a fully
+    masked row gets a finite uniform softmax; flash attention drops padded queries).
+
+    Why: a left-padding column (or any column whose key and every earlier one are padding) is a query row that may
+    attend to no key. PyTorch's memory-efficient SDPA kernel returns zeros for such a row in the forward, but its
+    backward computes exp(score - logsumexp) = exp(-inf + inf) = NaN there; that NaN reaches dQ/dK/dV of the padded
+    position and from them every projection weight's gradient (the loss's zero gradient at padding does not cancel
+    it: 0 * NaN = NaN), so the step is skipped as non-finite although its loss is finite. The CPU kernels give such
+    rows zeros in both directions, which is why only GPUs see it. transformers 4 unmasked these rows for sdpa
+    (AttentionMaskConverter._unmask_unattended); transformers 5's sdpa masks do not."""
+    if model.config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register(SELF_ATTENDING_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(SELF_ATTENDING_SDPA, self_attending_sdpa_mask)
+    model.set_attn_implementation(SELF_ATTENDING_SDPA)
+    if model.config._attn_implementation != SELF_ATTENDING_SDPA:  # a model transformers cannot switch
+        log.warning(
+            "%s keeps plain sdpa attention masks: on a GPU a padded batch's gradients may come out NaN (steps skipped)",
+            type(model).__name__,
+        )
+
+
+def self_attending_sdpa_mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0, **kwargs: Any
+) -> Tensor | None:
+    """transformers' sdpa mask (causal, sliding window, padding, whatever the model asks for) in which a query row
+    that may attend to no key may attend to its own: query q_offset + i to key kv_offset + j where
+    i + q_offset == j + kv_offset. Every other row is unchanged: real positions (they attend to themselves already)
+    and padded ones that see an earlier real token (right padding). Such a padded position's output is never read by
+    a real position (its key is masked for them) and its gradient from the loss is zero, so log-probs, losses and
+    gradients of real tokens are exactly those of the plain mask. None (sdpa's is_causal path, taken without
+    padding) stays None: there every row sees itself. Static shapes and no host synchronization: CUDA graphs
+    record it."""
+    mask = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        **kwargs,
+    )
+    if mask is None:
+        return None
+    queries = torch.arange(q_length, device=mask.device) + q_offset
+    keys = torch.arange(kv_length, device=mask.device) + kv_offset
+    empty = ~mask.any(dim=-1, keepdim=True)  # [b, 1, q, 1]: rows with no allowed key
+    return mask | (empty & (queries[:, None] == keys[None, :]))
 
 
 def float32_logits(model: PreTrainedModel) -> None:
