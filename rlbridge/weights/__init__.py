@@ -49,3 +49,21 @@ class WeightExport:
     """Set for rollout.weight_transport cuda_ipc: CUDA IPC handles of merged tensors on the trainer's GPU, as plain
     data (rlbridge/weights/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its
     `release_export`."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickle (and so Ray, between trainer, driver and rollout workers) sends: the fields, with every
+        tensor that views a larger storage replaced by a compact copy. torch pickles a view with its whole
+        storage, once per view: host_copies hands out an adapter as ~420 views of one joined buffer, which
+        pickled to ~420 times its size (8.8 GB for SmolLM2's 21 MB adapter) before this."""
+        state = dict(self.__dict__)
+        state["tensors"] = {name: compact(t) for name, t in self.tensors.items()}
+        return state
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself when it owns its storage exactly, else a contiguous copy that does."""
+    import torch
+
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() and tensor.is_contiguous():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbridge.weights import WeightExport
+from rlbridge.weights import WeightExport, WeightSync
 from rlbridge.weights.hf_files import ADAPTER_FILE, host_copies, save_hf
 
 
@@ -88,3 +88,29 @@ def test_write_safetensors_reads_back_as_save_file_writes(tmp_path: Path) -> Non
     assert all(torch.equal(ref[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)) for k in ref)
     with pytest.raises(ValueError, match="not the CPU"):
         write_safetensors({"m": torch.zeros(1, device="meta")}, tmp_path / "x.safetensors")
+
+
+def test_an_export_of_host_copies_pickles_to_its_own_size_not_a_buffer_per_view() -> None:
+    """Ray pickles a WeightExport between trainer and rollout workers (several engines, other nodes). torch
+    pickles a view with its whole storage: the ~420 views host_copies makes of one buffer went out ~420 times."""
+    import pickle
+
+    from ray import cloudpickle
+
+    g = torch.Generator().manual_seed(1)
+    adapter = {f"l{i}.lora_{ab}.weight": torch.randn(16, 64, generator=g) for i in range(60) for ab in "AB"}
+    adapter["strided"] = torch.randn(8, 16, generator=g).t()
+    size = sum(t.numel() * t.element_size() for t in adapter.values())
+    export = WeightExport(WeightSync.ADAPTER, host_copies(adapter), {"r": 16})
+    views = sum(t.untyped_storage().nbytes() for t in export.tensors.values())
+    assert views > 50 * size  # what torch would pickle without the compaction
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        blob = dumps(export, protocol=5)
+        assert len(blob) < 1.05 * size + 64 * 1024, (dumps, len(blob), size)
+        back = pickle.loads(blob)
+        assert back.kind == WeightSync.ADAPTER and back.adapter_config == {"r": 16}
+        assert list(back.tensors) == list(adapter)
+        for name, t in adapter.items():
+            assert torch.equal(back.tensors[name], t), name
+    first = export.tensors["l0.lora_A.weight"]  # the sender's export is left as it was (views)
+    assert first.untyped_storage().nbytes() > first.numel() * first.element_size()
