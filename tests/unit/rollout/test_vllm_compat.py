@@ -140,3 +140,15 @@ def test_the_generate_log_line_is_what_the_generation_gap_bench_reads():
         ]
     )
     assert [m.groups() for m in ENGINE_LINE.finditer(text)] == [("512", "131072", "3.612", "3.508")]
+
+
+def test_vllm_cpu_gets_32_token_kv_blocks_and_gpus_vllms_own():
+    from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+    from rlbridge.rollout.vllm_compat import CPU_BLOCK_SIZE, engine_kwargs
+
+    def block(cpu: bool) -> object:
+        kw = engine_kwargs("m", RolloutCfg(), ModelCfg(path="m"), lora_rank=0, seed=0, cpu=cpu)
+        return kw.get("block_size")
+
+    assert block(True) == CPU_BLOCK_SIZE == 32  # vLLM-CPU accepts multiples of 32
+    assert block(False) is None
