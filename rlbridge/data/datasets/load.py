@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from rlbridge.data.arithmetic import arithmetic_rows
 from rlbridge.data.hf_datasets import check_single_file
 from rlbridge.data.json_array import array_rows, is_json_array
-from rlbridge.errors import RlbridgeError
+from rlbridge.errors import DataError, RlbridgeError
 from rlbridge.recipe.schema import DataCfg, DatasetCfg
 
 if TYPE_CHECKING:
@@ -191,12 +191,27 @@ def preview(
     return list(itertools.islice(_parquet_rows(path, cfg, key, columns), num_rows)), None
 
 
+def check_builtin(cfg: DatasetCfg, key: str) -> None:
+    """builtin:arithmetic has no splits or configurations to choose: a data.<split>.split or .config is an error,
+    never ignored."""
+    for name in ("split", "config"):
+        if getattr(cfg, name) is not None:
+            raise DataError(
+                f"{key}.{name}",
+                f"builtin:arithmetic has no {name}s: data.train and data.val each generate their own rows "
+                "(data.arithmetic, seeded apart)",
+                f"remove {key}.{name}",
+                value=getattr(cfg, name),
+            )
+
+
 def _builtin_prompts(cfg: DatasetCfg, data_cfg: DataCfg, *, split: Split, seed: int) -> list[Prompt]:
     key = f"data.{split}"
     if cfg.path != "builtin:arithmetic":
         raise RlbridgeError(
             f"{key}.path: unknown builtin dataset {cfg.path!r}; the builtin is builtin:arithmetic"
         )
+    check_builtin(cfg, key)
     if (Columns.of(cfg, data_cfg, split)[::2]) != ("question", "answer"):
         log.warning(
             "%s.prompt_key / answer_key (data.columns) are ignored for builtin:arithmetic (its rows have question, "

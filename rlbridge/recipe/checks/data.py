@@ -44,7 +44,19 @@ def check_data(r: Recipe, out: Issues) -> None:
                         "Hugging Face Hub dataset name",
                     )
                 )
-            elif template_fields:
+                continue
+            from rlbridge.data.datasets.load import check_builtin
+
+            try:
+                check_builtin(ds, f"data.{which}")
+            except DataError as e:
+                out.append(
+                    RecipeIssue(
+                        e.key, e.message, value=e.value, fix=e.fix, origin=chose(f"data.{which}", but=e.key)
+                    )
+                )
+                continue
+            if template_fields:
                 from rlbridge.data.arithmetic import arithmetic_rows
 
                 row = arithmetic_rows(r.data.arithmetic, split=which, seed=0)[0]

@@ -702,6 +702,10 @@ SELECTED = [
      "--set data.train.config=main", "remove data.train.config"),
     ("config of a .json file in the file", "  train:\n    path: QA_JSON\n    config: main", (),
      "data.train.config", "r.yaml:15", "remove data.train.config"),
+    ("--set split of builtin:arithmetic", TRAIN, ("data.train.split=test",), "data.train.split",
+     "--set data.train.split=test", "remove data.train.split"),
+    ("config of builtin:arithmetic in the file", '  train: {path: "builtin:arithmetic", config: main}', (),
+     "data.train.config", "r.yaml:13", "remove data.train.config"),
 ]  # fmt: skip
 """DICT, ONE, TRAIN_ONLY and FOLDER stand for `datasets` sources the test writes (`sources`); QA and QA_JSON for a
 .jsonl and a .json file of question and answer rows."""
