@@ -53,8 +53,8 @@ class WeightExport:
     def __getstate__(self) -> dict[str, Any]:
         """What pickle (and so Ray, between trainer, driver and rollout workers) sends: the fields, with every
         tensor that views a larger storage replaced by a compact copy. torch pickles a view with its whole
-        storage, once per view: host_copies hands out an adapter as ~420 views of one joined buffer, which
-        pickled to ~420 times its size (8.8 GB for SmolLM2's 21 MB adapter) before this."""
+        storage, once per view: host_copies hands out an adapter as hundreds of views of one joined buffer,
+        which would pickle to hundreds of times the adapter's size."""
         state = dict(self.__dict__)
         state["tensors"] = {name: compact(t) for name, t in self.tensors.items()}
         return state
