@@ -117,7 +117,7 @@ class RayLaunch:
                 log_file=rundir.log_file(s.run_dir, "trainer"),
                 echo=s.echo,
                 args=(trainer_recipe, str(s.model_dir)),
-                kwargs={"num_threads": threads, **self._prerecord_kwargs(), **self._prefault_kwargs()},
+                kwargs={"num_threads": threads, **self._prerecord_kwargs()},
                 node=self._node(place, 0),
             )
             self.announced = [trainer]
@@ -222,14 +222,6 @@ class RayLaunch:
         if s.plan.colocate:
             return self._node(place, s.plan.rollout_devices[engine][0])
         return place.rollout_nodes[engine] if engine < len(place.rollout_nodes) else None
-
-    def _prefault_kwargs(self) -> dict[str, Any]:
-        """A CPU trainer: the host memory its first update will allocate (the plan's activation estimate), to touch
-        while the rollout starts (trainer/prefault.py)."""
-        memory = self.s.plan.memory
-        if self.s.recipe.cluster.device != "cpu" or memory is None or memory.activations <= 0:
-            return {}
-        return {"prefault_gib": memory.activations}
 
     def _prerecord_kwargs(self) -> dict[str, Any]:
         """trainer.cuda_graphs: the training prompts' token counts, for the trainer to record the passes they make

@@ -35,7 +35,6 @@ from rlbridge.rollout.registry import rollout_engine
 from rlbridge.trainer import state as trainer_state
 from rlbridge.trainer.export import WeightSender
 from rlbridge.trainer.gate import FirstStepGate
-from rlbridge.trainer.prefault import Prefault
 from rlbridge.trainer.state import SavedCheckpoint
 from rlbridge.weights import WeightSync
 
@@ -74,12 +73,9 @@ class TrainerRole:
         num_threads: int | None = None,
         engine_factory: Callable[[], TrainEngine] | None = None,
         prompt_lengths: list[int] | None = None,
-        prefault_gib: float = 0.0,
     ) -> None:
         """prompt_lengths: the training prompts' token counts; under trainer.cuda_graphs the passes they make
-        likely are recorded before the first step (`prerecord`), while the rollout engine starts beside.
-        prefault_gib: a CPU trainer's host memory to touch in the background before the first update needs it
-        (trainer/prefault.py; 0: none)."""
+        likely are recorded before the first step (`prerecord`), while the rollout engine starts beside."""
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(recipe.run.seed)
@@ -104,15 +100,6 @@ class TrainerRole:
         if prompt_lengths:
             self.prerecord(prompt_lengths)
         device_memory_peaks()  # the first step's peak then starts from the built model, not from its load
-        self.prefault = Prefault(int(prefault_gib * 2**30)) if prefault_gib > 0 else None
-        """Touches the host memory the first update will use while the rollout starts (waited for in `_settled`)."""
-
-    def _settled(self) -> None:
-        """Before a pass that allocates activations: the background prefault is done (its memory is back in the
-        allocator's arena), so the two never hold memory at once."""
-        if self.prefault is not None:
-            self.prefault.wait()
-            self.prefault = None
 
     def prerecord(self, prompt_lengths: list[int]) -> int:
         """trainer.cuda_graphs: the engine records the pass shapes of a full step's mini-batches (this rank's
@@ -144,7 +131,6 @@ class TrainerRole:
     def logprobs(self, batch: SeqBatch, reference: bool = False) -> torch.Tensor:
         """[b, R] log-probs; with data parallelism, of this rank's share of the rows only (TrainerGroup
         concatenates the shares in data-parallel order)."""
-        self._settled()
         if self.dp_size == 1:
             return self.engine.logprobs(batch, reference=reference)
         rows = self._shard(torch.arange(batch.size))
@@ -157,7 +143,6 @@ class TrainerRole:
         clip's old values."""
         if self.critic is None:
             raise RlbridgeError(f"algorithm.name={self.recipe.algorithm.name} has no critic")
-        self._settled()
         if self.dp_size == 1:
             return self.critic.values(batch)
         rows = self._shard(torch.arange(batch.size))  # as logprobs: this replica's share, in dp order
@@ -197,7 +182,6 @@ class TrainerRole:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
         faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
-        self._settled()
         began = time.perf_counter()
         critic = None
         if self.critic is not None:
