@@ -295,9 +295,10 @@ PYEOF
       done; done ;;
     engines2)  # issue 43 item 6: two vLLM engines on the GPU (gpu_memory_utilization 0.3 each) vs one, hf trainer beside
                # them, 512 rollouts/step of SmolLM2 (64 x 8, <= 256 tokens), both sleeping and waking every step;
-               # bench/engines_per_device.py (two CLI runs per round, the same seed, samples compared token for token)
+               # bench/engines_per_device.py (two CLI runs per round, the same seed, samples compared token for token;
+               # EPD_ARGS="--only 2": the 2-engine run alone)
       timeout "$(left)" "$PY" bench/engines_per_device.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
-        --rounds "${EPD_ROUNDS:-1}" --steps "${EPD_STEPS:-4}" --warmup 1 --share 0.3 \
+        --rounds "${EPD_ROUNDS:-1}" --steps "${EPD_STEPS:-4}" --warmup 1 --share 0.3 ${EPD_ARGS:-} \
         --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set rollout.sleep=always \
         > "$OUT/$part/log.txt" 2>&1
       grep -E "^round|^1 engine|Error|failed" "$OUT/$part/log.txt" | tail -12 ;;
