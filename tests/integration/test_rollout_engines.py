@@ -110,7 +110,8 @@ def test_two_engines_sample_what_one_does_and_a_dead_engine_is_named(tmp_path: P
 
         def generate() -> None:
             try:
-                two.generate(PROMPTS * 4, LONG, expect_version=1, seed=5)
+                # enough work that engine 1 is still generating when it is killed (a few seconds in all)
+                two.generate(PROMPTS * 40, LONG, expect_version=1, seed=5)
             except BaseException as e:  # noqa: BLE001  # the thread hands it to the test
                 failure.append(e)
 
