@@ -8,6 +8,7 @@
 #                                    # fully masked query rows: NaN gradients with plain sdpa masks, finite with
 #                                    # the hf engine's (~30 s, estimate)
 #                                    # (~3-3.5 min with RLBRIDGE_GPU_TESTS_EAGER=all, ~5-7 min compiled; estimate)
+#   bash scripts/gpu_check.sh 1b     # part 1's files, the newest first: masked rows, train step, reward model, vLLM engine
 #   bash scripts/gpu_check.sh 2      # `rlbridge train` via the CLI: {hf, megatron} x {merged, adapter}, 2 steps each,
 #                                    # one run per GPU at a time, then kill -9 + resume of a CLI run and its export-hf
 #                                    # in vLLM (~8 min: 65-74 s per CLI run, 119 s + 74 s, measured 2026-12-01)
@@ -52,6 +53,8 @@ for p in "$@"; do  # several parts run in the order given, under one budget: bas
     1) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
               tests/gpu/test_gpu_masked_rows.py) ;;
     2) files+=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
+    1b) files+=(tests/gpu/test_gpu_masked_rows.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
+               tests/gpu/test_gpu_vllm_engine.py) ;;  # part 1, the newest tests first (a short device call)
     3) files+=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
     4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
     moe) files+=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
