@@ -50,11 +50,7 @@ def check_data(r: Recipe, out: Issues) -> None:
             try:
                 check_builtin(ds, f"data.{which}")
             except DataError as e:
-                out.append(
-                    RecipeIssue(
-                        e.key, e.message, value=e.value, fix=e.fix, origin=chose(f"data.{which}", but=e.key)
-                    )
-                )
+                out.append(_data_issue(e, f"data.{which}"))
                 continue
             if template_fields:
                 from rlbridge.data.arithmetic import arithmetic_rows
@@ -68,6 +64,13 @@ def check_data(r: Recipe, out: Issues) -> None:
 def chose(key: str, but: str = "") -> tuple[str, ...]:
     """The keys of split `key` (data.train) that choose its rows, least specific first, without `but`."""
     return tuple(k for k in (f"{key}.path", f"{key}.config", f"{key}.split") if k != but)
+
+
+def _data_issue(e: DataError, key: str) -> RecipeIssue:
+    """A split or config the source of split `key` lacks, as a recipe issue: the other keys that chose the source
+    are its origin (an issue on the path itself has none)."""
+    origin = () if e.key == f"{key}.path" else chose(key, but=e.key)
+    return RecipeIssue(e.key, e.message, value=e.value, fix=e.fix, origin=origin)
 
 
 def _template_fields(data: DataCfg, out: Issues) -> set[str] | None:
@@ -119,11 +122,8 @@ def _check_rows(
     key = f"data.{which}"
     try:
         rows, names = preview(ds, data, split=which, num_rows=PREVIEW_ROWS)
-    except (
-        DataError
-    ) as e:  # a split or config the source lacks: its path chose the source (no path: no origin)
-        origin = () if e.key == f"{key}.path" else chose(key, but=e.key)
-        out.append(RecipeIssue(e.key, e.message, value=e.value, fix=e.fix, origin=origin))
+    except DataError as e:
+        out.append(_data_issue(e, key))
         return
     except RlbridgeError as e:  # the loaders' messages begin with the key to change ("data.val.split: ...")
         head, _, rest = str(e).partition(": ")
