@@ -61,9 +61,10 @@ class WeightExport:
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` itself when it owns its storage exactly, else a contiguous copy that does."""
+    """`tensor` itself when it spans its whole storage (strided or not: it pickles at its own size), else a
+    contiguous copy that does."""
     import torch
 
-    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() and tensor.is_contiguous():
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
