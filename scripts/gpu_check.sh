@@ -59,8 +59,8 @@ for p in "$@"; do  # several parts run in the order given, under one budget: bas
     4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU
     moe) files+=(tests/gpu/test_gpu_moe.py) ;;  # issue 22: tiny Qwen3-MoE + LoRA, vLLM reload, GRPO, MoE vs dense gap
     faults) files+=(tests/gpu/test_gpu_faults.py) ;;  # issue 20: vLLM / trainer out of memory, trainer killed
-    ipc) files+=(tests/gpu/test_gpu_ipc_sync.py) ;;
-    graphs) files+=(tests/gpu/test_gpu_cuda_graphs.py) ;;  # trainer.cuda_graphs: replayed passes vs eager, lockstep  # issue 16 goal 3: CUDA IPC merged sync vs files, memory over cycles
+    ipc) files+=(tests/gpu/test_gpu_ipc_sync.py) ;;  # issue 16 goal 3: CUDA IPC merged sync vs files, memory over cycles
+    graphs) files+=(tests/gpu/test_gpu_cuda_graphs.py) ;;  # trainer.cuda_graphs: replayed passes vs eager, lockstep
     all) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_cli_runs.py
                  tests/gpu/test_gpu_kill_resume_export.py tests/gpu/test_gpu_megatron_kill_resume_export.py
                  tests/gpu/test_gpu_async.py) ;;
