@@ -1,23 +1,25 @@
-"""Fully masked query rows and NaN gradients on the device (rlbridge/engines/hf/model.py attend_to_self).
+"""Fully masked query rows on the device (rlbridge/engines/hf/model.py attend_to_self).
 
-A left-padding column is a query row that may attend to no key under a causal padding mask. PyTorch's
-memory-efficient SDPA kernel returns zeros for such a row but its backward computes NaN there, and the NaN reaches
-every LoRA gradient through that position's dQ/dK/dV although the loss ignores it: a GRPO step is then skipped as
-non-finite with a finite loss. The hf engine gives sdpa masks in which such a row may attend to its own key.
+A left-padding column is a query row that may attend to no key under a causal padding mask. Fully masked rows are a
+known source of NaN in attention backwards (softmax over no key; pytorch/pytorch#110213, #41508), and a NaN at a
+padded position reaches every LoRA gradient through that position's dQ/dK/dV although the loss ignores it. The hf
+engine gives sdpa masks in which such a row may attend to its own key, so no kernel ever sees one. On torch 2.11's
+memory-efficient kernel on an H200 (2026-12-06) the plain masks gave finite gradients too: the NaN this guards
+against was not reproduced there, so the plain masks' result is recorded, not asserted.
 
 SmolLM2-135M-Instruct in bfloat16, LoRA rank 8 on all linear layers (B ~ N(0, 0.05): the adapters matter), a batch of
 chat prompts of different lengths (left padding), their answers (right padding) and one row of padding only (the
-passes' layout may add such rows). Under `SDPBackend.EFFICIENT_ATTENTION`:
-1. the kernel alone: a fully masked row's gradients are NaN with a boolean padding mask (CUDA; the CPU's kernels give
-   zeros, so the dry run records the figure and checks nothing);
-2. the engine with transformers' own sdpa masks (what the engine had: the 2D padding mask through transformers' sdpa)
-   gives NaN LoRA gradients and its train step is skipped (CUDA only, as 1.);
+passes' layout may add such rows). The engine's passes run under `SDPBackend.EFFICIENT_ATTENTION`:
+1. the kernel alone, bfloat16, one fully masked row: with the self-attending mask every gradient is finite (the plain
+   mask's outcome recorded);
+2. the engine with transformers' own sdpa masks: whether its gradients are finite and its step skipped, recorded;
 3. the engine as it is: every gradient finite, the train step not skipped, and the gradient of sum(w * log p) over the
    real response tokens as close to exact as bfloat16 allows: its relative Frobenius error (all LoRA tensors
    together) against each row's gradient in float32, run alone without padding or mask (a float32 copy of the
-   engine), is at most RATIO times that of each row's bfloat16 gradient run alone the same way. bfloat16 alone moves
-   these gradients a lot: 7.6 % for the rows alone, 5.5 % for the engine (CPU dry run; float32 engine vs float32 rows:
-   2.4e-5), so a fixed tolerance would be either loose or flaky.
+   engine; PyTorch's own kernel choice: without a mask the fused kernels need equal query and key heads), is at most
+   RATIO times that of each row's bfloat16 gradient run alone the same way. bfloat16 alone moves these gradients a
+   lot: 7.6 % for the rows alone, 5.5 % for the engine (CPU dry run; float32 engine vs float32 rows: 2.4e-5), so a
+   fixed tolerance would be either loose or flaky.
 The same engine's step without forcing a backend (PyTorch's own choice) is recorded too, and a trainer.cuda_graphs
 engine's recorded and replayed passes are held to 3. (CUDA only).
 GPU time: ~30 s (three model loads, a few passes). CPU dry run: ~2.5 min on 2 cores.
@@ -159,7 +161,7 @@ def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tupl
     return math.sqrt(num / den), worst
 
 
-def test_kernel_gives_a_fully_masked_row_nan_gradients() -> None:
+def test_kernel_with_a_fully_masked_row() -> None:
     """1.: the kernel alone, bfloat16, one query row without an allowed key."""
     dev = P.device
     gen = torch.Generator().manual_seed(0)
@@ -184,8 +186,6 @@ def test_kernel_gives_a_fully_masked_row_nan_gradients() -> None:
                      "grads_nonfinite": sum(not bool(t.grad.isfinite().all()) for t in (q, k, v))}  # fmt: skip
     figure("masked_rows_kernel", **out)
     assert out["self"]["out_finite"] and out["self"]["grads_nonfinite"] == 0, out
-    if not DRY_RUN:
-        assert out["plain"]["grads_nonfinite"] > 0, f"no NaN from a fully masked row on this kernel: {out}"
 
 
 def test_engine_gradients_are_finite_and_match_unpadded_rows(model_dir: Path) -> None:
@@ -197,8 +197,8 @@ def test_engine_gradients_are_finite_and_match_unpadded_rows(model_dir: Path) ->
     fn = _closure(batch, weights)
     result: dict[str, Any] = {"rows": batch.size, "width": batch.input_ids.shape[1]}
 
+    rows_bf16, rows_f32 = _references(engine, model_dir, prompts, answers, weights)
     with efficient():
-        rows_bf16, rows_f32 = _references(engine, model_dir, prompts, answers, weights)
         with _plain_sdpa(engine):
             plain = engine.gradients(batch, fn, num_micro_batches=1)
         got = engine.gradients(batch, fn, num_micro_batches=1)
@@ -220,10 +220,6 @@ def test_engine_gradients_are_finite_and_match_unpadded_rows(model_dir: Path) ->
     assert result["nonfinite"] == 0 and new_step["skipped"] == 0.0, result
     assert math.isfinite(new_step["grad_norm"]) and new_step["grad_norm"] > 0, result
     assert result["grad_err"] <= RATIO * result["rows_bf16_err"], result
-    if not DRY_RUN:
-        assert result["plain_nonfinite"] > 0 and old_step["skipped"] == 1.0, (
-            f"transformers' plain sdpa masks gave finite gradients here: the skipped steps have another cause {result}"
-        )
 
 
 @pytest.mark.skipif(DRY_RUN, reason="CUDA graphs need CUDA: no CPU dry run")
@@ -235,8 +231,8 @@ def test_recorded_passes_are_finite(model_dir: Path) -> None:
     batch = _batch(prompts, answers)
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
     fn = _closure(batch, weights)
+    rows_bf16, rows_f32 = _references(engine, model_dir, prompts, answers, weights)
     with efficient():
-        rows_bf16, rows_f32 = _references(engine, model_dir, prompts, answers, weights)
         passes = [
             engine.gradients(batch, fn, num_micro_batches=1) for _ in range(3)
         ]  # eager + record, 2 replays
