@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.master import LOW_PRECISION
@@ -40,6 +41,8 @@ ADAPTER = "default"
 SELF_ATTENDING_SDPA = "rlbridge_sdpa"
 """The attention implementation `attend_to_self` gives an sdpa model: transformers' sdpa attention with the masks of
 `self_attending_sdpa_mask`."""
+SELF_ATTENDING_MATH_SDPA = "rlbridge_sdpa_math"
+"""The same on PyTorch's math SDPA kernel: what a 16-bit model on a CPU gets (`math_sdpa_attention`)."""
 
 
 def load_model(recipe: Recipe, model_dir: Path, device: torch.device) -> PreTrainedModel:
@@ -62,22 +65,40 @@ def attend_to_self(model: PreTrainedModel) -> None:
     masked row gets a finite uniform softmax; flash attention drops padded queries).
 
     Why: a left-padding column (or any column whose key and every earlier one are padding) is a query row that may
-    attend to no key. PyTorch's memory-efficient SDPA kernel returns zeros for such a row in the forward, but its
-    backward computes exp(score - logsumexp) = exp(-inf + inf) = NaN there; that NaN reaches dQ/dK/dV of the padded
-    position and from them every projection weight's gradient (the loss's zero gradient at padding does not cancel
-    it: 0 * NaN = NaN), so the step is skipped as non-finite although its loss is finite. The CPU kernels give such
-    rows zeros in both directions, which is why only GPUs see it. transformers 4 unmasked these rows for sdpa
-    (AttentionMaskConverter._unmask_unattended); transformers 5's sdpa masks do not."""
+    attend to no key. Such rows are a known source of NaN in attention backwards (a softmax over no key: pytorch
+    issues 110213 and 41508), and a NaN at a padded position would reach dQ/dK/dV there and from them every
+    projection weight's gradient (the loss's zero gradient at padding does not cancel it: 0 * NaN = NaN), so the step
+    would be skipped as non-finite although its loss is finite. Whether a kernel does it depends on the kernel and
+    the PyTorch version (tests/gpu/test_gpu_masked_rows.py records it); with these masks no kernel meets such a row.
+    transformers 4 unmasked these rows for sdpa (AttentionMaskConverter._unmask_unattended); transformers 5's sdpa
+    masks do not.
+
+    A 16-bit model on a CPU (where the model is when this is called) gets the same masks on PyTorch's math SDPA
+    kernel (`math_sdpa_attention`)."""
     if model.config._attn_implementation != "sdpa":
         return
-    AttentionInterface.register(SELF_ATTENDING_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
-    AttentionMaskInterface.register(SELF_ATTENDING_SDPA, self_attending_sdpa_mask)
-    model.set_attn_implementation(SELF_ATTENDING_SDPA)
-    if model.config._attn_implementation != SELF_ATTENDING_SDPA:  # a model transformers cannot switch
+    math_kernel = model.device.type == "cpu" and model.dtype in LOW_PRECISION
+    name = SELF_ATTENDING_MATH_SDPA if math_kernel else SELF_ATTENDING_SDPA
+    AttentionInterface.register(name, math_sdpa_attention if math_kernel else ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, self_attending_sdpa_mask)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # a model transformers cannot switch
         log.warning(
             "%s keeps plain sdpa attention masks: on a GPU a padded batch's gradients may come out NaN (steps skipped)",
             type(model).__name__,
         )
+
+
+def math_sdpa_attention(*args: Any, **kwargs: Any) -> Any:
+    """transformers' sdpa attention on PyTorch's math kernel (matmul, softmax, matmul, differentiated by autograd).
+
+    For 16-bit models on a CPU: there the default choice, the CPU flash-attention kernel, computes its backward in
+    bfloat16 several times slower than in float32 (it dominated a bfloat16 update of the CPU quickstart's shape,
+    slower than the float32 one), while the math kernel's matmuls run at the CPU's 16-bit speed
+    (docs/defaults.md#bfloat16-on-a-cpu). The backward follows the kernel the forward chose, so the context is
+    needed around the forward only."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 def self_attending_sdpa_mask(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf.critic import HFCritic
 from rlbridge.engines.hf.engine import HFTrainEngine
-from rlbridge.engines.hf.model import SELF_ATTENDING_SDPA
+from rlbridge.engines.hf.model import SELF_ATTENDING_MATH_SDPA, SELF_ATTENDING_SDPA
 from rlbridge.recipe.schema import Recipe
 from tests.fixtures.spread import spread_lists
 from tests.fixtures.tiny_llama import PAD_ID, build_tiny_llama
@@ -49,11 +49,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def recipe(model_dir: Path, algorithm: dict[str, Any] | None = None, **trainer: Any) -> Recipe:
+def recipe(
+    model_dir: Path, algorithm: dict[str, Any] | None = None, dtype: str = "float32", **trainer: Any
+) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "t",
-            "model": {"path": str(model_dir), "dtype": "float32"},
+            "model": {"path": str(model_dir), "dtype": dtype},
             "lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]},
             "trainer": {"logprob_chunk_size": 3, "optim": {"lr": 1e-2}, **trainer},
             "rollout": {"n": 3, "max_response_tokens": 32},
@@ -177,6 +179,43 @@ def test_every_model_the_engine_builds_attends_to_itself(model_dir: Path) -> Non
     assert engine._reference is not None
     for model in (engine.hf_model, engine._reference, critic.module["backbone"]):
         assert model.config._attn_implementation == SELF_ATTENDING_SDPA
+
+
+def flash_kernel_calls(engine: HFTrainEngine, critic: HFCritic, batch: SeqBatch) -> int:
+    """How many CPU flash-attention kernel calls (forward or backward) all_passes makes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        all_passes(engine, critic, batch)
+    return sum(e.count for e in prof.key_averages() if "flash_attention" in e.key)
+
+
+def test_a_16_bit_model_on_a_cpu_attends_on_the_math_kernel(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 on a CPU: the policy and the critic's backbone get the self-attending masks on PyTorch's math SDPA
+    kernel (the CPU flash kernel's bfloat16 backward is the slow one), every query row still has a key, and the
+    log-probs are as close to the float32 model's as the flash kernel's: mean |diff| at most 1.2x, max at most 1.5x
+    (measured: math 0.035 / 0.135, flash 0.042 / 0.127; bfloat16 rounding on this tiny random model)."""
+    r = recipe(model_dir, {"name": "ppo", "critic": {"lr": 1e-2}}, dtype="bfloat16")
+    engine, critic = HFTrainEngine(r, model_dir), HFCritic(r, model_dir)
+    models = (engine.hf_model, critic.module["backbone"].get_base_model())
+    assert {m.config._attn_implementation for m in models} == {SELF_ATTENDING_MATH_SDPA}
+    batch = spread_batch()
+    with sdpa_calls(monkeypatch) as calls:
+        all_passes(engine, critic, batch)
+    assert len(calls) > 20 and empty_rows(calls) == 0
+    assert flash_kernel_calls(engine, critic, batch) == 0
+    math_logp = engine.logprobs(batch)
+    for (
+        m
+    ) in models:  # negative control: transformers' sdpa (same masks at real positions) runs the flash kernel
+        m.set_attn_implementation("sdpa")
+    assert flash_kernel_calls(engine, critic, batch) > 0
+    flash_logp = engine.logprobs(batch)
+    exact = HFTrainEngine(recipe(model_dir, dtype="float32"), model_dir).logprobs(batch)
+    real = batch.response_mask > 0
+    err = {k: (v - exact)[real].abs() for k, v in {"math": math_logp, "flash": flash_logp}.items()}
+    stats = {k: (float(e.mean()), float(e.max())) for k, e in err.items()}
+    assert stats["math"][0] <= 1.2 * stats["flash"][0] and stats["math"][1] <= 1.5 * stats["flash"][1], stats
 
 
 def reference_pass(
