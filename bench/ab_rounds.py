@@ -138,6 +138,8 @@ def run_one(
     """One run of `tool` in round `k`; its files are written flat into a.out."""
     total = a.steps + a.warmup
     env = cpu_env(r)
+    if a.trl_attn and tool == "trl":
+        env = {**(env or {}), trl_grpo.TRL_ATTN_ENV: a.trl_attn}
     prefix = a.out / f"round{k}-{tool}"
     try:
         if tool == "trl-async":
@@ -270,6 +272,7 @@ def write_summary(a: argparse.Namespace, r: Any, runs: list[dict[str, Any]]) -> 
             },
             "trl_config": trl_cfg,
             "trl_config_overrides": a.trl_config,
+            "trl_attn_implementation": a.trl_attn,
             "cpu_env_both": cpu_env(r),
         },
         "summary": s,
@@ -382,6 +385,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--trl-config", action="append", default=[], metavar="KEY=VALUE", help="a GRPOConfig field, set last"
+    )
+    ap.add_argument(
+        "--trl-attn",
+        help="TRL's model attention implementation (e.g. eager; default: transformers' sdpa), as GRPOConfig's "
+        "model_init_kwargs would set it",
     )
     ap.add_argument("--trl-vllm-colocate", action="store_true", help="on CPU: TRL generates with vLLM too")
     ap.add_argument(

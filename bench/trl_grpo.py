@@ -58,6 +58,11 @@ RECIPE = ROOT / "recipes" / "quickstart.yaml"
 
 
 # ------------------------------------------------------------------------------------- shared set-up
+TRL_ATTN_ENV = "RLBRIDGE_BENCH_TRL_ATTN"
+"""The attention implementation TRL's model is loaded with (`attn_implementation`, as GRPOConfig's
+model_init_kwargs would pass it), when set in TRL's environment (ab_rounds.py --trl-attn)."""
+
+
 def recipe(steps: int, sets: list[str]) -> Any:
     from rlbridge.recipe import load_recipe
 
@@ -197,7 +202,10 @@ def run_trl(
         target_modules=hf_targets(r.lora.targets),
         task_type="CAUSAL_LM",
     )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, r.model.dtype))
+    attn = os.environ.get(TRL_ATTN_ENV) or None  # transformers' default (sdpa) unless set
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, r.model.dtype), attn_implementation=attn
+    )
     record: dict[str, Any] = {
         "versions": {
             "trl": trl.__version__,
@@ -211,6 +219,7 @@ def run_trl(
         "rewards_s": [],
         "config": {k: getattr(args, k, None) for k in TRL_CONFIG_SHOWN},
         "config_overrides": config or {},
+        "attn_implementation": model.config._attn_implementation,
     }
 
     class Timing(TrainerCallback):
