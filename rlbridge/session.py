@@ -8,6 +8,7 @@ rollout's memory. How the workers start and where they are placed is launch.py.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,14 @@ class Session:
     def _start(self) -> None:
         r, stack = self.recipe, self._stack
         stack.enter_context(self.driver_log)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        with ThreadPoolExecutor(1, thread_name_prefix="rlbridge-tokenizer") as pool:
+            # transformers' import (seconds) in a thread while ray.init waits on the processes it starts; Ray
+            # itself starts from this thread: its processes die with the thread that started them
+            tokenizer = pool.submit(load_tokenizer, self.model_dir)
+            if self._start_workers is start_ray_workers:
+                stack.callback(rc.shutdown)  # Ray down on a failure before the workers' start too
+                rc.connect(r.cluster, self.plan, log_plain)
+            self.tokenizer = tokenizer.result()
         self.pad_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
