@@ -119,11 +119,25 @@ def num_jobs() -> tuple[int, list[str]]:
     return max(jobs, 1), gpus
 
 
+def selected_runs(items: list[pytest.Item]) -> list[tuple[str, str]]:
+    """The (engine, sync) runs that this module's selected tests read (`-k` may select a few), in MATRIX order:
+    test_train_two_steps its own, test_adapter_sync_moves_fewer_bytes both of its engine's."""
+    need: set[tuple[str, str]] = set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if Path(str(item.path)).resolve() != Path(__file__).resolve() or "engine" not in params:
+            continue
+        syncs = [params["sync"]] if "sync" in params else ["merged", "adapter"]
+        need.update((params["engine"], sync) for sync in syncs)
+    return [run for run in MATRIX if run in need]
+
+
 @pytest.fixture(scope="module")
 def cli_runs(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> Iterator[dict[tuple[str, str], Future[CliRun]]]:
-    """All four runs, submitted at once; each test waits for its own (in MATRIX order when sequential)."""
+    """The runs the selected tests read (selected_runs), submitted at once; each test waits for its own (in MATRIX
+    order when sequential)."""
     jobs, gpus = num_jobs()
     slots: queue.Queue[str | None] = queue.Queue()
     for i in range(jobs):
@@ -144,7 +158,7 @@ def cli_runs(
             slots.put(gpu)
 
     pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = {(e, s): pool.submit(one, e, s) for e, s in MATRIX}
+    futures = {(e, s): pool.submit(one, e, s) for e, s in selected_runs(request.session.items)}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
