@@ -5,8 +5,8 @@
 #   bash scripts/gpu_check.sh 1      # vLLM engine (log-prob floor, merged / adapter syncs, sleep/wake; the engine
 #                                    # without LoRA in a child process), then one train step per engine, then a
 #                                    # reward model term on the GPU against float32 on the CPU (~20 s), then
-#                                    # fully masked query rows: NaN gradients with plain sdpa masks, finite with
-#                                    # the hf engine's (~30 s, estimate)
+#                                    # fully masked query rows: finite gradients with the hf engine's masks, the
+#                                    # plain sdpa masks' outcome recorded (~30 s, estimate)
 #                                    # (~3-3.5 min with RLBRIDGE_GPU_TESTS_EAGER=all, ~5-7 min compiled; estimate)
 #   bash scripts/gpu_check.sh 1b     # part 1's files, the newest first: masked rows, train step, reward model, vLLM engine
 #   bash scripts/gpu_check.sh 2      # `rlbridge train` via the CLI: {hf, megatron} x {merged, adapter}, 2 steps each,

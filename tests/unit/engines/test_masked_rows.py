@@ -205,9 +205,8 @@ def test_a_16_bit_model_on_a_cpu_attends_on_the_math_kernel(
     assert len(calls) > 20 and empty_rows(calls) == 0
     assert flash_kernel_calls(engine, critic, batch) == 0
     math_logp = engine.logprobs(batch)
-    for (
-        m
-    ) in models:  # negative control: transformers' sdpa (same masks at real positions) runs the flash kernel
+    # negative control: transformers' sdpa (same masks at real positions) runs the flash kernel
+    for m in models:
         m.set_attn_implementation("sdpa")
     assert flash_kernel_calls(engine, critic, batch) > 0
     flash_logp = engine.logprobs(batch)
