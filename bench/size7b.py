@@ -197,7 +197,7 @@ def run_logged(cmd: list[str], log: Path, *, timeout: float | None = None) -> tu
 
 
 def plan_json(args: argparse.Namespace, out: Path, extra: list[str]) -> dict[str, Any]:
-    res = subprocess.run(cli("plan", str(RECIPE), "--json", *overrides(args, *extra)), capture_output=True, text=True,
+    res = subprocess.run(cli("plan", str(args.recipe), "--json", *overrides(args, *extra)), capture_output=True, text=True,
                          cwd=ROOT)  # fmt: skip
     (out / "plan.json").write_text(res.stdout or res.stderr)
     try:
@@ -238,12 +238,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan = plan_json(args, out, extra)
     with GpuMemory() as mem:
         rc, train_s = run_logged(
-            cli("train", str(RECIPE), "--run-dir", str(run_dir), *overrides(args, *extra)), log
+            cli("train", str(args.recipe), "--run-dir", str(run_dir), *overrides(args, *extra)), log
         )
     steps = [step_row(r) for r in steps_of(run_dir)]
     est = plan_memory(plan)
     summary = {
-        "what": f"rlbridge train {RECIPE.name} ({args.model}, {args.engine}, {args.device})", "exit": rc,
+        "what": f"rlbridge train {Path(args.recipe).name} ({args.model}, {args.engine}, {args.device})", "exit": rc,
         "materialize_s": round(materialize_s, 1), "train_s": round(train_s, 1), "wall_s": round(time.monotonic() - start, 1),
         "plan": est, "gpu_peaks_gib_nvidia_smi": {k: round(v, 2) for k, v in mem.peaks.items()},
         "checkpoints": checkpoints(run_dir), "steps": steps,
@@ -326,7 +326,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def accepts(args: argparse.Namespace, extra: list[str]) -> bool:
     """Whether `rlbridge validate-recipe` (no --force) accepts the 7B recipe with these overrides."""
     res = subprocess.run(
-        cli("validate-recipe", str(RECIPE), *overrides(args, *extra)), capture_output=True, cwd=ROOT
+        cli("validate-recipe", str(args.recipe), *overrides(args, *extra)), capture_output=True, cwd=ROOT
     )
     return res.returncode == 0
 
@@ -354,7 +354,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             else (lo, mid)
         )
     best, past = lo * args.step, hi * args.step
-    refusal = subprocess.run(cli("validate-recipe", str(RECIPE), *overrides(args, *base, f"trainer.max_tokens_per_micro_batch={past}")),
+    refusal = subprocess.run(cli("validate-recipe", str(args.recipe), *overrides(args, *base, f"trainer.max_tokens_per_micro_batch={past}")),
                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     # prompts of max_prompt_tokens (the byte tokenizer: one token per byte) and responses of max_response_tokens
     pad = (
@@ -366,7 +366,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     run_dir = out / "run"
     with GpuMemory() as mem:
         rc, train_s = run_logged(
-            cli("train", str(RECIPE), "--run-dir", str(run_dir), *overrides(args, *worst)), out / "train.log"
+            cli("train", str(args.recipe), "--run-dir", str(run_dir), *overrides(args, *worst)),
+            out / "train.log",
         )
     steps = [step_row(r) for r in steps_of(run_dir)]
     summary = {
@@ -387,6 +388,7 @@ def main() -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", required=True)
         p.add_argument("--model", default="qwen2.5-7b-random")
+        p.add_argument("--recipe", default=str(RECIPE), help="the recipe ONE_GPU's overrides apply to")
         p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
         p.add_argument("--set", action="append", default=[], help="more recipe overrides K=V")
         p.add_argument("--run-dir", required=name != "train")

@@ -62,6 +62,11 @@
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
+#   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
+#                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
+#                                       # 0.45, ENGINE30B (default megatron) for STEPS30B (default 2) steps; the first call
+#                                       # materializes 57 GiB of weights (the machine's disk is 64 GiB: nothing else big
+#                                       # beside it) and may be cut by the budget: call it again on the same machine
 #   bash scripts/gpu_bench.sh ab        # issue 47, bench/README.md's protocol: rlbridge sync (recipes/quickstart-gpu.yaml) and
 #                                       # TRL 1.16 GRPOTrainer tuned (the whole batch of 32 in one micro-batch, gradient
 #                                       # accumulation 1, colocated vLLM, no sleep: it fits) alternated A B A B, 3 rounds
@@ -321,13 +326,20 @@ PYEOF
             # step at it with every pass near the plan's worst case (must fit), the next multiple of 4096 refused
       timeout "$(left)" "$PY" bench/size7b.py fit --engine "${ENGINE7B:-hf}" --run-dir /tmp/rlb7b/fit --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
+    30b)  # issue 44 item 5: the 30B-A3B MoE recipe on one H200 with size7b.py's one-GPU overrides and the MoE recipe's own
+          # (one node, pipeline and expert parallel 1, one mini-batch, vLLM at 0.45 of the device: the plan's fit)
+      timeout "$(left)" "$PY" bench/size7b.py train --recipe recipes/qwen3-30b-a3b-moe-lora.yaml --model qwen3-30b-a3b-random \
+        --engine "${ENGINE30B:-megatron}" --steps "${STEPS30B:-2}" --save-every "${STEPS30B:-2}" --run-dir /tmp/rlb30b \
+        --set cluster.nodes=1 --set trainer.parallel.pipeline=1 --set trainer.parallel.expert=1 \
+        --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      tail -30 "$OUT/$part/log.txt" ;;
     mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first 8
             # layers: the whole 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each
       timeout "$(left)" "$PY" bench/trainer_gpu.py --models qwen2.5-7b,qwen2.5-7b:8 --attention sdpa --batch 8 \
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, mfu7b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
