@@ -19,6 +19,8 @@ from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
 from rlbridge.weights import WeightSync
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rlbridge.plan import Memory
 
 # ----------------------------------------------------------------------------------- LoRA / sync
@@ -403,7 +405,7 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     if need <= capacity:
         return
     fits = []
-    for change, changed in _memory_changes(r, least_rollout_share(r, m)):
+    for change, changed in _memory_changes(r, least_rollout_share(r, m), lambda c: peak(c)[0] <= capacity):
         after, _ = peak(changed)
         if after <= capacity:
             fits.append(f"{change} (~{after:.0f} GiB)")
@@ -420,9 +422,13 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
     )
 
 
-def _memory_changes(r: Recipe, least_share: float) -> list[tuple[str, Recipe]]:
+def _memory_changes(
+    r: Recipe, least_share: float, fits: Callable[[Recipe], bool] | None = None
+) -> list[tuple[str, Recipe]]:
     """Single recipe changes that lower the memory peak, as (how to write it, the changed recipe); `least_share`:
-    the smallest rollout.gpu_memory_utilization the engine can start with (least_rollout_share)."""
+    the smallest rollout.gpu_memory_utilization the engine can start with (least_rollout_share). With `fits`
+    (does a recipe's estimated peak fit the device?), a token budget per pass is offered at the largest multiple
+    of 1024 that fits, not just at half the refused one."""
     t, ro = r.trainer, r.rollout
 
     def with_(section: str, **values: object) -> Recipe:
@@ -455,8 +461,14 @@ def _memory_changes(r: Recipe, least_share: float) -> list[tuple[str, Recipe]]:
         out.append(("trainer.micro_batch_size: 1", trainer(micro_batch_size=1)))
     budget = t.max_tokens_per_micro_batch
     if budget is not None and budget >= 2048:
-        half = budget // 2
-        out.append((f"trainer.max_tokens_per_micro_batch: {half}", trainer(max_tokens_per_micro_batch=half)))
+        smaller = budget // 2
+        if fits is not None:
+            smaller = (
+                _largest_budget(budget, lambda b: fits(trainer(max_tokens_per_micro_batch=b))) or smaller
+            )
+        out.append(
+            (f"trainer.max_tokens_per_micro_batch: {smaller}", trainer(max_tokens_per_micro_batch=smaller))
+        )
     sleeps = rollout_engine(r).reserves_memory
     if r.cluster.colocate and sleeps and (ro.mode == "async" or ro.sleep != "always"):
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
@@ -471,3 +483,16 @@ def _memory_changes(r: Recipe, least_share: float) -> list[tuple[str, Recipe]]:
             cpu = [u.model_copy(update={"device": "cpu"}) if u is term else u for u in terms]
             out.append((f"reward.terms.{i}.device: cpu", with_("reward", terms=cpu)))
     return [(how, changed) for how, changed in out if not unsaved_layouts(changed)]  # never a refused fix
+
+
+def _largest_budget(refused: int, fits: Callable[[int], bool], step: int = 1024) -> int | None:
+    """The largest multiple of `step` below `refused` for which `fits` holds, by bisection (the plan's peak grows
+    with the budget); None when not even `step` fits."""
+    lo, hi = 0, (refused - 1) // step  # in units of step: lo fits (0: nothing yet), hi + 1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step or None

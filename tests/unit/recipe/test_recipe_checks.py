@@ -869,3 +869,32 @@ def test_gemma3_is_refused_by_megatron_with_the_reason_and_trains_on_hf(tmp_path
     assert "Gemma3ForCausalLM" in message and "Transformer Engine" in message, message
     assert "sliding-window attention" in message and "set trainer.engine: hf" in message, message
     assert check(tmp_path, base(**gemma, trainer={"engine": "hf"})) == []
+
+
+def test_memory_fix_offers_the_largest_budget_that_fits(tmp_path: Path) -> None:
+    """The refusal's budget fix is the largest multiple of 1024 the plan fits, not half the refused budget (on an
+    80 GiB device the 7B's 40960 was refused with 20480 offered while 36864 fit)."""
+    from rlbridge.model.info import read_model_info
+    from rlbridge.recipe.checks.training import plan_memory
+
+    one_gpu = base(trainer__parallel={"tensor": 1}, rollout__tensor_parallel=1, cluster__gpus_per_node=1)
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump(one_gpu))
+    r = validate_recipe(f, ["trainer.max_tokens_per_micro_batch=65536"], force=True).recipe
+    m = read_model_info(QWEN7B)
+
+    def peak(budget: int) -> float:
+        trainer = r.trainer.model_copy(update={"max_tokens_per_micro_batch": budget})
+        return plan_memory(r.model_copy(update={"trainer": trainer}), m).peak
+
+    capacity = (peak(20480) + peak(24576)) / 2  # 20480 fits such a device, 24576 does not
+    issues = check(
+        tmp_path,
+        one_gpu,
+        f"cluster.gpu_memory_gib={capacity:.4f}",
+        "trainer.max_tokens_per_micro_batch=65536",
+    )
+    fix = dict(issues)["cluster.gpu_memory_gib"].split(" | ")[1]
+    offered = int(fix.split("trainer.max_tokens_per_micro_batch: ")[1].split()[0])
+    assert offered % 1024 == 0 and peak(offered) <= capacity < peak(offered + 1024), (offered, fix)
+    assert offered > 65536 // 2 or 20480 <= offered < 24576, fix
