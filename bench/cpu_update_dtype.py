@@ -10,6 +10,9 @@ seconds, then one step under torch.profiler (operators by self CPU time). Also a
     MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
         python bench/cpu_update_dtype.py [--steps 3]
 
+`PREFAULT_GIB=N` in the environment first touches N GiB of the process's heap (malloc, one write per page, free)
+and prints its seconds: how much of the first update is the first touch of its memory.
+
 Variants: float32; bfloat16 as the hf engine runs it on a CPU (PyTorch's math SDPA kernel,
 engines/hf/model.math_sdpa_attention); bfloat16 with transformers' plain sdpa attention (PyTorch's default kernel
 choice on a CPU: its flash-attention kernel).
@@ -90,6 +93,14 @@ def one_variant(name: str, steps: int, threads: int) -> dict[str, Any]:
     inputs = LossInputs(adv, batch.response_mask, None, None, None)
     loss_fn = make_loss_fn(recipe.algorithm, inputs, norm_constant=48.0, micro_scale=1.0)
 
+    prefault = float(os.environ.get("PREFAULT_GIB", "0"))
+    if prefault:
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        block = torch.empty(int(prefault * 2**30), dtype=torch.uint8)
+        block[::4096] = 1
+        del block
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        print(f"prefault {prefault} GiB: {time.perf_counter() - t0:.2f} s, {r1.ru_minflt - r0.ru_minflt} faults", file=sys.stderr)
     runs = []
     for _ in range(steps + 1):
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
