@@ -100,7 +100,10 @@ def one_variant(name: str, steps: int, threads: int) -> dict[str, Any]:
         block[::4096] = 1
         del block
         r1 = resource.getrusage(resource.RUSAGE_SELF)
-        print(f"prefault {prefault} GiB: {time.perf_counter() - t0:.2f} s, {r1.ru_minflt - r0.ru_minflt} faults", file=sys.stderr)
+        print(
+            f"prefault {prefault} GiB: {time.perf_counter() - t0:.2f} s, {r1.ru_minflt - r0.ru_minflt} faults",
+            file=sys.stderr,
+        )
     runs = []
     for _ in range(steps + 1):
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
