@@ -80,7 +80,13 @@ HF = [
     "cluster.gpus_per_node=1",
 ]
 """The hf engine (one trainer process, which checkpoints) and a separate hf rollout: two devices."""
-COMPARED = ["reward_mean", "loss", "grad_norm", "kl", "logprob_diff_mean", "entropy"]
+COMPARED = ["reward_mean", "loss", "grad_norm", "kl", "entropy"]
+"""The trainer's numbers, equal across layouts. Not `logprob_diff_mean`: it holds vLLM-CPU's log-probs, whose float32
+rounding follows the batches its scheduler happens to form (timing, not layout): a clean-clone run measured 6.5e-5
+on two nodes against 2.2e-6 on one with the same completions, trainer numbers and loss; it is held under
+ROLLOUT_GAP in both runs instead."""
+ROLLOUT_GAP = 2e-4
+"""Trainer vs vLLM log-probs, mean |diff| per step: 3x the largest measured here (6.5e-5)."""
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +143,7 @@ def same_numbers(a: list[dict], b: list[dict]) -> None:
     for ra, rb in zip(a, b, strict=True):
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key, ra[key], rb[key])
+        assert max(ra["logprob_diff_mean"], rb["logprob_diff_mean"]) < ROLLOUT_GAP, (ra["step"], ra, rb)
 
 
 @pytest.fixture(scope="module")
