@@ -324,7 +324,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def accepts(args: argparse.Namespace, extra: list[str]) -> bool:
-    """Whether `rlbridge validate-recipe` (no --force) accepts the 7B recipe with these overrides."""
+    """Whether `rlbridge validate-recipe` (no --force) accepts --recipe with these overrides."""
     res = subprocess.run(
         cli("validate-recipe", str(args.recipe), *overrides(args, *extra)), capture_output=True, cwd=ROOT
     )

@@ -423,12 +423,11 @@ def check_device_memory(r: Recipe, m: ModelInfo, out: Issues) -> None:
 
 
 def _memory_changes(
-    r: Recipe, least_share: float, fits: Callable[[Recipe], bool] | None = None
+    r: Recipe, least_share: float, fits: Callable[[Recipe], bool]
 ) -> list[tuple[str, Recipe]]:
     """Single recipe changes that lower the memory peak, as (how to write it, the changed recipe); `least_share`:
-    the smallest rollout.gpu_memory_utilization the engine can start with (least_rollout_share). With `fits`
-    (does a recipe's estimated peak fit the device?), a token budget per pass is offered at the largest multiple
-    of 1024 that fits, not just at half the refused one."""
+    the smallest rollout.gpu_memory_utilization the engine can start with (least_rollout_share); `fits`: whether a
+    recipe's estimated peak fits the device, for the token budget per pass (the largest multiple of 1024 that fits)."""
     t, ro = r.trainer, r.rollout
 
     def with_(section: str, **values: object) -> Recipe:
@@ -461,14 +460,14 @@ def _memory_changes(
         out.append(("trainer.micro_batch_size: 1", trainer(micro_batch_size=1)))
     budget = t.max_tokens_per_micro_batch
     if budget is not None and budget >= 2048:
-        smaller = budget // 2
-        if fits is not None:
-            smaller = (
-                _largest_budget(budget, lambda b: fits(trainer(max_tokens_per_micro_batch=b))) or smaller
+        smaller = _largest_budget(budget, lambda b: fits(trainer(max_tokens_per_micro_batch=b)))
+        if smaller is not None:
+            out.append(
+                (
+                    f"trainer.max_tokens_per_micro_batch: {smaller}",
+                    trainer(max_tokens_per_micro_batch=smaller),
+                )
             )
-        out.append(
-            (f"trainer.max_tokens_per_micro_batch: {smaller}", trainer(max_tokens_per_micro_batch=smaller))
-        )
     sleeps = rollout_engine(r).reserves_memory
     if r.cluster.colocate and sleeps and (ro.mode == "async" or ro.sleep != "always"):
         out.append(("rollout.sleep: always", with_("rollout", sleep="always")))
