@@ -7,14 +7,19 @@ does with its own engine's start-up heap. Collections are then cheap, and any th
 longer is logged with its generation and duration, so that a slow step in a worker's log names it.
 
 Before the freeze a worker's full collections could take a large fraction of a short step; after it none of
-PAUSE_S or more was seen (docs/defaults.md#gc-freeze).
+PAUSE_S or more was seen (docs/defaults.md#gc-freeze). While the constructor runs, automatic collections are off
+(`paused`): its heap grows by imports and engines that all stay alive, so each full collection its growth triggers
+walks more and frees almost nothing; the vLLM rollout also freezes what it imported before vLLM's start-up makes
+its own explicit collections.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,21 @@ def watch() -> None:
     """Log collections of PAUSE_S or longer (once per process, however often called)."""
     if _timed not in gc.callbacks:
         gc.callbacks.append(_timed)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Automatic collections off while a worker's constructor runs (imports, the model, vLLM's engine), on again
+    after it, also when it raises. Nearly everything that start-up allocates stays alive, so the full
+    collections that its growth would trigger walk a growing heap and free almost nothing. Explicit
+    `gc.collect()` calls (vLLM's memory profiling makes them) still collect."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def freeze_startup_heap() -> int:

@@ -56,6 +56,7 @@ present in both vLLM 0.26 and 0.32). tests/gpu/test_gpu_ipc_sync.py checks it ag
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -153,6 +154,10 @@ class VllmRollout:
         from vllm import LLM
 
         log.info("vLLM imported in %.1f s", time.perf_counter() - start)  # a start-up phase (cluster/logs.py)
+        # in a worker's start-up (collections paused: cluster/gc_pauses.py) what it imported lives for the run:
+        # frozen, the full collections vLLM's start-up makes explicitly do not walk it again
+        if not gc.isenabled():
+            gc.freeze()
 
         if cpu and num_threads:
             import torch

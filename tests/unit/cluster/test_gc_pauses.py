@@ -1,4 +1,5 @@
-"""cluster/gc_pauses: a worker's collections of PAUSE_S or longer are logged; its start-up heap is frozen."""
+"""cluster/gc_pauses: a worker's collections of PAUSE_S or longer are logged; none run while it starts; its
+start-up heap is frozen."""
 
 from __future__ import annotations
 
@@ -39,3 +40,20 @@ def test_the_startup_heap_is_frozen_and_garbage_collected_first() -> None:
         assert gone() is None  # collected before the freeze, not frozen
     finally:
         gc.unfreeze()
+
+
+def test_collections_are_paused_while_a_worker_starts_and_resume_even_if_it_fails() -> None:
+    assert gc.isenabled()
+    with gc_pauses.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_pauses.paused():
+        raise RuntimeError("the constructor failed")
+    assert gc.isenabled()
+    gc.disable()  # a process that had them off keeps them off
+    try:
+        with gc_pauses.paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
