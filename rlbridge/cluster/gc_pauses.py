@@ -7,10 +7,10 @@ does with its own engine's start-up heap. Collections are then cheap, and any th
 longer is logged with its generation and duration, so that a slow step in a worker's log names it.
 
 Before the freeze a worker's full collections could take a large fraction of a short step; after it none of
-PAUSE_S or more was seen (docs/defaults.md#gc-freeze). While the constructor runs, automatic collections are off
+PAUSE_S or more was seen (docs/defaults.md#gc-freeze). While the constructor runs, full collections are off
 (`paused`): its heap grows by imports and engines that all stay alive, so each full collection its growth triggers
-walks more and frees almost nothing; the vLLM rollout also freezes what it imported before vLLM's start-up makes
-its own explicit collections.
+walks more and frees almost nothing; the vLLM rollout also freezes what it imported (`freeze_if_starting`) before
+vLLM's start-up makes its own explicit collections.
 """
 
 from __future__ import annotations
@@ -51,19 +51,34 @@ def watch() -> None:
         gc.callbacks.append(_timed)
 
 
+_STARTING: list[bool] = [False]
+
+NO_FULL_COLLECTIONS = 1 << 30
+"""gc threshold 2 while a worker starts: young collections only (full ones would need this many young ones)."""
+
+
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """Automatic collections off while a worker's constructor runs (imports, the model, vLLM's engine), on again
-    after it, also when it raises. Nearly everything that start-up allocates stays alive, so the full
-    collections that its growth would trigger walk a growing heap and free almost nothing. Explicit
-    `gc.collect()` calls (vLLM's memory profiling makes them) still collect."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """Full (generation 2) collections off while a worker's constructor runs (imports, the model, vLLM's engine),
+    back to the thresholds before after it, also when it raises. Nearly everything start-up allocates stays alive,
+    so the full collections its growth triggers walk a growing heap and free almost nothing; young collections
+    go on, so short-lived cycles (a loader's temporaries) are still freed while it runs. Explicit
+    `gc.collect()` calls (vLLM's memory profiling makes them) still collect everything."""
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], NO_FULL_COLLECTIONS)
+    _STARTING[0] = True
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        _STARTING[0] = False
+        gc.set_threshold(*before)
+
+
+def freeze_if_starting() -> None:
+    """Inside `paused` (a worker's start-up), freeze what is alive now: it lives for the run (e.g. the modules a
+    constructor just imported), so later explicit full collections (vLLM's start-up makes several) skip it."""
+    if _STARTING[0]:
+        gc.freeze()
 
 
 def freeze_startup_heap() -> int:

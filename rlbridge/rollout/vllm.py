@@ -56,7 +56,6 @@ present in both vLLM 0.26 and 0.32). tests/gpu/test_gpu_ipc_sync.py checks it ag
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -65,6 +64,7 @@ from typing import Any
 
 from rlbridge import faults
 from rlbridge.batch import Rollouts
+from rlbridge.cluster import gc_pauses
 from rlbridge.recipe.schema import ModelCfg, RolloutCfg
 from rlbridge.rollout.base import SamplingCfg, StaleWeightsError
 from rlbridge.rollout.hf import check_request
@@ -154,10 +154,7 @@ class VllmRollout:
         from vllm import LLM
 
         log.info("vLLM imported in %.1f s", time.perf_counter() - start)  # a start-up phase (cluster/logs.py)
-        # in a worker's start-up (collections paused: cluster/gc_pauses.py) what it imported lives for the run:
-        # frozen, the full collections vLLM's start-up makes explicitly do not walk it again
-        if not gc.isenabled():
-            gc.freeze()
+        gc_pauses.freeze_if_starting()  # what a worker imported lives for the run: vLLM's start-up collections skip it
 
         if cpu and num_threads:
             import torch

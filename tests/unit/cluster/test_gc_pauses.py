@@ -42,18 +42,36 @@ def test_the_startup_heap_is_frozen_and_garbage_collected_first() -> None:
         gc.unfreeze()
 
 
-def test_collections_are_paused_while_a_worker_starts_and_resume_even_if_it_fails() -> None:
-    assert gc.isenabled()
+def test_full_collections_are_paused_while_a_worker_starts_and_resume_even_if_it_fails() -> None:
+    before = gc.get_threshold()
     with gc_pauses.paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
+        assert gc.get_threshold() == (before[0], before[1], gc_pauses.NO_FULL_COLLECTIONS)
+        assert gc.isenabled()  # young collections go on
+    assert gc.get_threshold() == before
     with pytest.raises(RuntimeError), gc_pauses.paused():
         raise RuntimeError("the constructor failed")
-    assert gc.isenabled()
-    gc.disable()  # a process that had them off keeps them off
+    assert gc.get_threshold() == before
+
+
+def test_short_lived_cycles_are_freed_while_paused() -> None:
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+            self.payload = bytearray(1 << 10)
+
+    with gc_pauses.paused():
+        gone = weakref.ref(Cycle())
+        for _ in range(20):  # allocations enough for several young collections
+            [[] for _ in range(gc.get_threshold()[0])]
+        assert gone() is None
+
+
+def test_only_a_starting_worker_freezes_its_imports() -> None:
+    gc_pauses.freeze_if_starting()
+    assert gc.get_freeze_count() == 0
     try:
         with gc_pauses.paused():
-            pass
-        assert not gc.isenabled()
+            gc_pauses.freeze_if_starting()
+            assert gc.get_freeze_count() > 0
     finally:
-        gc.enable()
+        gc.unfreeze()
