@@ -51,8 +51,6 @@ def watch() -> None:
         gc.callbacks.append(_timed)
 
 
-_STARTING: list[bool] = [False]
-
 NO_FULL_COLLECTIONS = 1 << 30
 """gc threshold 2 while a worker starts: young collections only (full ones would need this many young ones)."""
 
@@ -66,18 +64,16 @@ def paused() -> Iterator[None]:
     `gc.collect()` calls (vLLM's memory profiling makes them) still collect everything."""
     before = gc.get_threshold()
     gc.set_threshold(before[0], before[1], NO_FULL_COLLECTIONS)
-    _STARTING[0] = True
     try:
         yield
     finally:
-        _STARTING[0] = False
         gc.set_threshold(*before)
 
 
 def freeze_if_starting() -> None:
     """Inside `paused` (a worker's start-up), freeze what is alive now: it lives for the run (e.g. the modules a
     constructor just imported), so later explicit full collections (vLLM's start-up makes several) skip it."""
-    if _STARTING[0]:
+    if gc.get_threshold()[2] == NO_FULL_COLLECTIONS:
         gc.freeze()
 
 

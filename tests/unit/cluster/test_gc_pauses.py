@@ -1,5 +1,5 @@
-"""cluster/gc_pauses: a worker's collections of PAUSE_S or longer are logged; none run while it starts; its
-start-up heap is frozen."""
+"""cluster/gc_pauses: a worker's collections of PAUSE_S or longer are logged; no full ones run while it starts;
+its start-up heap is frozen."""
 
 from __future__ import annotations
 
