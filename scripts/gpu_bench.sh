@@ -57,7 +57,7 @@
 #                                       # vLLM built without LoRA vs with it + an adapter load per step (two vLLM starts; not run yet)
 #   bash scripts/gpu_bench.sh engines2  # issue 43: two vLLM engines on the GPU vs one at 512 rollouts/step (two CLI runs)
 #   bash scripts/gpu_bench.sh 7bhf      # issue 44: the 7B recipe (qwen2.5-7b-random) through the CLI on one GPU, hf engine,
-#                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py; not run yet)
+#                                       # 5 steps of 32 x 8, plan vs measured memory (bench/size7b.py)
 #   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine (STEPS7B=2: 2 steps, checkpoint at 2)
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused

