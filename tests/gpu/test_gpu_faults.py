@@ -147,7 +147,9 @@ def test_vllm_start_without_enough_free_memory_names_the_key_and_a_value_that_st
     hog = Hog(leave_gib=20.0)
     try:
         log = tmp_path / "start.log"
-        rc, _, left = procs.run(cli_args("train", tmp_path / "start", "run.steps=1"), log, time_left(300))
+        # 0.3 of an H100 (80 GiB) or an H200 (141 GiB) is more than the 20 GiB left free: the start must fail
+        sets0 = ("run.steps=1", "rollout.gpu_memory_utilization=0.3")
+        rc, _, left = procs.run(cli_args("train", tmp_path / "start", *sets0), log, time_left(300))
         text = log.read_text(errors="replace")
         keep_logs("vllm-start", log, tmp_path / "start")
         assert rc == 1 and not left, f"exit {rc}, left {left}\n{text[-4000:]}"
