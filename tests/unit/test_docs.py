@@ -161,6 +161,16 @@ def test_readme_links_resolve() -> None:
     assert links and not missing, f"README.md links to missing files: {missing}"
 
 
+def test_readme_stays_a_product_page() -> None:
+    """At most 150 lines and no dated log: measurements go to docs/results.md, one line each."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150, (
+        "README.md: over 150 lines; move detail to docs/ (docs/results.md for results)"
+    )
+    dated = [line for line in text.splitlines() if re.match(r"^\s*[-*] .*20\d\d-\d\d-\d\d", line)]
+    assert not dated, f"README.md: dated log lines belong in docs/results.md: {dated[:3]}"
+
+
 def test_recipes_page_lists_every_shipped_recipe() -> None:
     """The README points to docs/recipes.md, which says what each shipped recipe is."""
     page = (ROOT / "docs" / "recipes.md").read_text()
