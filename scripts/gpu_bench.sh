@@ -71,15 +71,16 @@
 #                                       # TRL 1.16 GRPOTrainer tuned (the whole batch of 32 in one micro-batch, gradient
 #                                       # accumulation 1, colocated vLLM, no sleep: it fits) alternated A B A B, 3 rounds
 #                                       # asked, 1 + 8 steps each; rounds that do not fit the budget are not started
-#                                       # (estimate from the committed runs: ~2 rounds each on a machine whose vLLM
-#                                       # caches are cold, 3 on a warm one); every round's JSON flat in $OUT/ab, with
+#                                       # (3 rounds each in 370 s on a fresh H100 on 2026-12-06: ab-gpu-2026-12-06); every round's JSON flat in $OUT/ab, with
 #                                       # summary.json / summary.md ("sync vs sync", ratio of medians, min-max over rounds)
 #   bash scripts/gpu_bench.sh ab512     # the same at 64 x 8 = 512 rollouts, <= 256 tokens, 1 + 3 steps: 2 rounds each (3 do
 #                                       # not fit 560 s: ~190-280 s a round by the committed trl512 runs); TRL with the
 #                                       # whole batch of 512 in one micro-batch, which fits only with its gradient
 #                                       # checkpointing (TRL's default) on
 #                                       # AB_ROUNDS / AB_STEPS change the rounds / timed steps, AB_ARGS adds arguments of
-#                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true")
+#                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true"; the
+#                                       # start-up lever of 2026-12-06, not measured yet: "--rlbridge-set
+#                                       # rollout.max_num_seqs=32", 512 at ab512)
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per

@@ -205,6 +205,12 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         notes.append(
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
         )
+    per_engine = -(-r.data.batch_size * r.rollout.n // num_engines)
+    if r.rollout.max_num_seqs is not None and r.rollout.max_num_seqs < per_engine:
+        notes.append(
+            f"rollout.max_num_seqs {r.rollout.max_num_seqs} is below the {per_engine} rollouts each engine "
+            f"generates per step: it generates them in waves ({per_engine} or more decodes them at once)"
+        )
     mem = memory(r, m, dp, b) if m is not None else None
     if _sleep_applies(r) and r.rollout.sleep == "auto" and mem is not None:
         notes.append(

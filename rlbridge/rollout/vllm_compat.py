@@ -134,6 +134,8 @@ def engine_kwargs(
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=cpu if rollout_cfg.enforce_eager is None else rollout_cfg.enforce_eager,
     )
+    if rollout_cfg.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
     if rollout_cfg.routing_replay:  # CompletionOutput.routed_experts (vLLM 0.26 CUDA; not the CPU build)
         kwargs["enable_return_routed_experts"] = True
     if rollout_cfg.float32_head and model_cfg.dtype in ("bfloat16", "float16"):
@@ -147,7 +149,12 @@ def engine_kwargs(
         kwargs["block_size"] = CPU_BLOCK_SIZE
         # per-request seeds (group_seeds) need unchunked prefills on CPU: see rollout/vllm.py's docstring
         kwargs["enable_chunked_prefill"] = False
-        kwargs["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, kwargs["max_model_len"])
+        step_tokens = CPU_STEP_TOKENS
+        if (
+            rollout_cfg.max_num_seqs is not None
+        ):  # vLLM warns when a step could hold more than the sequences fill
+            step_tokens = min(step_tokens, rollout_cfg.max_num_seqs * kwargs["max_model_len"])
+        kwargs["max_num_batched_tokens"] = max(step_tokens, kwargs["max_model_len"])
     else:
         kwargs["enable_sleep_mode"] = True
     return kwargs

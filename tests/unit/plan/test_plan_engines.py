@@ -137,3 +137,17 @@ def test_engines_per_device_refused_where_they_cannot_share(sets: list[str], key
     with pytest.raises(RecipeError) as e:
         validate_recipe("recipes/quickstart-gpu.yaml", sets, model_checks=False)
     assert key in [i.key for i in e.value.issues], e.value.issues
+
+
+def test_max_num_seqs_below_an_engines_rollouts_is_noted() -> None:
+    """quickstart-gpu: 8 prompts x 4 samples on one engine; 7B recipe: 32 x 8 over 4 engines = 64 each."""
+    note = "generates per step: it generates them in waves"
+    assert not any(note in n for n in plan_of("quickstart-gpu", "rollout.max_num_seqs=32").notes)
+    assert [n for n in plan_of("quickstart-gpu", "rollout.max_num_seqs=16").notes if note in n] == [
+        "rollout.max_num_seqs 16 is below the 32 rollouts each engine generates per step: it generates them in "
+        "waves (32 or more decodes them at once)"
+    ]
+    assert any(
+        "the 64 rollouts" in n for n in plan_of("qwen2.5-7b-grpo-lora", "rollout.max_num_seqs=8").notes
+    )
+    assert not any(note in n for n in plan_of("quickstart-gpu").notes)

@@ -152,3 +152,21 @@ def test_vllm_cpu_gets_32_token_kv_blocks_and_gpus_vllms_own():
 
     assert block(True) == CPU_BLOCK_SIZE == 32  # vLLM-CPU accepts multiples of 32
     assert block(False) is None
+
+
+def test_max_num_seqs_reaches_vllm_only_when_the_recipe_sets_it():
+    from rlbridge.recipe.schema import ModelCfg, RolloutCfg
+    from rlbridge.rollout.vllm_compat import engine_kwargs
+
+    def seqs(**cfg: object) -> object:
+        kw = engine_kwargs("m", RolloutCfg(**cfg), ModelCfg(path="m"), lora_rank=0, seed=0, cpu=False)
+        return kw.get("max_num_seqs")
+
+    assert seqs() is None  # vLLM's own default
+    assert seqs(max_num_seqs=32) == 32
+    # vLLM-CPU: a scheduler step holds at most the tokens max_num_seqs sequences can fill (vLLM warns otherwise)
+    cpu = engine_kwargs(
+        "m", RolloutCfg(max_num_seqs=8, max_prompt_tokens=128, max_response_tokens=48), ModelCfg(path="m"),
+        lora_rank=0, seed=0, cpu=True,
+    )  # fmt: skip
+    assert (cpu["max_num_seqs"], cpu["max_num_batched_tokens"]) == (8, 8 * 176)
