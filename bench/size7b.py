@@ -149,15 +149,20 @@ class GpuMemory:
 
 
 def steps_of(run_dir: Path) -> list[dict[str, Any]]:
-    """The train records of metrics.jsonl, one per step (the last record of a step repeated by a resume wins)."""
+    """The train records of metrics.jsonl, one per step (the last record of a step repeated by a resume wins),
+    each with its step's checkpoint record's time_save where the step saved."""
     by_step: dict[int, dict[str, Any]] = {}
+    saves: dict[int, float] = {}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("kind", "train") == "train" and "step" in rec:
+            kind = rec.get("kind", "train")
+            if kind == "train" and "step" in rec:
                 by_step[int(rec["step"])] = rec
-    return [by_step[k] for k in sorted(by_step)]
+            elif kind == "checkpoint" and "time_save" in rec:
+                saves[int(rec["step"])] = rec["time_save"]
+    return [{**by_step[k], **({"time_save": saves[k]} if k in saves else {})} for k in sorted(by_step)]
 
 
 def step_row(rec: dict[str, Any]) -> dict[str, Any]:
