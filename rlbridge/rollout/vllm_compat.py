@@ -149,11 +149,11 @@ def engine_kwargs(
         kwargs["block_size"] = CPU_BLOCK_SIZE
         # per-request seeds (group_seeds) need unchunked prefills on CPU: see rollout/vllm.py's docstring
         kwargs["enable_chunked_prefill"] = False
-        step_tokens = CPU_STEP_TOKENS
-        if (
-            rollout_cfg.max_num_seqs is not None
-        ):  # vLLM warns when a step could hold more than the sequences fill
-            step_tokens = min(step_tokens, rollout_cfg.max_num_seqs * kwargs["max_model_len"])
+        # no more tokens per scheduler step than max_num_seqs sequences can fill (vLLM warns otherwise)
+        seqs = rollout_cfg.max_num_seqs
+        step_tokens = (
+            CPU_STEP_TOKENS if seqs is None else min(CPU_STEP_TOKENS, seqs * kwargs["max_model_len"])
+        )
         kwargs["max_num_batched_tokens"] = max(step_tokens, kwargs["max_model_len"])
     else:
         kwargs["enable_sleep_mode"] = True
