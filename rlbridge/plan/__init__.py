@@ -205,7 +205,7 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         notes.append(
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
         )
-    per_engine = -(-r.data.batch_size * r.rollout.n // num_engines)
+    per_engine = -(-b.rollouts_per_step // num_engines)
     if r.rollout.max_num_seqs is not None and r.rollout.max_num_seqs < per_engine:
         notes.append(
             f"rollout.max_num_seqs {r.rollout.max_num_seqs} is below the {per_engine} rollouts each engine "

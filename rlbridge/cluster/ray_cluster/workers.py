@@ -214,7 +214,7 @@ def _logged(cls: Any) -> type:
         self._rlbridge_log = (Path(rlbridge_log), logs.redirect_output(Path(rlbridge_log)))
         logs.worker_logging()
         gc_pauses.watch()
-        # the constructor's heap lives for the run: no full collections while it grows,
+        # the constructor's heap lives for the run: no full collections while it grows, then frozen
         with gc_pauses.paused():
             cls.__init__(self, *args, **kwargs)
             gc_pauses.freeze_startup_heap()  # then out of every collection (frozen before they resume)
