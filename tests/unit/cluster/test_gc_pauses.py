@@ -36,7 +36,8 @@ def test_the_startup_heap_is_frozen_and_garbage_collected_first() -> None:
     assert gone() is not None
     try:
         frozen = gc_pauses.freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects still die by reference count (another thread's temporaries, this frame's): never more
+        assert 0 < gc.get_freeze_count() <= frozen
         assert gone() is None  # collected before the freeze, not frozen
     finally:
         gc.unfreeze()
