@@ -94,10 +94,12 @@ def run_trl(
     use_vllm: bool,
     micro: int | None = None,
     config: dict[str, Any] | None = None,
+    callbacks: list[Any] | None = None,
 ) -> None:
     """TRL's GRPOTrainer on the recipe's settings; on a GPU recipe (cluster.device cuda) in the model's dtype with
     its colocated vLLM (always), on a CPU one in float32 with transformers generate unless `use_vllm`. `config`:
-    GRPOConfig fields set last, over the ones derived from the recipe (--trl-config KEY=VALUE)."""
+    GRPOConfig fields set last, over the ones derived from the recipe (--trl-config KEY=VALUE); `callbacks`: more
+    TrainerCallbacks (bench/equal_wall.py's time limit)."""
     import torch
 
     r = recipe(total, sets)
@@ -241,7 +243,7 @@ def run_trl(
         train_dataset=dataset,
         processing_class=load_tokenizer(model_dir),
         peft_config=lora,
-        callbacks=[Timing()],
+        callbacks=[Timing(), *(callbacks or [])],
     )
     record["optimizer"] = args.optim
     generate, rewards = trainer._generate_single_turn, trainer._calculate_rewards

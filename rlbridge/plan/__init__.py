@@ -32,7 +32,8 @@ from rlbridge.plan.memory_estimate import (
     reward_model_gib,
 )
 from rlbridge.recipe.schema import Recipe
-from rlbridge.rollout.registry import rollout_engine
+from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
+from rlbridge.rollout.spec import ENGINE_KEYS
 
 __all__ = [
     "ALLOCATOR_RESERVE",
@@ -157,6 +158,18 @@ def _sleep_applies(r: Recipe) -> bool:
     )
 
 
+def unread_rollout_keys(r: Recipe) -> list[str]:
+    """A note for each engine-tuning rollout key (rollout/spec.ENGINE_KEYS) the recipe sets away from its default
+    that its rollout.engine does not read: the value changes nothing, which the user should know."""
+    spec, fields = rollout_engine(r), type(r.rollout).model_fields
+    return [
+        f"rollout.{key} {getattr(r.rollout, key)} changes nothing: rollout.engine {spec.name} does not read it "
+        f"({rollout_engines_that(lambda e, k=key: k in e.reads)} does)"
+        for key in ENGINE_KEYS
+        if key not in spec.reads and getattr(r.rollout, key) != fields[key].default
+    ]
+
+
 def rollout_sleeps(r: Recipe, plan: Plan) -> bool:
     """Whether vLLM sleeps through each update: only where rollout.sleep applies, then as it says (auto: as the
     plan's memory decided; without the model's shape, as always)."""
@@ -206,11 +219,13 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"
         )
     per_engine = -(-b.rollouts_per_step // num_engines)
-    if r.rollout.max_num_seqs is not None and r.rollout.max_num_seqs < per_engine:
+    seqs = r.rollout.max_num_seqs if "max_num_seqs" in rollout_engine(r).reads else None
+    if seqs is not None and seqs < per_engine:
         notes.append(
-            f"rollout.max_num_seqs {r.rollout.max_num_seqs} is below the {per_engine} rollouts each engine "
+            f"rollout.max_num_seqs {seqs} is below the {per_engine} rollouts each engine "
             f"generates per step: it generates them in waves ({per_engine} or more decodes them at once)"
         )
+    notes += unread_rollout_keys(r)
     mem = memory(r, m, dp, b) if m is not None else None
     if _sleep_applies(r) and r.rollout.sleep == "auto" and mem is not None:
         notes.append(

@@ -16,6 +16,16 @@ if TYPE_CHECKING:
     from rlbridge.rollout.base import RolloutEngine
 
 
+ENGINE_KEYS = (
+    "float32_head",
+    "flashinfer_sampler",
+    "enforce_eager",
+    "max_num_seqs",
+)
+"""The rollout keys that tune one engine's internals (vLLM's today); an engine reads those in its `reads`.
+gpu_memory_utilization and kv_cache_gib are not among them: the plan sizes every engine's memory by them."""
+
+
 @dataclass(frozen=True)
 class RolloutEngineSpec:
     """One rollout engine. The defaults describe an engine without limits or extras: it loads whatever the
@@ -54,6 +64,8 @@ class RolloutEngineSpec:
     spreads_tensor_parallel: bool = False
     """At rollout.tensor_parallel > 1 it starts its own workers on the engine's devices, told how by the
     session (launch.engine_specs: executor, ray_bundles, ray_gpus_per_worker)."""
+    reads: frozenset[str] = frozenset()
+    """The ENGINE_KEYS it reads; the plan notes any other of them a recipe sets (it changes nothing)."""
     stand_in: bool = False
     """The smoke run (`rlbridge train --smoke`) rolls out with it in place of the recipe's engine (cheap to
     start on a CPU, the same weight-sync export)."""

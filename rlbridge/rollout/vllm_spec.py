@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rlbridge.rollout.spec import RolloutEngineSpec
+from rlbridge.rollout.spec import ENGINE_KEYS, RolloutEngineSpec
 
 if TYPE_CHECKING:
     from rlbridge.recipe.schema import Recipe
@@ -45,4 +45,5 @@ VLLM = RolloutEngineSpec(
     warm_adapter=True,
     seeds_per_group=True,
     spreads_tensor_parallel=True,
+    reads=frozenset(ENGINE_KEYS),
 )

@@ -151,3 +151,21 @@ def test_max_num_seqs_below_an_engines_rollouts_is_noted() -> None:
         "the 64 rollouts" in n for n in plan_of("qwen2.5-7b-grpo-lora", "rollout.max_num_seqs=8").notes
     )
     assert not any(note in n for n in plan_of("quickstart-gpu").notes)
+
+
+def test_a_vllm_key_set_for_another_rollout_engine_is_noted_as_changing_nothing() -> None:
+    """rollout.engine hf reads none of vLLM's tuning keys: one set away from its default is noted (not refused: a
+    recipe switched to the hf engine for a debugging run keeps its vLLM keys), one at its default is not."""
+    hf = ("rollout.engine=hf", "rollout.weight_sync=merged")
+    notes = plan_of("quickstart-gpu", *hf, "rollout.enforce_eager=true", "rollout.max_num_seqs=8").notes
+    assert [n for n in notes if "changes nothing" in n] == [
+        "rollout.enforce_eager True changes nothing: rollout.engine hf does not read it (vllm does)",
+        "rollout.max_num_seqs 8 changes nothing: rollout.engine hf does not read it (vllm does)",
+    ]
+    assert not any("waves" in n for n in notes)  # no waves note for a key the engine ignores
+    assert not any(
+        "changes nothing" in n for n in plan_of("quickstart-gpu", *hf, "rollout.float32_head=true").notes
+    )
+    assert not any(
+        "changes nothing" in n for n in plan_of("quickstart-gpu", "rollout.enforce_eager=true").notes
+    )

@@ -1,0 +1,48 @@
+"""bench/equal_wall.py's rules against hand computations: which step counts as inside the time, the arms' order per
+seed, and the summary (per-seed accuracy, mean, min-max, the mean difference to TRL over the seeds both ran)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.equal_wall import rotation, steps_within, summarize
+
+
+def test_the_last_step_that_ended_inside_the_time_counts() -> None:
+    ends = {1: 30.0, 2: 42.5, 3: 55.0, 4: 67.5}
+    assert steps_within(ends, 60.0) == 3
+    assert steps_within(ends, 55.0) == 3  # ending exactly at the time is inside it
+    assert steps_within(ends, 29.9) == 0
+    assert steps_within({}, 60.0) == 0
+
+
+def test_each_arm_runs_first_once_over_three_seeds() -> None:
+    arms = ["trl", "sync", "async"]
+    orders = [rotation(arms, k) for k in range(3)]
+    assert orders == [["trl", "sync", "async"], ["sync", "async", "trl"], ["async", "trl", "sync"]]
+    assert [o[0] for o in orders] == arms
+    assert rotation(arms, 3) == arms
+
+
+def test_summary_matches_a_hand_computation() -> None:
+    runs = [
+        {"arm": "trl", "seed": 1, "steps": 10, "accuracy": 0.20},
+        {"arm": "trl", "seed": 2, "steps": 12, "accuracy": 0.30},
+        {"arm": "rlbridge-sync", "seed": 1, "steps": 18, "accuracy": 0.40},
+        {"arm": "rlbridge-sync", "seed": 2, "steps": 20, "accuracy": 0.35},
+        {
+            "arm": "rlbridge-sync",
+            "seed": 3,
+            "steps": 19,
+            "accuracy": 0.50,
+        },  # TRL's seed 3 failed: not in minus_trl
+        {"arm": "trl", "seed": 3, "steps": 0, "failed": True},
+    ]
+    s = summarize(runs)
+    assert s["trl"]["accuracy"] == [0.20, 0.30] and s["trl"]["accuracy_mean"] == pytest.approx(0.25)
+    sync = s["rlbridge-sync"]
+    assert sync["seeds"] == [1, 2, 3] and sync["accuracy_mean"] == pytest.approx(1.25 / 3)
+    assert (sync["accuracy_min"], sync["accuracy_max"]) == (0.35, 0.50)
+    assert sync["steps_mean"] == pytest.approx(19.0)
+    assert sync["minus_trl"] == pytest.approx(((0.40 - 0.20) + (0.35 - 0.30)) / 2)
+    assert "minus_trl" not in s["trl"]
