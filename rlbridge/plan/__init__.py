@@ -30,6 +30,7 @@ from rlbridge.plan.memory_estimate import (
     memory,
     memory_notes,
     reward_model_gib,
+    rollout_engine_count,
 )
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
@@ -198,10 +199,8 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
     rtp = r.rollout.tensor_parallel
     per_device = r.rollout.engines_per_device if rtp == 1 else 1
-    engine_groups = max(
-        rollout_gpus // rtp, 1
-    )  # one per rtp devices; each device then holds `per_device` engines
-    num_engines = engine_groups * per_device
+    engine_groups = max(rollout_gpus // rtp, 1)  # one per rtp devices, each holding `per_device` engines
+    num_engines = rollout_engine_count(r)
     rollout_bundles = (
         [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(engine_groups)]
     )

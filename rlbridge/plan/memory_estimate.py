@@ -127,6 +127,26 @@ def reward_model_gib(r: Recipe, b: Batches) -> tuple[float, float]:
     return weights, activations
 
 
+def rollout_engine_count(r: Recipe) -> int:
+    """Rollout engines: one per rollout.tensor_parallel devices of the rollout's (the trainer's when colocated),
+    rollout.engines_per_device on each device at tensor parallel 1."""
+    rtp = r.rollout.tensor_parallel
+    devices = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
+    return max(devices // rtp, 1) * (r.rollout.engines_per_device if rtp == 1 else 1)
+
+
+def generation_gib(r: Recipe, m: ModelInfo, b: Batches) -> float:
+    """What an engine that allocates as it generates (transformers generate: rollout/hf.py, one left-padded batch)
+    holds at the end of a step's generation, in GiB: the KV cache of its share of the rollouts at full length
+    (prompt + response, every layer's keys and values in the model's dtype) and the float32 logits of every
+    generated position that it keeps for the log-probs (output_logits). An estimate from the shapes, not fitted
+    to a measured peak; vLLM's share is rollout.gpu_memory_utilization / kv_cache_gib instead."""
+    rollouts = -(-b.rollouts_per_step // rollout_engine_count(r))
+    kv = b.max_sequence_tokens * m.layers * 2 * m.kv_heads * m.head_dim * DTYPE_BYTES[r.model.dtype]
+    logits = r.rollout.max_response_tokens * m.vocab * DTYPE_BYTES["float32"]
+    return rollouts * (kv + logits) / GIB
+
+
 def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     p = r.trainer.parallel
     wbytes = DTYPE_BYTES[r.model.dtype]
@@ -156,7 +176,9 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
         act += (_activations(r, m, b, cap=MAX_PASS_TOKENS) + MAX_GRAPHS * 4 * local_trainable) / GIB
     rollout_w = total * wbytes / r.rollout.tensor_parallel / GIB
     capacity = r.cluster.gpu_memory_gib
-    if r.cluster.device == "cpu":  # vLLM-CPU: KV cache of a fixed size in host memory
+    if not rollout_engine(r).reserves_memory:  # transformers generate: allocates as it generates
+        kv = generation_gib(r, m, b)
+    elif r.cluster.device == "cpu":  # vLLM-CPU: KV cache of a fixed size in host memory
         kv = r.rollout.kv_cache_gib
     else:  # vLLM takes gpu_memory_utilization of the device; what the weights leave is KV cache
         kv = max(r.rollout.gpu_memory_utilization * capacity - rollout_w, 0.0)
@@ -192,8 +214,10 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
                 r.rollout.sleep == "always"
                 or (r.rollout.sleep == "auto" and resident > RESIDENT_SHARE * capacity)
             )
-            # asleep: the update, or the generation (the trainer keeps its weights and optimizer state)
-            asleep = max(held, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB + rm_total
+            # asleep: the update (an engine that never sleeps keeps its weights through it), or the generation
+            # (the trainer keeps its weights and optimizer state)
+            kept = 0.0 if can_sleep else rollout_w * per_device
+            asleep = max(held + kept, rollout_total + weights + opt + critic) + 2 * CONTEXT_GIB + rm_total
             peak = resident if can_sleep and not sleeps else asleep
     return Memory(
         round(weights, 3),

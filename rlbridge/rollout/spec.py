@@ -17,13 +17,15 @@ if TYPE_CHECKING:
 
 
 ENGINE_KEYS = (
+    "gpu_memory_utilization",
+    "kv_cache_gib",
     "float32_head",
     "flashinfer_sampler",
     "enforce_eager",
     "max_num_seqs",
 )
-"""The rollout keys that tune one engine's internals (vLLM's today); an engine reads those in its `reads`.
-gpu_memory_utilization and kv_cache_gib are not among them: the plan sizes every engine's memory by them."""
+"""The rollout keys that tune one engine's internals (vLLM's today); an engine reads those in its `reads`. The
+plan and the recipe checks read the memory keys only for an engine that reserves memory (`reserves_memory`)."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from rlbridge.engines.registry import trainer_engine, trainer_engines_that
 from rlbridge.errors import RecipeIssue
 from rlbridge.recipe.checks.common import Issues, choices, divisors
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
+from rlbridge.rollout.registry import rollout_engine
 
 
 # -------------------------------------------------------------------------------- cluster layout
@@ -145,7 +146,12 @@ def check_rollout_layout(r: Recipe, out: Issues) -> None:
                 fix="set rollout.engines_per_device: 1, or rollout.tensor_parallel: 1",
             )
         )
-    elif k > 1 and r.cluster.device == "cuda" and k * r.rollout.gpu_memory_utilization > 1:
+    elif (
+        k > 1
+        and r.cluster.device == "cuda"
+        and rollout_engine(r).reserves_memory
+        and k * r.rollout.gpu_memory_utilization > 1
+    ):
         each = math.floor(0.9 / k * 100) / 100
         out.append(
             RecipeIssue(

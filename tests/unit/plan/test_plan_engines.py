@@ -159,12 +159,13 @@ def test_a_vllm_key_set_for_another_rollout_engine_is_noted_as_changing_nothing(
     hf = ("rollout.engine=hf", "rollout.weight_sync=merged")
     notes = plan_of("quickstart-gpu", *hf, "rollout.enforce_eager=true", "rollout.max_num_seqs=8").notes
     assert [n for n in notes if "changes nothing" in n] == [
+        "rollout.gpu_memory_utilization 0.3 changes nothing: rollout.engine hf does not read it (vllm does)",
         "rollout.enforce_eager True changes nothing: rollout.engine hf does not read it (vllm does)",
         "rollout.max_num_seqs 8 changes nothing: rollout.engine hf does not read it (vllm does)",
     ]
     assert not any("waves" in n for n in notes)  # no waves note for a key the engine ignores
     assert not any(
-        "changes nothing" in n for n in plan_of("quickstart-gpu", *hf, "rollout.float32_head=true").notes
+        "changes nothing" in n for n in plan_of("quickstart", *hf, "rollout.float32_head=true").notes
     )
     assert not any(
         "changes nothing" in n for n in plan_of("quickstart-gpu", "rollout.enforce_eager=true").notes

@@ -331,3 +331,24 @@ def test_a_vllm_share_that_cannot_hold_the_weights_is_refused() -> None:
         read_model_info("qwen3-30b-a3b-random"),
     )
     assert plan.memory is not None and plan.memory.peak <= 140
+
+
+def test_an_hf_rollout_holds_its_generation_not_a_share_of_the_device() -> None:
+    """rollout.engine hf (transformers generate) reserves nothing: the plan counts its weights, the KV cache of the
+    step's 32 rollouts at full length and the float32 logits it keeps, by a hand computation from SmolLM2-135M's
+    config (30 layers, 3 KV heads of 64, vocabulary 49152), whatever rollout.gpu_memory_utilization says; its
+    weights stay through the update (it never sleeps)."""
+    hf = ["rollout.engine=hf", "rollout.weight_sync=merged"]
+    r, plan = gpu_plan(hf)
+    m = plan.memory
+    kv = (
+        32 * (128 + 48) * 30 * 2 * 3 * 64 * 2
+    )  # rollouts x tokens x layers x (k, v) x kv heads x head dim x bf16
+    logits = 32 * 48 * 49152 * 4
+    assert m.rollout_kv_cache == pytest.approx((kv + logits) / 2**30, abs=1e-3)
+    assert m.rollout_total == pytest.approx(m.rollout_weights + m.rollout_kv_cache, abs=2e-3)
+    assert gpu_plan([*hf, "rollout.gpu_memory_utilization=0.9"])[1].memory == m
+    update = m.trainer_total * ALLOCATOR_RESERVE + m.rollout_weights
+    generation = m.rollout_total + m.weights + m.optimizer
+    assert m.peak == pytest.approx(max(update, generation) + 2 * CONTEXT_GIB, abs=2e-3)
+    assert not rollout_sleeps(r, plan)
