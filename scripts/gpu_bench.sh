@@ -87,6 +87,9 @@
 #                                       # optimizer step (bench/trl_async.py); TRL's FlashAttention-3 comes from the Hub, so
 #                                       # without the kernels package torch's varlen attention stands in (the summary says
 #                                       # which); 3 rounds asked, 1 + 8 steps; NOT yet run on a GPU (dry-run on CPU only)
+#   bash scripts/gpu_bench.sh eqwall    # issue 47 item 4: held-out accuracy after the same wall time (bench/equal_wall.py),
+#                                       # GPU quickstart, TRL / rlbridge sync / async, EQWALL_S (90) s each, one seed a call
+#                                       # (EQWALL_SEED); NOT yet run on a GPU (~3 x 130 s estimated)
 #   bash scripts/gpu_bench.sh abasync512  # the same at 512 rollouts, <= 256 tokens, 1 + 3 steps, 2 rounds; TRL with gradient
 #                                       # checkpointing (one micro-batch of 512)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
@@ -277,6 +280,11 @@ PYEOF
       timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu-fast.yaml --trl-async --out "$OUT/$part" \
         --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
+    eqwall)  # issue 47 item 4: bench/equal_wall.py on the GPU quickstart, one seed per call (EQWALL_SEED, default 1),
+             # EQWALL_S seconds of training per arm (default 90): TRL, rlbridge sync, rlbridge async
+      timeout "$(left)" "$PY" bench/equal_wall.py --recipe recipes/quickstart-gpu.yaml --wall-s "${EQWALL_S:-90}" \
+        --seeds "${EQWALL_SEED:-1}" --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[equal-wall\]|Error" "$OUT/$part/log.txt" | tail -8 ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
@@ -340,7 +348,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512, eqwall)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
