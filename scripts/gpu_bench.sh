@@ -78,9 +78,9 @@
 #                                       # whole batch of 512 in one micro-batch, which fits only with its gradient
 #                                       # checkpointing (TRL's default) on
 #                                       # AB_ROUNDS / AB_STEPS change the rounds / timed steps, AB_ARGS adds arguments of
-#                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true"; the
-#                                       # start-up lever of 2026-12-06, not measured yet: "--rlbridge-set
-#                                       # rollout.max_num_seqs=32", 512 at ab512)
+#                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true"; vLLM's
+#                                       # CUDA graphs up to the run's largest batch, the start-up lever of 2026-12-06,
+#                                       # need no setting now: see startgraphs)
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
@@ -90,6 +90,10 @@
 #   bash scripts/gpu_bench.sh eqwall    # issue 47 item 4: held-out accuracy after the same wall time (bench/equal_wall.py),
 #                                       # GPU quickstart, TRL / rlbridge sync / async, EQWALL_S (90) s each, one seed a call
 #                                       # (EQWALL_SEED); NOT yet run on a GPU (~3 x 130 s estimated)
+#   bash scripts/gpu_bench.sh startgraphs  # vLLM's CUDA graphs captured up to the run's largest batch (32 rows at the
+#                                       # GPU quickstart without evaluation) against vLLM's default grid up to 512:
+#                                       # bench/startup_marks.py, 1-step CLI runs alternated, 3 rounds (~6 x 60 s); NOT yet
+#                                       # run on a GPU
 #   bash scripts/gpu_bench.sh abasync512  # the same at 512 rollouts, <= 256 tokens, 1 + 3 steps, 2 rounds; TRL with gradient
 #                                       # checkpointing (one micro-batch of 512)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
@@ -285,6 +289,13 @@ PYEOF
       timeout "$(left)" "$PY" bench/equal_wall.py --recipe recipes/quickstart-gpu.yaml --wall-s "${EQWALL_S:-90}" \
         --seeds "${EQWALL_SEED:-1}" --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[equal-wall\]|Error" "$OUT/$part/log.txt" | tail -8 ;;
+    startgraphs)  # "before": rollout/vllm_compat.py without its compilation_config line (vLLM's default sizes)
+      sed 's/kwargs\["compilation_config"\] = .*/pass/' rlbridge/rollout/vllm_compat.py > "$OUT/$part/vllm_compat_default.py"
+      cp rlbridge/rollout/vllm_compat.py "$OUT/$part/vllm_compat_run_sized.py"
+      timeout "$(left)" "$PY" bench/startup_marks.py --recipe recipes/quickstart-gpu.yaml --rounds 3 \
+        --file rlbridge/rollout/vllm_compat.py --variant "default=$OUT/$part/vllm_compat_default.py" \
+        --variant "run-sized=$OUT/$part/vllm_compat_run_sized.py" --out "$OUT/$part/marks.json" > "$OUT/$part/log.txt" 2>&1
+      tail -12 "$OUT/$part/log.txt" ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1
       grep -E "step [0-9]" "$OUT/$part/log.txt" ;;
@@ -348,7 +359,7 @@ PYEOF
         --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
         > "$OUT/$part/log.txt" 2>&1
       tail -16 "$OUT/$part/log.txt" ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512, eqwall)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -163,9 +163,13 @@ def unread_rollout_keys(r: Recipe) -> list[str]:
     """A note for each engine-tuning rollout key (rollout/spec.ENGINE_KEYS) the recipe sets away from its default
     that its rollout.engine does not read: the value changes nothing, which the user should know."""
     spec, fields = rollout_engine(r), type(r.rollout).model_fields
+
+    def readers(key: str) -> str:
+        return rollout_engines_that(lambda e: key in e.reads)
+
     return [
         f"rollout.{key} {getattr(r.rollout, key)} changes nothing: rollout.engine {spec.name} does not read it "
-        f"({rollout_engines_that(lambda e, k=key: k in e.reads)} does)"
+        f"({readers(key)} does)"
         for key in ENGINE_KEYS
         if key not in spec.reads and getattr(r.rollout, key) != fields[key].default
     ]

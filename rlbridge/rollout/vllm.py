@@ -34,6 +34,10 @@ What it settles so the loop does not have to:
   budget waits for the next step instead.
 - **CPU build.** The engine is seeded (`seed`) as well. The KV cache is sized from `rollout.kv_cache_gib` (`kv_cache_memory_bytes`,
   which also skips the warm-up pass); eager mode; sleep/wake_up are no-ops.
+- **CUDA graphs for the batches the run has.** vLLM captures graphs at start-up for every batch size of its grid
+  up to 512 (51 sizes, twice each with LoRA), whatever the run decodes; the engine asks for the sizes up to the
+  largest batch it is sent (a step's rollouts or an evaluation's: `vllm_compat.graph_capture_size`), unless
+  rollout.max_num_seqs is set (vLLM then bounds the sizes by it). A larger batch would still run, without graphs.
 
 Tensor parallelism (rollout.tensor_parallel > 1): an engine with devices of its own holds all of them in its
 actor and vLLM starts its workers in processes of its own (`distributed_executor_backend="mp"`); an engine
@@ -144,12 +148,14 @@ class VllmRollout:
         executor: str | None = None,
         ray_bundles: list[int] | None = None,
         ray_gpus_per_worker: float | None = None,
+        max_batch: int | None = None,
     ) -> None:
         """num_threads (CPU): torch threads of the engine. Inside a Ray actor with num_cpus < 2, Ray sets
         OMP_NUM_THREADS=1 before torch loads, and vLLM's in-process CPU worker then generates on one core
         (docs/defaults.md#vllm-on-the-cpu).
         executor, ray_bundles, ray_gpus_per_worker: tensor_parallel > 1 (module docstring): vLLM's executor,
-        and for "ray" the placement-group bundles of its workers and the share of a GPU each takes."""
+        and for "ray" the placement-group bundles of its workers and the share of a GPU each takes.
+        max_batch (CUDA): the most sequences the run decodes at once; CUDA graphs are captured up to it."""
         start = time.perf_counter()
         from vllm import LLM
 
@@ -168,7 +174,14 @@ class VllmRollout:
         self._dtype = model_cfg.dtype
         self._model_dir = Path(model_dir)
         self._kwargs = engine_kwargs(
-            model_dir, rollout_cfg, model_cfg, lora_rank=lora_rank, seed=seed, cpu=cpu, executor=executor
+            model_dir,
+            rollout_cfg,
+            model_cfg,
+            lora_rank=lora_rank,
+            seed=seed,
+            cpu=cpu,
+            executor=executor,
+            max_batch=max_batch,
         )
         if ray_bundles is not None:  # read by vLLM's Ray executor when the engine is built
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in ray_bundles)

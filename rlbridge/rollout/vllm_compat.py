@@ -28,6 +28,19 @@ CPU_BLOCK_SIZE = 32
 (a 48-token prompt + <= 48 tokens all fit in one 128-token block) pay for empty slots in every decode step. The
 smallest size its CPU attention accepts (a multiple of 32); generation is faster at 32 for short and long
 sequences alike (docs/defaults.md#vllm-on-the-cpu)."""
+GRAPH_SIZE_CEILING = 512
+"""vLLM's own ceiling on the batch sizes it captures CUDA graphs for (max_cudagraph_capture_size's default)."""
+
+
+def graph_capture_size(max_batch: int) -> int:
+    """The largest batch the engine captures CUDA graphs for, given the most sequences it decodes at once:
+    max_batch rounded up onto vLLM's grid of capture sizes (1, 2, 4, multiples of 8 below 256, of 16 from 256),
+    at most vLLM's ceiling. vLLM captures every size of its grid up to this one at start-up (two graphs each with
+    LoRA); its default goes to 512 whatever the run decodes, most of it for batches the run never has."""
+    if max_batch <= 4:
+        return 1 << (max_batch - 1).bit_length() if max_batch > 0 else 1
+    step = 8 if max_batch <= 256 else 16
+    return min(-(-max_batch // step) * step, GRAPH_SIZE_CEILING)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -113,9 +126,12 @@ def engine_kwargs(
     seed: int,
     cpu: bool,
     executor: str | None = None,
+    max_batch: int | None = None,
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments for a recipe (pure: testable without vLLM). executor: vLLM's
-    distributed_executor_backend at tensor_parallel > 1 ("mp" or "ray"; see rollout/vllm.py's docstring)."""
+    distributed_executor_backend at tensor_parallel > 1 ("mp" or "ray"; see rollout/vllm.py's docstring).
+    max_batch: the most sequences the run decodes at once (rollout/vllm_spec.decode_rows); with CUDA graphs and
+    no rollout.max_num_seqs (from which vLLM derives its own bound), graphs are captured up to that batch only."""
     adapter = rollout_cfg.weight_sync == WeightSync.ADAPTER
     if adapter and not 0 < lora_rank <= rollout_cfg.max_lora_rank:
         raise ValueError(
@@ -157,6 +173,8 @@ def engine_kwargs(
         kwargs["max_num_batched_tokens"] = max(step_tokens, kwargs["max_model_len"])
     else:
         kwargs["enable_sleep_mode"] = True
+        if max_batch and not kwargs["enforce_eager"] and rollout_cfg.max_num_seqs is None:
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size": graph_capture_size(max_batch)}
     return kwargs
 
 

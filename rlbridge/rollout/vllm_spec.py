@@ -20,13 +20,21 @@ def _worker() -> type[RolloutEngine]:
     return VllmRollout
 
 
+def decode_rows(r: Recipe) -> int:
+    """The most sequences one engine is asked to generate in one call: a step's rollouts (all of them at one
+    engine; several engines share them) or, with validation data, an evaluation's (run.eval_samples prompts, k
+    completions each for pass@k)."""
+    k = max((m.k for m in r.eval.metrics), default=1)
+    return max(r.data.batch_size * r.rollout.n, r.run.eval_samples * k if r.data.val is not None else 0)
+
+
 def _kwargs(r: Recipe, threads: int) -> dict[str, Any]:
     cpu = r.cluster.device == "cpu"
     return {
         "seed": r.run.seed,
         "lora_rank": r.lora.rank,
         "cpu": cpu,
-        **({"num_threads": threads} if cpu else {}),
+        **({"num_threads": threads} if cpu else {"max_batch": decode_rows(r)}),
     }
 
 

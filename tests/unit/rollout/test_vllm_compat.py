@@ -170,3 +170,49 @@ def test_max_num_seqs_reaches_vllm_only_when_the_recipe_sets_it():
         lora_rank=0, seed=0, cpu=True,
     )  # fmt: skip
     assert (cpu["max_num_seqs"], cpu["max_num_batched_tokens"]) == (8, 8 * 176)
+
+
+def test_graph_capture_sizes_stop_at_the_largest_batch_on_vllms_grid():
+    from rlbridge.rollout.vllm_compat import graph_capture_size
+
+    got = {b: graph_capture_size(b) for b in (1, 2, 3, 4, 5, 32, 33, 100, 256, 257, 512, 600)}
+    assert got == {
+        1: 1,
+        2: 2,
+        3: 4,
+        4: 4,
+        5: 8,
+        32: 32,
+        33: 40,
+        100: 104,
+        256: 256,
+        257: 272,
+        512: 512,
+        600: 512,
+    }
+
+
+def test_cuda_graphs_are_captured_up_to_the_recipes_largest_batch_and_vllm_takes_the_setting():
+    """The GPU quickstart decodes at most 100 sequences (its evaluation; a step has 32): graphs up to 104, not
+    vLLM's 512. Not on a CPU (eager), not in eager mode, not where rollout.max_num_seqs bounds vLLM's own sizes.
+    The installed vLLM's CompilationConfig accepts the dict as the engine passes it."""
+    from vllm.config import CompilationConfig
+
+    from rlbridge.recipe.load import load_recipe
+    from rlbridge.rollout.vllm_compat import engine_kwargs
+    from rlbridge.rollout.vllm_spec import VLLM, decode_rows
+
+    r = load_recipe("recipes/quickstart-gpu.yaml", [])
+    assert decode_rows(r) == 100 and VLLM.worker_kwargs(r, 1)["max_batch"] == 100
+    assert decode_rows(load_recipe("recipes/quickstart-gpu.yaml", ["run.eval_samples=10"])) == 32
+    assert decode_rows(load_recipe("recipes/quickstart-gpu.yaml", ["data.val=null"])) == 32
+
+    def graphs(cpu: bool = False, **cfg: object) -> object:
+        kw = engine_kwargs(
+            "m", r.rollout.model_copy(update=cfg), r.model, lora_rank=16, seed=0, cpu=cpu, max_batch=100
+        )
+        return kw.get("compilation_config")
+
+    assert graphs() == {"max_cudagraph_capture_size": 104}
+    assert graphs(cpu=True) is None and graphs(enforce_eager=True) is None and graphs(max_num_seqs=64) is None
+    assert CompilationConfig(**graphs()).max_cudagraph_capture_size == 104
