@@ -9,8 +9,8 @@
 * TrainerRole at data parallel 2 takes the same critic step as at 1;
 * a bfloat16 model keeps a float32 value head;
 * its checkpoint: restored at TP1 it repeats its next step bit for bit, and the TP1 checkpoint resumed at TP2
-  takes TP1's next step (values, moments within 1e-5, adapters within RESUME_TOL_WEIGHTS; riding on the TP1 and
-  TP2 launches).
+  takes TP1's next step (values within 1e-5, moments within RESUME_TOL_MOMENTS, adapters within RESUME_TOL_WEIGHTS;
+  riding on the TP1 and TP2 launches).
 """
 
 from __future__ import annotations
@@ -24,11 +24,16 @@ from hf_reference import rel, seq_batch
 pytestmark = pytest.mark.integration
 
 TOL = 1e-5
-RESUME_TOL_WEIGHTS = 5e-5
+RESUME_TOL_WEIGHTS = 2e-4
 """The critic's adapters after a step taken at TP2 from a TP1 checkpoint vs the step taken at TP1 (each tensor's
-max |gap| / max |value|): measured 1.3e-5 (2026-12-05; values 6.1e-7, grad norm 1.8e-7, Adam moments 1.2e-6).
-LoRA B after two Adam steps is ~2 lr in every entry, and Adam's near-sign update of an entry with a gradient near
-eps turns a summation-order difference of the gradient into a larger one of the weight; 4x headroom."""
+max |gap| / max |value|): measured 1.3e-5 on an Intel CPU (2026-12-05) and 5.5e-5 on an AMD EPYC (2026-12-06; there
+in a LoRA B, linear_out). LoRA B after two Adam steps is ~2 lr in every entry, and Adam's near-sign update of an
+entry with a gradient near eps turns a summation-order difference of the gradient into a larger one of the
+weight; the CPU's matmul kernels decide the order. ~4x headroom over the larger."""
+RESUME_TOL_MOMENTS = 1e-4
+"""The same for Adam's moments: 1.2e-6 (Intel), 3.3e-5 (AMD EPYC, the value head's bias exp_avg: that gradient is a
+sum over every response position with cancellation, so its summation order shows). Values and the grad norm stay
+within TOL (6.1e-7 / 4.2e-7 and 1.8e-7 / 4.6e-8)."""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,10 @@ def _step2_gaps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
     gaps["grad_norm"] = abs(got["metrics"]["critic_grad_norm"] / want["metrics"]["critic_grad_norm"] - 1)
     for group in ("trainable", "optimizer"):
         assert got["state"][group].keys() == want["state"][group].keys()
-        gaps[group] = max(_gap(got["state"][group][k], t) for k, t in want["state"][group].items())
+        each = {k: _gap(got["state"][group][k], t) for k, t in want["state"][group].items()}
+        worst = max(each, key=lambda k: each[k])
+        print(f"{group}: largest gap {each[worst]:.2e} in {worst}")
+        gaps[group] = each[worst]
     return gaps
 
 
@@ -118,12 +126,14 @@ def test_critic_step_trains_adapters_and_head_only(critic_tp1: dict[str, Any]) -
 def test_tp2_equals_tp1_and_head_gradients_agree(
     critic_tp1: dict[str, Any], tiny_dirs: dict[str, str], run_workers: Any, critic_ckpt: str
 ) -> None:
-    """Also: the TP1 critic checkpoint resumed at TP2 takes TP1's step 2: values, grad norm and Adam moments within
-    1e-5 relative, the adapters and head within RESUME_TOL_WEIGHTS (the gaps are printed)."""
+    """Also: the TP1 critic checkpoint resumed at TP2 takes TP1's step 2: values and grad norm within 1e-5 relative,
+    Adam's moments within RESUME_TOL_MOMENTS, the adapters and head within RESUME_TOL_WEIGHTS (the gaps and the
+    tensors that have them are printed)."""
     ranks = run_workers("critic_suite", 2, timeout=150, qwen=tiny_dirs["qwen2"], tp=2, ckpt_in=critic_ckpt)
     gaps = _step2_gaps(ranks[0]["resumed2"], critic_tp1["step2"])
     print(f"critic TP1 save -> TP2 resume, step 2, max relative gap: {gaps}")
     assert gaps.pop("trainable") <= RESUME_TOL_WEIGHTS, gaps
+    assert gaps.pop("optimizer") <= RESUME_TOL_MOMENTS, gaps
     assert all(v <= 1e-5 for v in gaps.values()), gaps
     mask = seq_batch(critic_tp1["batch"]).response_mask > 0
     for res in ranks:
