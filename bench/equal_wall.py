@@ -120,14 +120,7 @@ def run_rlbridge_arm(a: argparse.Namespace, arm: str, seed: int, work: Path) -> 
     r = trl_grpo.recipe(1, [f"run.seed={seed}", *a.sets])
     t0 = time.time()
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **cpu_env(r)},
-            start_new_session=True,
-        )
+        proc = trl_grpo.start_group(cmd, f, cpu_env(r))
         with LineArrivals(run_dir / "metrics.jsonl") as arrivals:
             try:
                 rc = proc.wait(timeout=a.wall_s)
@@ -183,14 +176,7 @@ def run_trl_arm(a: argparse.Namespace, seed: int, work: Path) -> dict[str, Any]:
         *[arg for s in a.sets for arg in ("--set", s)],
     ]
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **cpu_env(r)},
-            start_new_session=True,
-        )
+        proc = trl_grpo.start_group(cmd, f, cpu_env(r))
         try:
             rc = proc.wait(
                 timeout=a.wall_s + STOP_GRACE_S + 600

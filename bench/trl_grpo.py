@@ -47,7 +47,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -352,14 +352,7 @@ def measure(
     t0 = time.time()
     timed_out = False
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+        proc = start_group(cmd, f, env)
         arrivals = LineArrivals(lines) if lines is not None else None
         with TreeMemory(proc.pid) as mem, arrivals if arrivals is not None else contextlib.nullcontext():
             try:
@@ -382,6 +375,19 @@ def measure(
         "load_before": load_before,
         "load_after": load_average(),
     }
+
+
+def start_group(cmd: list[str], out: IO[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`cmd` as a child in a process group of its own (its pid is the group's: kill_group / end_group end it), in the
+    repository, stdout and stderr to `out`, `env` added to the environment."""
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def kill_group(pgid: int) -> None:
