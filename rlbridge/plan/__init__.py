@@ -30,7 +30,7 @@ from rlbridge.plan.memory_estimate import (
     memory,
     memory_notes,
     reward_model_gib,
-    rollout_engine_count,
+    rollout_engine_groups,
 )
 from rlbridge.recipe.schema import Recipe
 from rlbridge.rollout.registry import rollout_engine, rollout_engines_that
@@ -200,11 +200,11 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     unit = "GPU" if c.device == "cuda" else "CPU"
     bundle = {"GPU": 1.0, "CPU": 1.0} if unit == "GPU" else {"CPU": 1.0}
     bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
-    rollout_gpus = world if c.colocate else (r.rollout.gpus or world)
     rtp = r.rollout.tensor_parallel
-    per_device = r.rollout.engines_per_device if rtp == 1 else 1
-    engine_groups = max(rollout_gpus // rtp, 1)  # one per rtp devices, each holding `per_device` engines
-    num_engines = rollout_engine_count(r)
+    engine_groups, per_device = rollout_engine_groups(
+        r
+    )  # one group per rtp devices, `per_device` engines on each
+    num_engines = engine_groups * per_device
     rollout_bundles = (
         [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(engine_groups)]
     )
@@ -216,7 +216,7 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         where = (
             "on the trainer's devices, resident next to it (no sleep)"
             if c.colocate
-            else f"on {rollout_gpus} device(s) of its own"
+            else f"on {r.rollout.gpus or world} device(s) of its own"
         )
         notes.append(
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"

@@ -127,12 +127,18 @@ def reward_model_gib(r: Recipe, b: Batches) -> tuple[float, float]:
     return weights, activations
 
 
-def rollout_engine_count(r: Recipe) -> int:
-    """Rollout engines: one per rollout.tensor_parallel devices of the rollout's (the trainer's when colocated),
-    rollout.engines_per_device on each device at tensor parallel 1."""
+def rollout_engine_groups(r: Recipe) -> tuple[int, int]:
+    """(engine groups, engines per group): a group per rollout.tensor_parallel devices of the rollout's (the
+    trainer's when colocated), rollout.engines_per_device engines in each at tensor parallel 1, one above."""
     rtp = r.rollout.tensor_parallel
     devices = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
-    return max(devices // rtp, 1) * (r.rollout.engines_per_device if rtp == 1 else 1)
+    return max(devices // rtp, 1), (r.rollout.engines_per_device if rtp == 1 else 1)
+
+
+def rollout_engine_count(r: Recipe) -> int:
+    """Rollout engines in all (rollout_engine_groups)."""
+    groups, per_group = rollout_engine_groups(r)
+    return groups * per_group
 
 
 def generation_gib(r: Recipe, m: ModelInfo, b: Batches) -> float:
@@ -190,7 +196,7 @@ def memory(r: Recipe, m: ModelInfo, dp: int, b: Batches) -> Memory:
     full_total = weights + full_grads + full_opt + act + full_critic
     # Colocated: vLLM sleeps (weights offloaded, KV cache freed) during the update, so phases do not add up;
     # rollout.mode async keeps it resident while the trainer updates, so they do.
-    per_device = r.rollout.engines_per_device if r.rollout.tensor_parallel == 1 else 1
+    _, per_device = rollout_engine_groups(r)
     rollout_total = (rollout_w + kv) * per_device  # rollout.engines_per_device engines, each its own copy
     rm_weights, rm_act = reward_model_gib(r, b)
     # the reward worker's GPU (GPU 0 of node 0) is taken for the fullest device: the peak holds its models
