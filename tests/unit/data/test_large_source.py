@@ -103,12 +103,13 @@ def test_a_large_jsonl_is_memory_mapped_and_resumes_on_the_same_rows(
     walk = sampler()
     batches = [walk.next_indices(BATCH) for _ in range(20)]
     grew = {k: (v - before[k]) * 1024 for k, v in memory_kib().items()}
-    # Bounds: VmRSS growth < 1/4 and RssAnon growth < 1/8 of what loader memory would hold for these rows.
-    # Measured here: held ~1.79 kB per row (357 MB); VmRSS +52-56 MB (it counts the pages of the memory-mapped
-    # Arrow file that were read), RssAnon +21-24 MB. The growth is the same at 400k and 800k rows (+16 and -8 MB
-    # anonymous): it does not follow the rows. Read whole, the same open grows by ~1.8 kB per row.
+    # Bounds: VmRSS growth < 1/2 and RssAnon growth < 1/3 of what loader memory would hold for these rows (read
+    # whole, the same open grows by ~1.8 kB per row, all of it). Held ~1.79 kB per row (357 MB); the file alone
+    # grows VmRSS by +52-56 MB (it counts the pages of the memory-mapped Arrow file that were read) and RssAnon by
+    # +21-24 MB, but after the rest of the suite has run in the process the allocator's state adds to both
+    # (+85 MB and +53 MB seen). The growth is the same at 400k and 800k rows: it does not follow the rows.
     assert in_python > 200e6, in_python
-    assert grew["VmRSS"] < in_python / 4 and grew["RssAnon"] < in_python / 8, (grew, in_python)
+    assert grew["VmRSS"] < in_python / 2 and grew["RssAnon"] < in_python / 3, (grew, in_python)
     assert (
         len(lazy) == ROWS and [lazy.prompts[i].text.endswith(f"#{i}") for i in batches[0]] == [True] * BATCH
     )
