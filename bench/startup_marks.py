@@ -12,6 +12,7 @@ the first console line holding each mark; every run kept in --out, the medians p
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import shutil
 import statistics
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = {
@@ -33,17 +35,22 @@ MARKS = {
 }
 
 
-def one_run(recipe: str, run_dir: Path) -> dict[str, float]:
-    start, seen = time.monotonic(), {}
-    cmd = [str(Path(sys.executable).parent / "rlbridge"), "train", recipe, "--set", "run.steps=1", "--set",
-           "data.val=null", "--run-dir", str(run_dir)]  # fmt: skip
+def one_run(recipe: str, run_dir: Path) -> dict[str, Any]:
+    """The marks of one `rlbridge train` run, its exit code and, when it failed, its last 20 console lines."""
+    start, seen, tail = time.monotonic(), {}, collections.deque(maxlen=20)
+    cmd = [sys.executable, "-m", "rlbridge", "train", recipe, "--set", "run.steps=1", "--set", "data.val=null",
+           "--run-dir", str(run_dir)]  # fmt: skip
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as p:
         assert p.stdout is not None
         for line in p.stdout:
+            tail.append(line.rstrip())
             for text, name in MARKS.items():
                 if text in line and name not in seen:
                     seen[name] = round(time.monotonic() - start, 2)
-    return seen
+    out: dict[str, Any] = {**seen, "returncode": p.returncode}
+    if p.returncode:
+        out["tail"] = list(tail)
+    return out
 
 
 def main() -> None:
@@ -71,9 +78,9 @@ def main() -> None:
     for name in variants:
         mine = [r for r in runs if r["variant"] == name]
         med = {
-            m: statistics.median(r[m] for r in mine if m in r)
+            m: statistics.median(r[m] for r in mine if m in r and not r["returncode"])
             for m in MARKS.values()
-            if any(m in r for r in mine)
+            if any(m in r and not r["returncode"] for r in mine)
         }
         print(name, json.dumps(med))
 

@@ -353,12 +353,17 @@ PYEOF
         --set cluster.nodes=1 --set trainer.parallel.pipeline=1 --set trainer.parallel.expert=1 \
         --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -30 "$OUT/$part/log.txt" ;;
-    mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first 8
-            # layers: the whole 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each
-      timeout "$(left)" "$PY" bench/trainer_gpu.py --models qwen2.5-7b,qwen2.5-7b:8 --attention sdpa --batch 8 \
-        --prompt 256 --response 256 --micro 4 --warmup 1 --steps 3 --peak-reps 20 --profile --out "$OUT/$part" \
-        > "$OUT/$part/log.txt" 2>&1
-      tail -16 "$OUT/$part/log.txt" ;;
+    mfu7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning (its first
+            # MFU7B_FULL_LAYERS layers, default 8, 4 on a card under 100 GiB: the whole 7B's full fine-tuning does not fit
+            # one GPU), both engines, with a profile of each; two bench runs so that no job is one that cannot fit
+      full_layers=${MFU7B_FULL_LAYERS:-8}; [ -n "$gib" ] && [ "${gib%.*}" -lt 100 ] && full_layers=${MFU7B_FULL_LAYERS:-4}
+      for job in "lora qwen2.5-7b" "full qwen2.5-7b:$full_layers"; do
+        read -r mode model <<< "$job"
+        timeout "$(left)" "$PY" bench/trainer_gpu.py --models "$model" --modes "$mode" --attention sdpa --batch "${MFU7B_BATCH:-16}" \
+          --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 --peak-reps 20 --profile \
+          --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
+        tail -12 "$OUT/$part/$mode.txt"
+      done ;;
     *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
