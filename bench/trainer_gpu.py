@@ -284,6 +284,14 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     built = torch.cuda.memory_allocated() if cuda else 0
     b, p, r = spec["batch"], spec["prompt"], spec["response"]
     batch, loss_fn, num_micro = train_inputs(spec)
+    tf32_gap = None
+    if spec.get("fp32_matmul", "ieee") != "ieee":
+        # the same log-probs with CUDA float32 matmuls exact and as asked: what the setting costs in accuracy
+        # (on a CPU the setting changes nothing: the gap is 0)
+        exact = engine.logprobs(batch).float()
+        torch.backends.cuda.matmul.fp32_precision = spec["fp32_matmul"]
+        gap = (engine.logprobs(batch).float() - exact).abs()[batch.response_mask.to(exact.device).bool()]
+        tf32_gap = {"mean": float(gap.mean()), "max": float(gap.max())}
     for _ in range(spec["warmup"]):
         engine.train_step(batch, loss_fn, num_micro_batches=num_micro)
     sync()
@@ -316,7 +324,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": b * (p + r) / step_s, "step_ms": 1000 * step_s,
         "peak_gib": peak_bytes / GIB, "after_build_gib": built / GIB,
         "trainable_params": trainable, "grad_norm": float(m["grad_norm"]), "skipped": float(m.get("skipped", 0.0)),
-        "build_s": build_s,
+        "build_s": build_s, "fp32_matmul": spec.get("fp32_matmul", "ieee"), "fp32_matmul_logprob_gap": tf32_gap,
     }  # fmt: skip
 
 
@@ -362,6 +370,13 @@ def main() -> int:
     )
     ap.add_argument("--profile", action="store_true", help="one extra step under torch.profiler per job")
     ap.add_argument(
+        "--fp32-matmul",
+        default="ieee",
+        choices=["ieee", "tf32"],
+        help="torch.backends.cuda.matmul.fp32_precision in each job (process-wide: the float32 output layer, and "
+        "peft's float32 adapters); with tf32 the job first measures the log-prob gap it makes on its batch",
+    )
+    ap.add_argument(
         "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
     )
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
@@ -406,6 +421,7 @@ def main() -> int:
                         "warmup": args.warmup,
                         "steps": args.steps,
                         "profile": args.profile,
+                        "fp32_matmul": args.fp32_matmul,
                     }
                 )
     order = {(s["model"], s["mode"], s["engine"], s["attention"]): i for i, s in enumerate(specs)}
@@ -512,7 +528,7 @@ def main() -> int:
     )
     result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
               "settings": {k: getattr(args, k) for k in
-              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile")},
+              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul")},
               "ratios": ratios, "failures": failures, "details": rows}  # fmt: skip
     report("trainer_gpu", result, table_rows, save=args.out is None)
     if args.out:
