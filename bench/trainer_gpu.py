@@ -1,8 +1,8 @@
 """Trainer throughput and memory on one GPU: the megatron engine against the hf engine, LoRA and full FT.
 
 Same GPU, same random-weight model, same batch, same loss for every row: `--batch` sequences of
-`--prompt` + `--response` tokens (no padding), `--micro` sequences per micro-batch, bfloat16, no activation
-recompute, one optimizer step per `train_step`. The loss is the response tokens' mean negative log-prob
+`--prompt` + `--response` tokens (no padding), `--micro` sequences per micro-batch, bfloat16, activation
+recompute as `--recompute` (default none), one optimizer step per `train_step`. The loss is the response tokens' mean negative log-prob
 plus a small entropy term (both engines compute log-probs and entropies as in GRPO). Shapes:
 
     smollm2-135m  Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings
@@ -217,6 +217,13 @@ def profile_step(step: Any, top: int = 12) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- job
+def recompute_cfg(granularity: str) -> dict[str, Any]:
+    """trainer.recompute for --recompute: full recomputes every layer (uniform groups of one)."""
+    if granularity == "full":
+        return {"granularity": "full", "method": "uniform", "num_layers": 1}
+    return {"granularity": granularity}
+
+
 def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
     """The job's engine on GPU 0 (or the CPU): (engine, recipe, seconds to build it). The megatron engine
     gets a one-rank process group first (NCCL, gloo on the CPU). Also used by bench/weight_sync_gpu.py."""
@@ -229,7 +236,8 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
     recipe = Recipe.model_validate({
         "name": "bench", "model": {"path": spec["model_dir"], "dtype": "bfloat16"},
         "lora": {"rank": 16 if lora else 0, "alpha": 32, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
-        "trainer": {"engine": spec["engine"], "micro_batch_size": spec["micro"], "optim": {"lr": 1e-5, "clip_grad": 1.0}},
+        "trainer": {"engine": spec["engine"], "micro_batch_size": spec["micro"], "optim": {"lr": 1e-5, "clip_grad": 1.0},
+                    "recompute": recompute_cfg(spec.get("recompute", "none"))},
         "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1000},
         "cluster": {"device": "cuda" if cuda else "cpu"},
     })  # fmt: skip
@@ -330,7 +338,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def plan_trainer_gib(row: dict[str, Any], args: argparse.Namespace, model_dir: Path) -> float:
     """`rlbridge plan`'s trainer memory per device (Memory.trainer_total) for the job's shape: the same model,
-    engine, LoRA or full fine-tuning, micro-batch and sequence length, bfloat16, no recompute."""
+    engine, LoRA or full fine-tuning, micro-batch and sequence length, bfloat16, the job's recompute."""
     from rlbridge.model.info import read_model_info
     from rlbridge.plan import make_plan
     from rlbridge.recipe.schema import Recipe
@@ -338,7 +346,7 @@ def plan_trainer_gib(row: dict[str, Any], args: argparse.Namespace, model_dir: P
     recipe = Recipe.model_validate({
         "name": "trainer-gpu", "model": {"path": str(model_dir), "dtype": "bfloat16"},
         "lora": {"rank": 16 if row["mode"] == "lora" else 0, "alpha": 32},  # as run_job's recipe
-        "trainer": {"engine": row["engine"], "micro_batch_size": args.micro},
+        "trainer": {"engine": row["engine"], "micro_batch_size": args.micro, "recompute": recompute_cfg(args.recompute)},
         "rollout": {"n": 1, "max_prompt_tokens": args.prompt, "max_response_tokens": args.response},
         "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.batch},
         "cluster": {"device": "cuda"},
@@ -369,6 +377,9 @@ def main() -> int:
         help="jobs sharing one GPU at a time: their peak memory stays exact (per process), their timings do not",
     )
     ap.add_argument("--profile", action="store_true", help="one extra step under torch.profiler per job")
+    ap.add_argument(
+        "--recompute", default="none", choices=["none", "selective", "full"], help="trainer.recompute"
+    )
     ap.add_argument(
         "--fp32-matmul",
         default="ieee",
@@ -422,6 +433,7 @@ def main() -> int:
                         "steps": args.steps,
                         "profile": args.profile,
                         "fp32_matmul": args.fp32_matmul,
+                        "recompute": args.recompute,
                     }
                 )
     order = {(s["model"], s["mode"], s["engine"], s["attention"]): i for i, s in enumerate(specs)}
@@ -528,7 +540,7 @@ def main() -> int:
     )
     result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
               "settings": {k: getattr(args, k) for k in
-              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul")},
+              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul", "recompute")},
               "ratios": ratios, "failures": failures, "details": rows}  # fmt: skip
     report("trainer_gpu", result, table_rows, save=args.out is None)
     if args.out:

@@ -63,6 +63,7 @@
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
+#   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
 #                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
 #                                       # 0.45, ENGINE30B (default megatron) for STEPS30B (default 2) steps; the first call
@@ -354,21 +355,24 @@ PYEOF
         --set cluster.nodes=1 --set trainer.parallel.pipeline=1 --set trainer.parallel.expert=1 \
         --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -30 "$OUT/$part/log.txt" ;;
-    mfu7b|mfu7btf32)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning
+    mfu7b|mfu7btf32|plan7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning
             # (its first MFU7B_FULL_LAYERS layers, default 8, 4 on a card under 100 GiB: the whole 7B's full fine-tuning
             # does not fit one GPU), both engines, with a profile of each; two bench runs so that no job is one that
             # cannot fit. mfu7btf32: the same with CUDA float32 matmuls on TF32 tensor cores (the float32 output
-            # layer: 23-52 % of the kernel time in mfu7b-gpu-2026-12-06), and the log-prob gap that makes
-      precision=ieee; [ "$part" = mfu7btf32 ] && precision=tf32
+            # layer: 23-52 % of the kernel time in mfu7b-gpu-2026-12-06), and the log-prob gap that makes.
+            # plan7b (issue 44 item 3): the same jobs with trainer.recompute full, unprofiled: the plan vs the peaks
+      precision=ieee; recompute=none; [ "$part" = mfu7btf32 ] && precision=tf32
+      profile=--profile; [ "$part" = plan7b ] && { recompute=full; profile=; }
       full_layers=${MFU7B_FULL_LAYERS:-8}; [ -n "$gib" ] && [ "${gib%.*}" -lt 100 ] && full_layers=${MFU7B_FULL_LAYERS:-4}
       for job in "lora qwen2.5-7b" "full qwen2.5-7b:$full_layers"; do
         read -r mode model <<< "$job"
+        # shellcheck disable=SC2086  # $profile: no word when empty
         timeout "$(left)" "$PY" bench/trainer_gpu.py --models "$model" --modes "$mode" --attention sdpa --batch "${MFU7B_BATCH:-16}" \
-          --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 --peak-reps 20 --profile \
-          --fp32-matmul "$precision" --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
+          --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 --peak-reps 20 $profile \
+          --fp32-matmul "$precision" --recompute "$recompute" --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
         tail -12 "$OUT/$part/$mode.txt"
       done ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done
