@@ -2,8 +2,9 @@
 
 Same GPU, same random-weight model, same batch, same loss for every row: `--batch` sequences of
 `--prompt` + `--response` tokens (no padding), `--micro` sequences per micro-batch, bfloat16, activation
-recompute as `--recompute` (default none), one optimizer step per `train_step`. The loss is the response tokens' mean negative log-prob
-plus a small entropy term (both engines compute log-probs and entropies as in GRPO). Shapes:
+recompute as `--recompute` (default none), one optimizer step per `train_step`. The loss is the response
+tokens' mean negative log-prob plus a small entropy term (both engines compute log-probs and entropies as in
+GRPO). Shapes:
 
     smollm2-135m  Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings
     qwen2.5-0.5b  Qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151936, tied, q/k/v biases
