@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -431,8 +432,13 @@ def check_args(a: argparse.Namespace) -> None:
         if rlbridge_recipe(a).rollout.mode != "async":
             raise SystemExit("--trl-async compares async with async: add --rlbridge-set rollout.mode=async")
         return
+    env = dict(os.environ)
     from trl import GRPOConfig
 
+    # trl's import sets VLLM_LOGGING_LEVEL=ERROR in this process's environment (trl._compat); every rlbridge run
+    # started from here would inherit it and its rollout log would lose vLLM's start-up lines
+    os.environ.clear()
+    os.environ.update(env)
     unknown = sorted(keys - {f.name for f in dataclasses.fields(GRPOConfig)})
     if unknown:
         raise SystemExit(f"--trl-config: {unknown} are not GRPOConfig fields of this trl")

@@ -1,14 +1,18 @@
 """bench/ab_rounds.py's summary arithmetic against a hand computation: the ratio of the pooled median step times,
 the min-max of the per-round ratios, time to first step and wall time, and which rounds count (both tools
-completed); bench/trl_grpo.py's --trl-config parsing."""
+completed); bench/trl_grpo.py's --trl-config parsing; the check of --trl-config leaves the environment the rlbridge
+runs inherit as it was."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.ab_rounds import headline, is_run_file, summarize_rounds
+from bench.ab_rounds import check_args, headline, is_run_file, summarize_rounds
 from bench.trl_grpo import parse_trl_config
 
 
@@ -114,3 +118,31 @@ def test_segment_attention_matches_an_explicit_softmax() -> None:
                     wb * v[k0 + b, h // 2].double() for wb, b in zip(w, keys, strict=True)
                 ) / sum(w)
     assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_checking_trl_config_leaves_the_environment_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # trl 1.16's import sets VLLM_LOGGING_LEVEL=ERROR in os.environ (trl._compat._patch_vllm_logging); a stand-in
+    # package does the same where trl is not installed (it is not a project dependency)
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text(
+        "import dataclasses, os\n"
+        "os.environ['VLLM_LOGGING_LEVEL'] = os.getenv('VLLM_LOGGING_LEVEL', 'ERROR')\n"
+        "@dataclasses.dataclass\n"
+        "class GRPOConfig:\n"
+        "    gradient_checkpointing: bool = False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    real = sys.modules.pop("trl", None)
+    try:
+        check_args(argparse.Namespace(trl_config=["gradient_checkpointing=true"], trl_async=False))
+        assert str(sys.modules["trl"].__file__).startswith(str(tmp_path))  # the stand-in was imported here
+        assert "VLLM_LOGGING_LEVEL" not in os.environ
+        with pytest.raises(SystemExit, match="not GRPOConfig fields"):
+            check_args(argparse.Namespace(trl_config=["no_such_key=1"], trl_async=False))
+    finally:
+        sys.modules.pop("trl", None)
+        if real is not None:
+            sys.modules["trl"] = real
