@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -40,13 +41,18 @@ def one_run(recipe: str, run_dir: Path) -> dict[str, Any]:
     start, seen, tail = time.monotonic(), {}, collections.deque(maxlen=20)
     cmd = [sys.executable, "-m", "rlbridge", "train", recipe, "--set", "run.steps=1", "--set", "data.val=null",
            "--run-dir", str(run_dir)]  # fmt: skip
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as p:
+    env = {**os.environ, "COLUMNS": "400"}  # the console's lines unwrapped (rich's width under a pipe is 80)
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
+    ) as p:
         assert p.stdout is not None
         for line in p.stdout:
             tail.append(line.rstrip())
             for text, name in MARKS.items():
                 if text in line and name not in seen:
                     seen[name] = round(time.monotonic() - start, 2)
+                    if name == "vllm_up":  # it names vLLM's start-up phases: load, compile, CUDA graphs
+                        seen["vllm_up_line"] = line.strip()
     out: dict[str, Any] = {**seen, "returncode": p.returncode}
     if p.returncode:
         out["tail"] = list(tail)
