@@ -292,11 +292,12 @@ PYEOF
         --seeds "${EQWALL_SEED:-1}" --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       grep -E "^\[equal-wall\]|Error" "$OUT/$part/log.txt" | tail -8 ;;
     startgraphs)  # "before": rollout/vllm_compat.py without its compilation_config line (vLLM's default sizes)
-      sed 's/kwargs\["compilation_config"\] = .*/pass/' rlbridge/rollout/vllm_compat.py > "$OUT/$part/vllm_compat_default.py"
-      cp rlbridge/rollout/vllm_compat.py "$OUT/$part/vllm_compat_run_sized.py"
+      variants=$(mktemp -d)  # the two copies of the file stay off $OUT: they are source, not results
+      sed 's/kwargs\["compilation_config"\] = .*/pass/' rlbridge/rollout/vllm_compat.py > "$variants/vllm_compat_default.py"
+      cp rlbridge/rollout/vllm_compat.py "$variants/vllm_compat_run_sized.py"
       timeout "$(left)" "$PY" bench/startup_marks.py --recipe recipes/quickstart-gpu.yaml --rounds 3 \
-        --file rlbridge/rollout/vllm_compat.py --variant "default=$OUT/$part/vllm_compat_default.py" \
-        --variant "run-sized=$OUT/$part/vllm_compat_run_sized.py" --out "$OUT/$part/marks.json" > "$OUT/$part/log.txt" 2>&1
+        --file rlbridge/rollout/vllm_compat.py --variant "default=$variants/vllm_compat_default.py" \
+        --variant "run-sized=$variants/vllm_compat_run_sized.py" --out "$OUT/$part/marks.json" > "$OUT/$part/log.txt" 2>&1
       tail -12 "$OUT/$part/log.txt" ;;
     compilestale)
       timeout "$(left)" "$PY" bench/compile_stale_check.py --device cuda --steps 3 > "$OUT/$part/log.txt" 2>&1

@@ -201,9 +201,8 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     bundle = {"GPU": 1.0, "CPU": 1.0} if unit == "GPU" else {"CPU": 1.0}
     bundles = [[dict(bundle) for _ in range(c.gpus_per_node)] for _ in range(c.nodes)]
     rtp = r.rollout.tensor_parallel
-    engine_groups, per_device = rollout_engine_groups(
-        r
-    )  # one group per rtp devices, `per_device` engines on each
+    # one group per rtp devices, `per_device` engines on each
+    engine_groups, per_device = rollout_engine_groups(r)
     num_engines = engine_groups * per_device
     rollout_bundles = (
         [] if c.colocate else [{k: v * rtp for k, v in bundle.items()} for _ in range(engine_groups)]
