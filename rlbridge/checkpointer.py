@@ -1,7 +1,7 @@
 """The driver's checkpoints during a run: when to save, what the driver adds, and restoring one.
 
 The step loop (loop.py) drives a `Checkpointer`: `begin_step` snapshots the data position and RNG; a stop
-request (SIGTERM, Ctrl-C; rlbridge/run/signals.py) seen before the update of step k abandons that step and
+request (SIGTERM, Ctrl-C: rlbridge/run/signals.py; run.time_limit_s: rlbridge/run/time_limit.py) seen before the update of step k abandons that step and
 saves step k-1 from the snapshot, one seen during or after the update lets the step finish and saves step k.
 What a checkpoint holds and how a resume finds and checks it: rlbridge/run/resume.py; the format on disk:
 rlbridge/run/checkpoint.py.
@@ -43,6 +43,8 @@ class Checkpointer:
         """rollout.mode async: the generations in flight, which a checkpoint holds (pipeline.py)."""
         self.last_step: int | None = None
         self.last_path: str | None = None
+        self.last_save_s = 0.0
+        """The last save's seconds (0 before one)."""
         self.nonfinite = 0
         """Steps in a row skipped for non-finite values (run.health.max_nonfinite_steps counts them)."""
         self.eval_before: dict[str, float] = {}
@@ -148,7 +150,7 @@ class Checkpointer:
             raise RlbridgeError(f"saving checkpoint step {step} failed: {e}\n{hint}") from e
         for note in info.notes:
             self.log(note)
-        self.last_step, self.last_path = step, info.path
+        self.last_step, self.last_path, self.last_save_s = step, info.path, info.seconds
         s.metrics.write(
             {
                 "kind": "checkpoint",

@@ -7,8 +7,8 @@
 
 Everything else sits behind one name each: the workers, data and rewards behind Session, the update's own
 gates behind TrainerRole, a step's samples (generate -> reward, DAPO's refills) in collect.py, the checks after
-the update (run.health) in health.py; checkpoints, resuming and the stop on SIGTERM / Ctrl-C behind
-checkpointer.Checkpointer and signals.StopSignals.
+the update (run.health) in health.py; checkpoints, resuming and the stop on SIGTERM / Ctrl-C or at
+run.time_limit_s behind checkpointer.Checkpointer, signals.StopSignals and time_limit.TimeLimit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from rlbridge.plan import Plan
 from rlbridge.recipe.schema import Recipe
 from rlbridge.run import directory
 from rlbridge.run.resume import ResumePoint, rollout_seed
-from rlbridge.run.signals import StopSignals
+from rlbridge.run.signals import TIME_LIMIT, StopSignals
+from rlbridge.run.time_limit import TimeLimit
 from rlbridge.session import Session
 
 
@@ -53,8 +54,10 @@ def train(
     recipe: Recipe, plan: Plan, run_dir: Path, model_dir: Path, *, resume: ResumePoint | None = None
 ) -> Summary:
     """Steps 1..run.steps, or from the step after `resume`'s checkpoint. SIGTERM / Ctrl-C: the current
-    phase finishes, a checkpoint is saved, and signals.Interrupted (a KeyboardInterrupt) is raised."""
+    phase finishes, a checkpoint is saved, and signals.Interrupted (a KeyboardInterrupt) is raised; so does a
+    step after which run.time_limit_s would be passed (run/time_limit.py)."""
     start = time.perf_counter()
+    limit = TimeLimit(recipe.run.time_limit_s)
     # the handlers go in after Session has started Ray: ray.init installs its own SIGTERM handler in the driver
     # (it dies at once), so ours must come later to win
     with Session(recipe, plan, run_dir, model_dir) as s, StopSignals() as stop, s.stall.armed():
@@ -70,6 +73,7 @@ def train(
                 saver.restore(resume) + 1
             )  # the rollout has the checkpoint's weights before any generation
         source.fill(first - 1)
+        limit.begin()
         for step in range(first, recipe.run.steps + 1):
             saver.begin_step(step)
             record = train_step(s, step, stop=stop, source=source)
@@ -89,6 +93,8 @@ def train(
                 and not stop.requested
             ):
                 evaluate(s, step)
+            if step < recipe.run.steps and limit.stop_after_step(step, saver.last_save_s):
+                stop.request(TIME_LIMIT)
             if saver.due(step) or stop.requested:
                 saver.save(step)
             if stop.requested:

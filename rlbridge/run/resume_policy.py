@@ -15,6 +15,7 @@ from rlbridge.errors import RlbridgeError
 RESUME_SAFE_KEYS = (
     "run.steps",
     "run.save_every",
+    "run.time_limit_s",
     "run.keep",
     "run.eval_every",
     "run.eval_samples",

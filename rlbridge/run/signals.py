@@ -23,7 +23,10 @@ from typing import Any
 
 from rlbridge.metrics.log import console
 
-EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+TIME_LIMIT = "run.time_limit_s"
+"""The stop a recipe's time limit requests (run/time_limit.py); its exit code is EX_TEMPFAIL, "try again"."""
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, TIME_LIMIT: 75}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -44,7 +47,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.requested: str | None = None
-        """Name of the first signal received (SIGINT or SIGTERM), None while none was."""
+        """Name of the first signal received (SIGINT or SIGTERM) or of another stop (TIME_LIMIT), None while none
+        was."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -57,6 +61,11 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def request(self, reason: str) -> None:
+        """A stop that is not a signal (TIME_LIMIT): handled as the first signal is, unless one came first."""
+        if self.requested is None:
+            self.requested = reason
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

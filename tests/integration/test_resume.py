@@ -17,6 +17,7 @@ test_resume_megatron.py.)
 - SIGTERM while the trainer is in the update of step 2: the update finishes, step 2 is saved, exit 143 with
   the resume command; `resume --set run.steps=4` continues (3 -> 4 steps), bit-identical again.
 - Ctrl-C sent to the driver's whole process group (as a terminal does): the same, exit 130.
+- run.time_limit_s passed after step 1: step 1 is saved, exit 75 with the resume command; the resume is exact.
 
 Exact: the data (steps, epochs, prompt_sha), the sampled completions (rollout_sha), rewards, weight versions,
 evaluations: rollouts are re-seeded per step (resume.rollout_seed) in an in-process vLLM engine core, and
@@ -468,4 +469,29 @@ def test_signal_during_the_update_saves_and_exits_with_the_resume_hint(
     rc, out = run(["resume", str(run_dir), "--set", f"run.steps={STEPS}"], log)
     assert rc == 0, out[-5000:]
     assert "changed on resume: run.steps 3 -> 4" in out
+    assert_same_run(run_dir, reference)
+
+
+def test_time_limit_saves_the_step_exits_75_and_resume_is_exact(
+    recipe_file: Path, reference: Path, tmp_path: Path
+) -> None:
+    """run.time_limit_s 1: passed before step 1 ends (start-up alone takes longer), so the run saves step 1
+    (not a save_every step) and stops, exit 75 with the resume command; the resume, given a limit it fits in,
+    ends as the uninterrupted run."""
+    run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    rc, out = run(["train", str(recipe_file), "--run-dir", str(run_dir), "--set", "run.time_limit_s=1"], log)
+    assert rc == 75, out[-5000:]
+    flat = out.replace("\n", " ")
+    assert "run.time_limit_s 1: step 1 ended at" in flat
+    assert (
+        "stopped by run.time_limit_s after step 1" in flat
+        and f"resume with: rlbridge resume {run_dir}" in flat
+    )
+    assert [i.step for i in ckpt.list_checkpoints(run_dir) if i.complete] == [1]
+    assert [r["step"] for r in train_metrics(run_dir)] == [1]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+
+    rc, out = run(["resume", str(run_dir), "--set", "run.time_limit_s=3600"], log)
+    assert rc == 0, out[-5000:]
+    assert "changed on resume: run.time_limit_s 1.0 -> 3600.0" in out
     assert_same_run(run_dir, reference)

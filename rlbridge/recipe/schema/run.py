@@ -62,6 +62,10 @@ class RunCfg(Section):
     """Seed for data order, sampling and initialization."""
     save_every: Annotated[int, Field(ge=0)] = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM)."""
+    time_limit_s: Annotated[float, Field(gt=0)] | None = None
+    """Wall-clock seconds this command may run, start-up included (a cluster job's limit, less a margin): after a
+    step, when the next step and a save would end past it, the run saves and stops with exit code 75 and the
+    `rlbridge resume` command, which starts a new limit. Null: no limit."""
     keep: PositiveInt = 3
     """Complete checkpoints kept; the newest good one is never deleted."""
     dir: str | None = None

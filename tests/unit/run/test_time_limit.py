@@ -1,0 +1,90 @@
+"""run.time_limit_s's stop rule (run/time_limit.py) on a fake clock, the process age it counts from, and the stop it requests (signals.StopSignals, exit code 75)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlbridge.recipe.schema import RunCfg
+from rlbridge.run.signals import EXIT_CODES, TIME_LIMIT, Interrupted, StopSignals
+from rlbridge.run.time_limit import TimeLimit
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def steps_run(limit: TimeLimit, clock: Clock, durations: list[float], save_s: float) -> int:
+    """The step after which the limit stops the run (0: none did)."""
+    limit.begin()
+    for step, seconds in enumerate(durations, 1):
+        clock.now += seconds
+        if limit.stop_after_step(step, save_s):
+            return step
+    return 0
+
+
+def test_stops_after_the_last_step_whose_successor_and_save_would_not_fit() -> None:
+    clock = Clock()
+    limit = TimeLimit(100.0, clock, age_s=10.0)  # the command has run 10 s when the loop builds it
+    clock.now = 10.0  # start-up: the first step begins 20 s into the command
+    # steps of 10 s end at 30, 40, ... 90 s; after step 7 (90 s) the next and a 2 s save would end at 102 s
+    assert steps_run(limit, clock, [10.0] * 20, save_s=2.0) == 7
+    assert clock.now - 10.0 + 20.0 == 90.0  # the stopped step ended inside the limit, its save too (92 s)
+
+
+def test_a_long_first_step_counts_until_three_later_steps_have_run() -> None:
+    # step 1 takes 60 s (compile, warm-up), then 10 s each: steps end at 60, 70, 80, 90, ... s
+    clock = Clock()
+    # the estimate is 60 s after steps 1-3: with a 130 s limit, step 3 (80 s) is the last (the next "ends" at 140)
+    assert steps_run(TimeLimit(130.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 3
+    clock = Clock()
+    # from step 4 on it is 10 s: with 200 s, step 15 ends at 200 s, and the next would pass it
+    assert steps_run(TimeLimit(200.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 15
+
+
+def test_no_limit_never_stops() -> None:
+    clock = Clock()
+    assert steps_run(TimeLimit(None, clock, age_s=1e9), clock, [1e6] * 5, save_s=1e6) == 0
+    assert RunCfg().time_limit_s is None
+
+
+def test_process_age_counts_from_the_process_start() -> None:
+    """A child started at a known time reports its age: what the child ran so far, less the few ms before the
+    kernel created it (psutil's create_time is not precise enough: /proc/stat's boot time is whole seconds)."""
+    before = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(before)], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    age, since_before = float(out[0]), float(out[1])
+    assert since_before - 0.05 <= age <= since_before + 0.011, (age, since_before)  # /proc's ticks: 10 ms
+    assert age > 0.0
+
+
+PROBE = """
+import sys, time
+sys.path.insert(0, ".")
+from rlbridge.run.time_limit import process_age_s
+age = process_age_s()
+print(age, time.time() - float(sys.argv[1]))
+"""
+
+
+def test_the_stop_is_requested_once_and_exits_75() -> None:
+    stop = StopSignals()
+    stop.request(TIME_LIMIT)
+    stop.request("SIGTERM")  # a stop already requested keeps its reason
+    assert stop.requested == TIME_LIMIT
+    assert Interrupted(TIME_LIMIT, 3, None, "").exit_code == EXIT_CODES[TIME_LIMIT] == 75
+    signalled = StopSignals()
+    signalled.requested = "SIGTERM"
+    signalled.request(TIME_LIMIT)
+    assert signalled.requested == "SIGTERM"
