@@ -96,6 +96,9 @@ def scoped_product(
     **kwargs: Any,
 ) -> torch.Tensor:
     """float32_product's TF32 scope on any device (a CPU's float32 matmuls ignore the setting: tests use that)."""
+    if _before:  # a backward stopped by an error between the two switches left TF32 on: put the setting back
+        torch.backends.cuda.matmul.fp32_precision = _before[0]
+        _before.clear()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         hidden, weight = _SwitchBack.apply(hidden, weight)
         with tf32_matmuls():

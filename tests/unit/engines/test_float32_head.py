@@ -92,3 +92,26 @@ def test_16_bit_values_are_exact_in_tf32_and_float32_gradients_are_not() -> None
         assert torch.equal(tf32_round(v), v), dtype  # the forward's operands: unrounded on TF32 tensor cores
     rel = ((tf32_round(x) - x).abs() / x.abs()).max()
     assert 0 < rel <= 2**-10  # a float32 gradient loses at most 2^-10 (truncated; 2^-11 rounded to nearest)
+
+
+def test_a_backward_stopped_by_an_error_does_not_leave_tf32_on() -> None:
+    before = MATMUL.fp32_precision
+    hidden = torch.randn(4, 16).requires_grad_()
+    weight = torch.randn(40, 16)
+
+    def out_of_memory(grad: torch.Tensor) -> None:
+        raise RuntimeError("out of memory in the backward")
+
+    def failing(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        up = h.float()
+        up.register_hook(out_of_memory)
+        return nn.functional.linear(up, w.float())
+
+    out = scoped_product(failing, hidden, weight)
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        pass
+    assert MATMUL.fp32_precision == "tf32"  # stopped between the switches
+    scoped_product(Recorder(), hidden, weight)  # the next product puts the setting back first
+    assert MATMUL.fp32_precision == before
