@@ -52,6 +52,7 @@ def test_the_scope_is_tf32_in_forward_and_backward_and_restored_after() -> None:
     plain = nn.functional.linear(hidden.float(), weight.float())
     plain.logsumexp(-1).sum().backward()
     assert out.dtype == torch.float32 and torch.equal(got[0], plain.detach())
+    assert got[1] is not None and got[2] is not None and hidden.grad is not None and weight.grad is not None
     assert torch.equal(got[1], hidden.grad) and torch.equal(got[2], weight.grad)
 
 
