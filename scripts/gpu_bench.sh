@@ -65,7 +65,8 @@
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
 #   bash scripts/gpu_bench.sh tf32ab    # the output layer's product on TF32 (engines/float32_head) vs exact float32, mfu7b's
 #                                       # jobs unprofiled, one run each way alternated per mode (TF32AB_MODES, default
-#                                       # "full lora"), with the log-prob gap on the batch
+#                                       # "full lora"), with the log-prob gap on the batch; a run of the 7B takes ~220-270 s
+#                                       # with its start (the full pair took 446 s on an H100: tf32head-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
 #                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
@@ -91,7 +92,8 @@
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
 #                                       # optimizer step (bench/trl_async.py); TRL's FlashAttention-3 comes from the Hub, so
 #                                       # without the kernels package torch's varlen attention stands in (the summary says
-#                                       # which); 3 rounds asked, 1 + 8 steps; NOT yet run on a GPU (dry-run on CPU only)
+#                                       # which); 3 rounds asked, 1 + 8 steps (2 rounds each fit 560 s on an
+#                                       # H100: abasync-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh eqwall    # issue 47 item 4: held-out accuracy after the same wall time (bench/equal_wall.py),
 #                                       # GPU quickstart, TRL / rlbridge sync / async, EQWALL_S (90) s each, one seed a call
 #                                       # (EQWALL_SEED); NOT yet run on a GPU (~3 x 130 s estimated)
