@@ -62,6 +62,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +284,31 @@ def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
     return batch, loss_fn, b // spec["micro"]
 
 
+def _plain_product(product: Any, hidden: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
+    return product(hidden, weight, *args, **kwargs)
+
+
+def exact_output_layer() -> None:
+    """The output layer's float32 product on CUDA's exact float32 matmuls (FFMA kernels) for the rest of the
+    process, as before engines/float32_head: its TF32 scope replaced by the plain product."""
+    from rlbridge.engines import float32_head
+
+    float32_head.scoped_product = _plain_product
+
+
+@contextmanager
+def exact_output_layer_scope() -> Iterator[None]:
+    """exact_output_layer inside the block only."""
+    from rlbridge.engines import float32_head
+
+    scoped = float32_head.scoped_product
+    float32_head.scoped_product = _plain_product
+    try:
+        yield
+    finally:
+        float32_head.scoped_product = scoped
+
+
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -293,6 +320,16 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     built = torch.cuda.memory_allocated() if cuda else 0
     b, p, r = spec["batch"], spec["prompt"], spec["response"]
     batch, loss_fn, num_micro = train_inputs(spec)
+    head_gap = None
+    if spec.get("float32_head", "tf32") == "ieee":
+        exact_output_layer()
+    else:
+        # the log-probs with the output layer's product on exact float32 matmuls and on TF32: what the scope costs
+        # (0 on a CPU, whose float32 matmuls ignore the setting)
+        with exact_output_layer_scope():
+            exact = engine.logprobs(batch).float()
+        gap = (engine.logprobs(batch).float() - exact).abs()[batch.response_mask.to(exact.device).bool()]
+        head_gap = {"mean": float(gap.mean()), "max": float(gap.max())}
     tf32_gap = None
     if spec.get("fp32_matmul", "ieee") != "ieee":
         # the same log-probs with CUDA float32 matmuls exact and as asked: what the setting costs in accuracy
@@ -334,6 +371,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_gib": peak_bytes / GIB, "after_build_gib": built / GIB,
         "trainable_params": trainable, "grad_norm": float(m["grad_norm"]), "skipped": float(m.get("skipped", 0.0)),
         "build_s": build_s, "fp32_matmul": spec.get("fp32_matmul", "ieee"), "fp32_matmul_logprob_gap": tf32_gap,
+        "float32_head": spec.get("float32_head", "tf32"), "float32_head_logprob_gap": head_gap,
     }  # fmt: skip
 
 
@@ -389,6 +427,13 @@ def main() -> int:
         "peft's float32 adapters); with tf32 the job first measures the log-prob gap it makes on its batch",
     )
     ap.add_argument(
+        "--float32-head",
+        default="tf32",
+        choices=["tf32", "ieee"],
+        help="the output layer's float32 product: on TF32 tensor cores (engines/float32_head, the engines' way; the "
+        "job first measures the log-prob gap against exact float32) or on exact float32 matmuls (as before it)",
+    )
+    ap.add_argument(
         "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
     )
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
@@ -434,6 +479,7 @@ def main() -> int:
                         "steps": args.steps,
                         "profile": args.profile,
                         "fp32_matmul": args.fp32_matmul,
+                        "float32_head": args.float32_head,
                         "recompute": args.recompute,
                     }
                 )
@@ -541,7 +587,7 @@ def main() -> int:
     )
     result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
               "settings": {k: getattr(args, k) for k in
-              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul", "recompute")},
+              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul", "float32_head", "recompute")},
               "ratios": ratios, "failures": failures, "details": rows}  # fmt: skip
     report("trainer_gpu", result, table_rows, save=args.out is None)
     if args.out:

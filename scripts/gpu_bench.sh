@@ -63,6 +63,10 @@
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
 #   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
+#   bash scripts/gpu_bench.sh tf32ab    # the output layer's product on TF32 (engines/float32_head) vs exact float32, mfu7b's
+#                                       # jobs unprofiled, one run each way alternated per mode (TF32AB_MODES, default
+#                                       # "full lora"), with the log-prob gap on the batch; a run of the 7B takes ~220-270 s
+#                                       # with its start (the full pair took 446 s on an H100: tf32head-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
 #                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
@@ -88,7 +92,8 @@
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
 #                                       # optimizer step (bench/trl_async.py); TRL's FlashAttention-3 comes from the Hub, so
 #                                       # without the kernels package torch's varlen attention stands in (the summary says
-#                                       # which); 3 rounds asked, 1 + 8 steps; NOT yet run on a GPU (dry-run on CPU only)
+#                                       # which); 3 rounds asked, 1 + 8 steps (2 rounds each fit 560 s on an
+#                                       # H100: abasync-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh eqwall    # issue 47 item 4: held-out accuracy after the same wall time (bench/equal_wall.py),
 #                                       # GPU quickstart, TRL / rlbridge sync / async, EQWALL_S (90) s each, one seed a call
 #                                       # (EQWALL_SEED); NOT yet run on a GPU (~3 x 130 s estimated)
@@ -373,7 +378,18 @@ PYEOF
           --fp32-matmul "$precision" --recompute "$recompute" --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
         tail -12 "$OUT/$part/$mode.txt"
       done ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
+    tf32ab)  # the float32 output layer on TF32 tensor cores vs exact float32 matmuls, the same jobs as mfu7b (unprofiled)
+      full_layers=${MFU7B_FULL_LAYERS:-8}; [ -n "$gib" ] && [ "${gib%.*}" -lt 100 ] && full_layers=${MFU7B_FULL_LAYERS:-4}
+      for mode in ${TF32AB_MODES:-full lora}; do
+        model=qwen2.5-7b; [ "$mode" = full ] && model=qwen2.5-7b:$full_layers
+        for head in tf32 ieee; do
+          timeout "$(left)" "$PY" bench/trainer_gpu.py --models "$model" --modes "$mode" --attention sdpa --batch "${MFU7B_BATCH:-16}" \
+            --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 --peak-reps 20 \
+            --float32-head "$head" --out "$OUT/$part/$mode-$head" > "$OUT/$part/$mode-$head.txt" 2>&1
+          grep -E "^done|\"(step_ms|mfu)\"" "$OUT/$part/$mode-$head.txt" | tail -6
+        done
+      done ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, tf32ab, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

@@ -51,9 +51,9 @@ files=()
 for p in "$@"; do  # several parts run in the order given, under one budget: bash scripts/gpu_check.sh 3 4
   case "$p" in
     1) files+=(tests/gpu/test_gpu_vllm_engine.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
-              tests/gpu/test_gpu_masked_rows.py) ;;
+              tests/gpu/test_gpu_masked_rows.py tests/gpu/test_gpu_float32_head.py) ;;
     2) files+=(tests/gpu/test_gpu_cli_runs.py tests/gpu/test_gpu_kill_resume_export.py) ;;
-    1b) files+=(tests/gpu/test_gpu_masked_rows.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
+    1b) files+=(tests/gpu/test_gpu_float32_head.py tests/gpu/test_gpu_masked_rows.py tests/gpu/test_gpu_train_step.py tests/gpu/test_gpu_reward_model.py
                tests/gpu/test_gpu_vllm_engine.py) ;;  # part 1, the newest tests first (a short device call)
     3) files+=(tests/gpu/test_gpu_megatron_kill_resume_export.py) ;;  # issue 15: megatron save / kill / resume / export
     4) files+=(tests/gpu/test_gpu_async.py) ;;  # issue 18: rollout.mode async vs sync on one GPU

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rlbridge.engines.float32_head import float32_product
 from rlbridge.engines.hf import moe as hf_moe
 from rlbridge.engines.hf.master import LOW_PRECISION
 from rlbridge.errors import RlbridgeError
@@ -133,7 +134,8 @@ def float32_logits(model: PreTrainedModel) -> None:
     and the product is accumulated and returned in float32, never rounded to bfloat16. Logits of real LMs are
     large (SmolLM2's sampled tokens: 16-39, where a bf16 unit in the last place is 0.125), so rounding them
     alone moves log p by 0.02 on average; vLLM's `head_dtype=float32` computes the same product. Parameter
-    names, tying and gradients are unchanged (the casts are differentiable)."""
+    names, tying and gradients are unchanged (the casts are differentiable). On a GPU the product runs on TF32
+    tensor cores, exact for these 16-bit operands (engines/float32_head)."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise RlbridgeError(f"float32 logits need a plain nn.Linear output layer, got {type(head).__name__}")
@@ -143,7 +145,11 @@ def float32_logits(model: PreTrainedModel) -> None:
 
 def _float32_linear(self: nn.Linear, hidden: Tensor) -> Tensor:
     bias = None if self.bias is None else self.bias.float()
-    return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+    return float32_product(_upcast_linear, hidden, self.weight, bias)
+
+
+def _upcast_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return nn.functional.linear(hidden.float(), weight.float(), bias)
 
 
 def apply_lora(base: PreTrainedModel, recipe: Recipe) -> PeftModel:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlbridge.batch import SeqBatch, pad_columns
+from rlbridge.engines.float32_head import float32_product
 from rlbridge.engines.micro import micro_batch_rows
 
 
@@ -285,7 +286,8 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
     input and weight shard are upcast and multiplied in float32, never rounded to bfloat16, as the hf engine's
     (engines/hf/model.float32_logits; why: docs/engines/hf.md, "bf16 numerics"). The casts are differentiable, so a
     trained output layer (full fine-tuning) still gets its gradient, through autograd instead of megatron's
-    fused accumulation into main_grad (with that fusion on, the layer is left as it is, with a warning).
+    fused accumulation into main_grad (with that fusion on, the layer is left as it is, with a warning). On a GPU
+    the product runs on TF32 tensor cores, exact for these 16-bit operands (engines/float32_head).
     Returns the layers changed."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.utils import unwrap_model
@@ -311,7 +313,8 @@ def float32_output_layer(model: list[torch.nn.Module]) -> int:
         ) -> Any:
             if kwargs.get("bias") is not None:
                 kwargs["bias"] = kwargs["bias"].float()
-            return _impl(input.float(), weight.float(), *args, **kwargs)
+            upcast = lambda h, w: _impl(h.float(), w.float(), *args, **kwargs)  # noqa: E731
+            return float32_product(upcast, input, weight)
 
         layer._forward_impl = float32_impl  # type: ignore[method-assign]  # patches the output layer's forward on purpose (see the docstring above)
         changed += 1
