@@ -10,9 +10,11 @@ side from it: same model, LoRA, prompts in the same order, samples, lengths, lr,
 TRL with the whole batch in one micro-batch, the same allocator settings on a CPU) from its process start for
 --wall-s seconds. What is scored is the adapter of the **last optimizer step that ended within that time** (the
 rule is the same for every arm): TRL keeps a copy of its LoRA weights at each step end inside the time and stops at
-the first step end past it; rlbridge checkpoints every step (run.save_every 1: its save time counts against it), is
-stopped with SIGTERM at the time (it saves and exits 143, as on a cluster's time limit), and that step's checkpoint
-is exported with `rlbridge export-hf --adapter-only`.
+the first step end past it; rlbridge runs with run.time_limit_s at the time (it saves after the last step whose
+successor and a save would not fit, and exits 75: its save time counts against it, and its estimate may stop it a
+step early), and that step's checkpoint is exported with `rlbridge export-hf --adapter-only`. A step that ran past
+the time after all (slower than the estimate) is the one saved: it is scored and its overrun is reported
+(`overran_s`); a run still going at the time plus STOP_GRACE_S is stopped with SIGTERM.
 
 One evaluator scores every adapter, so neither tool's own evaluation enters: the base model with the adapter merged
 (peft), float32, transformers greedy decoding of the first run.eval_samples validation prompts of the arm's seed
@@ -47,6 +49,7 @@ from bench import trl_grpo  # noqa: E402
 from bench.ab_rounds import cpu_env, machine  # noqa: E402
 from bench.common import keep_log  # noqa: E402
 from bench.proctree import LineArrivals  # noqa: E402
+from rlbridge.run.checkpoint import list_checkpoints  # noqa: E402
 
 ARMS: dict[str, list[str] | None] = {"trl": None, "rlbridge-sync": [], "rlbridge-async": trl_grpo.ASYNC}
 """Arm -> rlbridge's overrides (None: TRL's GRPOTrainer)."""
@@ -60,13 +63,18 @@ STOP_GRACE_S = 120.0
 RUN_FILE = re.compile(r"[a-z-]+-s\d+\.json")
 """An arm's result file in --out (not TRL's record, not the summary)."""
 
-RLBRIDGE_SETS = ["run.save_every=1", "run.keep=3", "run.eval_every=0"]
+RLBRIDGE_SETS = ["run.save_every=0", "run.eval_every=0"]
+"""Besides run.time_limit_s: no saves but the time limit's, no evaluation inside the time."""
 
 
 # ------------------------------------------------------------------------------------------ the arithmetic
-def steps_within(ends: dict[int, float], deadline: float) -> int:
-    """The last step (by number) that ended at or before `deadline` (0: none did); `ends`: step -> end time."""
-    return max((step for step, end in ends.items() if end <= deadline), default=0)
+def scored_step(saved: list[int], ends: dict[int, float], deadline: float) -> tuple[int, float]:
+    """rlbridge's scored step: its last saved one (the time limit's save), and how far past `deadline` it ended
+    (0.0 inside; the step's end unknown: 0.0). (0, 0.0) when nothing was saved."""
+    if not saved:
+        return 0, 0.0
+    step = max(saved)
+    return step, max(0.0, ends.get(step, deadline) - deadline)
 
 
 def rotation(arms: list[str], k: int) -> list[str]:
@@ -104,13 +112,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ the arms
 def run_rlbridge_arm(a: argparse.Namespace, arm: str, seed: int, work: Path) -> dict[str, Any]:
-    """`rlbridge train` for a.wall_s seconds, then SIGTERM; the adapter of the last step inside the time."""
+    """`rlbridge train` with run.time_limit_s a.wall_s (SIGTERM STOP_GRACE_S later if it still runs); the adapter
+    of the step it saved."""
     run_dir = work / f"{arm}-s{seed}"
     sets = [
         f"run.steps={MAX_STEPS}",
         f"run.seed={seed}",
         "data.val=null",
         *RLBRIDGE_SETS,
+        f"run.time_limit_s={a.wall_s}",
         *(ARMS[arm] or []),
         *a.sets,
     ]
@@ -123,7 +133,7 @@ def run_rlbridge_arm(a: argparse.Namespace, arm: str, seed: int, work: Path) -> 
         proc = trl_grpo.start_group(cmd, f, cpu_env(r))
         with LineArrivals(run_dir / "metrics.jsonl") as arrivals:
             try:
-                rc = proc.wait(timeout=a.wall_s)
+                rc = proc.wait(timeout=a.wall_s + STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGTERM)
                 try:
@@ -137,8 +147,17 @@ def run_rlbridge_arm(a: argparse.Namespace, arm: str, seed: int, work: Path) -> 
         for t, rec in ((t, json.loads(line)) for t, line in arrivals.lines)
         if rec.get("kind") == "train"
     }
-    step = steps_within(ends, a.wall_s)
-    res: dict[str, Any] = {"rc": rc, "steps": step, "step_ends_s": ends, "stopped_at_s": a.wall_s}
+    saved = (
+        [i.step for i in list_checkpoints(run_dir, hashes=False) if i.complete] if run_dir.exists() else []
+    )
+    step, overran = scored_step(saved, ends, a.wall_s)
+    res: dict[str, Any] = {
+        "rc": rc,
+        "steps": step,
+        "step_ends_s": ends,
+        "time_limit_s": a.wall_s,
+        "overran_s": overran,
+    }
     keep_log(log, a.out / f"{arm}-s{seed}.log")
     if (run_dir / "metrics.jsonl").exists():
         (a.out / f"{arm}-s{seed}.metrics.jsonl").write_bytes((run_dir / "metrics.jsonl").read_bytes())
@@ -296,10 +315,17 @@ def markdown(a: argparse.Namespace, summary: dict[str, Any], runs: list[dict[str
             f"| {arm} | {s['accuracy_mean']:.3f} | {s['accuracy_min']:.2f}-{s['accuracy_max']:.2f} | {per_seed} "
             f"| {s['steps_mean']:.1f} | {minus} |"
         )
-    lines += ["", "| seed | arm | steps inside the time | accuracy | rc |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| seed | arm | steps inside the time | accuracy | rc | past the time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for run in runs:
         acc = "" if run.get("accuracy") is None else f"{run['accuracy']:.2f}"
-        lines.append(f"| {run['seed']} | {run['arm']} | {run['steps']} | {acc} | {run.get('rc', '')} |")
+        over = f"{run['overran_s']:.1f}" if run.get("overran_s") else ""
+        lines.append(
+            f"| {run['seed']} | {run['arm']} | {run['steps']} | {acc} | {run.get('rc', '')} | {over} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,19 +1,19 @@
-"""bench/equal_wall.py's rules against hand computations: which step counts as inside the time, the arms' order per
+"""bench/equal_wall.py's rules against hand computations: which step is scored (the time limit's save, an overrun measured), the arms' order per
 seed, and the summary (per-seed accuracy, mean, min-max, the mean difference to TRL over the seeds both ran)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.equal_wall import rotation, steps_within, summarize
+from bench.equal_wall import rotation, scored_step, summarize
 
 
-def test_the_last_step_that_ended_inside_the_time_counts() -> None:
+def test_the_step_the_time_limit_saved_counts_and_an_overrun_is_measured() -> None:
     ends = {1: 30.0, 2: 42.5, 3: 55.0, 4: 67.5}
-    assert steps_within(ends, 60.0) == 3
-    assert steps_within(ends, 55.0) == 3  # ending exactly at the time is inside it
-    assert steps_within(ends, 29.9) == 0
-    assert steps_within({}, 60.0) == 0
+    assert scored_step([3], ends, 60.0) == (3, 0.0)  # the time limit's save, inside the time
+    assert scored_step([4], ends, 60.0) == (4, 7.5)  # step 4 ran past the time: scored, its overrun reported
+    assert scored_step([1, 3], ends, 55.0) == (3, 0.0)  # ending exactly at the time is inside it
+    assert scored_step([], ends, 60.0) == (0, 0.0)  # nothing saved: nothing to score
 
 
 def test_each_arm_runs_first_once_over_three_seeds() -> None:
