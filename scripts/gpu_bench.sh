@@ -65,8 +65,9 @@
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
 #   bash scripts/gpu_bench.sh tf32ab    # the output layer's product on TF32 (engines/float32_head) vs exact float32, mfu7b's
 #                                       # jobs unprofiled, one run each way alternated per mode (TF32AB_MODES, default
-#                                       # "full lora"), with the log-prob gap on the batch; a run of the 7B takes ~220-270 s
-#                                       # with its start (the full pair took 446 s on an H100: tf32head-gpu-2026-12-07)
+#                                       # "full lora"), with the log-prob gap on the batch; a run of the 7B took ~220-270 s
+#                                       # with its start when each run initialized its own random 7B (446 s for the full
+#                                       # pair on an H100: tf32head-gpu-2026-12-07); the models are now saved once per machine
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
 #                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
