@@ -1,8 +1,9 @@
 """The driver's checkpoints during a run: when to save, what the driver adds, and restoring one.
 
 The step loop (loop.py) drives a `Checkpointer`: `begin_step` snapshots the data position and RNG; a stop
-request (SIGTERM, Ctrl-C: rlbridge/run/signals.py; run.time_limit_s: rlbridge/run/time_limit.py) seen before the update of step k abandons that step and
-saves step k-1 from the snapshot, one seen during or after the update lets the step finish and saves step k.
+request (SIGTERM, Ctrl-C: rlbridge/run/signals.py) seen before the update of step k abandons that step and saves
+step k-1 from the snapshot, one seen during or after the update lets the step finish and saves step k; so does
+the stop run.time_limit_s requests after a step (rlbridge/run/time_limit.py).
 What a checkpoint holds and how a resume finds and checks it: rlbridge/run/resume.py; the format on disk:
 rlbridge/run/checkpoint.py.
 """
