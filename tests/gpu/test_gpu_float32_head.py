@@ -1,8 +1,9 @@
 """The output layer's float32 product on TF32 tensor cores (engines/float32_head) against CUDA's exact float32 matmuls,
 at the 7B shape's output layer (hidden 3584, vocab 152064, bfloat16 operands, 1024 positions):
 
-- logits: TF32's are the exact float32 products summed in another order: max |difference| <= 1e-5 of the largest
-  |logit|; the log-probs of fixed targets within 1e-4;
+- logits: TF32's are the exact float32 products summed in another order: max |difference| <= 2e-5 of the largest
+  |logit| (9.7e-6 measured on an H100, 2026-12-07: the bound leaves 2x for another card's kernels); the log-probs of
+  fixed targets within 1e-4 (3.6e-5 measured);
 - the hidden states' gradient (bfloat16): within two bfloat16 units of its largest value; the weight's (full
   fine-tuning, float32 after the cast back to bfloat16): the same;
 - CUDA's float32 matmul setting is the previous one after the forward and after the backward.
@@ -61,5 +62,5 @@ def test_tf32_output_layer_matches_exact_float32() -> None:
     gw_gap = float((tc["gw"].float() - exact["gw"].float()).abs().max() / exact["gw"].float().abs().max())
     figure("float32_head_tf32", logit_gap=logit_gap, logp_gap=logp_gap, grad_hidden_gap=gh_gap,
            grad_weight_gap=gw_gap, exact_s=exact["s"], tf32_s=tc["s"], shape=[POSITIONS, HIDDEN, VOCAB])  # fmt: skip
-    assert logit_gap <= 1e-5 and logp_gap <= 1e-4, (logit_gap, logp_gap)
+    assert logit_gap <= 2e-5 and logp_gap <= 1e-4, (logit_gap, logp_gap)
     assert gh_gap <= bf16_unit and gw_gap <= bf16_unit, (gh_gap, gw_gap)
