@@ -157,7 +157,7 @@ def run_one(
             )
             keep_log(work / "trl-async.log", prefix.with_suffix(".log"))
         elif tool == "trl":
-            micro = a.trl_micro or r.data.batch_size * r.rollout.n
+            micro = a.trl_micro or r.rollouts_per_step
             res = trl_grpo.run_trl_measured(
                 total,
                 a.warmup,

@@ -247,7 +247,7 @@ def child_trl(a: argparse.Namespace) -> None:
 
     sets = [f"run.seed={a.seeds[0]}", *a.sets]
     r = trl_grpo.recipe(1, sets)
-    micro = r.data.batch_size * r.rollout.n
+    micro = r.rollouts_per_step
     trl_grpo.run_trl(MAX_STEPS, sets, record, use_vllm=False, micro=micro, callbacks=[WallStop()])
     doc = json.loads(record.read_text())
     doc["adapter_step"] = kept["step"]

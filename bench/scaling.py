@@ -52,7 +52,7 @@ def main() -> None:
         res.update(
             sweep=sweep,
             prompts=r.data.batch_size,
-            sequences=r.data.batch_size * r.rollout.n,
+            sequences=r.rollouts_per_step,
             max_response_tokens=r.rollout.max_response_tokens,
         )
         runs.append(res)

@@ -199,7 +199,7 @@ def async_config(r: Any, total: int, staleness: int, checkpointing: bool, base_u
         max_steps=total,
         dtype=r.model.dtype,
         bf16=r.model.dtype == "bfloat16",
-        per_device_train_batch_size=r.data.batch_size * ro.n,
+        per_device_train_batch_size=r.rollouts_per_step,
         gradient_accumulation_steps=1,
         token_budget=0,
         num_generations=ro.n,

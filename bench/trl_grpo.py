@@ -158,7 +158,7 @@ def run_trl(
         bf16=r.model.dtype == "bfloat16",
         fp16=r.model.dtype == "float16",
         per_device_train_batch_size=micro,
-        gradient_accumulation_steps=r.data.batch_size * ro.n // micro,
+        gradient_accumulation_steps=r.rollouts_per_step // micro,
         num_generations=ro.n,
         max_completion_length=ro.max_response_tokens,
         shuffle_dataset=False,

@@ -47,10 +47,10 @@ def total_optimizer_steps(r: Recipe) -> int:
 def batches(r: Recipe, dp: int) -> Batches:
     mini = r.mini_batch_size
     per_rank = mini * r.rollout.n // dp
-    num_minis = num_mini_batches(r, r.data.batch_size * r.rollout.n)
+    num_minis = num_mini_batches(r, r.rollouts_per_step)
     return Batches(
         prompts_per_step=r.data.batch_size,
-        rollouts_per_step=r.data.batch_size * r.rollout.n,
+        rollouts_per_step=r.rollouts_per_step,
         mini_batches_per_step=num_minis,
         optimizer_steps_per_step=num_minis * r.trainer.ppo_epochs,
         sequences_per_dp_rank=per_rank,

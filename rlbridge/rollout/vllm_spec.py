@@ -25,7 +25,7 @@ def decode_rows(r: Recipe) -> int:
     engine; several engines share them) or, with validation data, an evaluation's (run.eval_samples prompts, k
     completions each for pass@k)."""
     k = max((m.k for m in r.eval.metrics), default=1)
-    return max(r.data.batch_size * r.rollout.n, r.run.eval_samples * k if r.data.val is not None else 0)
+    return max(r.rollouts_per_step, r.run.eval_samples * k if r.data.val is not None else 0)
 
 
 def _kwargs(r: Recipe, threads: int) -> dict[str, Any]:

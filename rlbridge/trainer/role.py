@@ -108,7 +108,7 @@ class TrainerRole:
         if not r.trainer.cuda_graphs or not isinstance(self.engine, RecordingEngine):
             return 0
         start = time.perf_counter()
-        shards = {len(self._shard(rows)) for rows in self._mini_batches(r.data.batch_size * r.rollout.n)}
+        shards = {len(self._shard(rows)) for rows in self._mini_batches(r.rollouts_per_step)}
         passes = [(rows, num_micro_batches(r, rows)) for rows in sorted(shards, reverse=True) if rows]
         recorded = int(self.engine.prerecord(prompt_lengths, passes))
         log.info(

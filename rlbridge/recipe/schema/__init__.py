@@ -141,3 +141,8 @@ class Recipe(Section):
     @property
     def mini_batch_size(self) -> int:
         return self.data.mini_batch_size or self.data.batch_size
+
+    @property
+    def rollouts_per_step(self) -> int:
+        """Samples generated and trained on per step: data.batch_size prompts x rollout.n."""
+        return self.data.batch_size * self.rollout.n
