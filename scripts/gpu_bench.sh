@@ -65,7 +65,8 @@
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
 #   bash scripts/gpu_bench.sh tf32ab    # the output layer's product on TF32 (engines/float32_head) vs exact float32, mfu7b's
 #                                       # jobs unprofiled, one run each way alternated per mode (TF32AB_MODES, default
-#                                       # "full lora"), with the log-prob gap on the batch; a run of the 7B took ~220-270 s
+#                                       # "full lora"; TF32AB_ENGINES, default "megatron,hf"), with the log-prob gap on the
+#                                       # batch; a run of the 7B took ~220-270 s
 #                                       # with its start when each run initialized its own random 7B (446 s for the full
 #                                       # pair on an H100: tf32head-gpu-2026-12-07); the models are now saved once per machine
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
@@ -386,7 +387,7 @@ PYEOF
         for head in tf32 ieee; do
           timeout "$(left)" "$PY" bench/trainer_gpu.py --models "$model" --modes "$mode" --attention sdpa --batch "${MFU7B_BATCH:-16}" \
             --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 --peak-reps 20 \
-            --float32-head "$head" --out "$OUT/$part/$mode-$head" > "$OUT/$part/$mode-$head.txt" 2>&1
+            --engines "${TF32AB_ENGINES:-megatron,hf}" --float32-head "$head" --out "$OUT/$part/$mode-$head" > "$OUT/$part/$mode-$head.txt" 2>&1
           grep -E "^done|\"(step_ms|mfu)\"" "$OUT/$part/$mode-$head.txt" | tail -6
         done
       done ;;
