@@ -1,4 +1,4 @@
-"""`rlbridge report`: plots and a markdown summary of a run directory (finished, running or crashed)."""
+"""`rlbridge report`: plots and a markdown summary of a run directory (finished, running, stopped or crashed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`rlbridge report`: plots and a markdown summary of a run directory, finished, running or crashed.
+"""`rlbridge report`: plots and a markdown summary of a run directory, finished, running, stopped or crashed.
 
     read_run (run.py)       recipe.yaml, metrics.jsonl, status.json, checkpoints/ -> RunData (files only)
     draw_plots (plots.py)   RunData -> PNGs (matplotlib, Agg; imported only there)

@@ -29,7 +29,7 @@ RECENT_S = 600.0
 @dataclass(frozen=True)
 class Status:
     state: str
-    """finished | running | crashed | incomplete"""
+    """finished | running | stopped | crashed | incomplete"""
     detail: str
 
 
@@ -104,7 +104,7 @@ def _ago(seconds: float) -> str:
 
 
 def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[str, Any]]) -> Status:
-    """finished / running / crashed from status.json (pid and host); without one, inferred from the files."""
+    """finished / running / stopped / crashed from status.json (pid and host); without one, inferred from the files."""
     progress = f"step {done} of {planned if planned is not None else '?'}"
     metrics = run_dir / "metrics.jsonl"
     last_write = time.time() - metrics.stat().st_mtime if metrics.is_file() else None
@@ -113,9 +113,12 @@ def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[s
         state, pid, host = st.get("state"), st.get("pid"), st.get("host")
         if state == "finished":
             return Status("finished", f"{done} steps")
-        if state in ("failed", "interrupted"):
-            why = st.get("error") or state
-            return Status("crashed", f"{state} at {progress}: {why}")
+        if (
+            state == "interrupted"
+        ):  # SIGTERM, Ctrl-C, run.time_limit_s: saved, resumable (the message says how)
+            return Status("stopped", f"at {progress}: {st.get('error') or state}")
+        if state == "failed":
+            return Status("crashed", f"failed at {progress}: {st.get('error') or state}")
         if state == "running":
             if host == socket.gethostname() and isinstance(pid, int):
                 if pid_alive(pid, python_only=True):

@@ -110,7 +110,7 @@ def test_finished_run_report(tmp_path: Path) -> None:
         ({"state": "running", "pid": os.getpid()}, "running"),
         ({"state": "running", "pid": None}, "crashed"),  # pid filled in below: a process that has exited
         ({"state": "failed", "pid": 1, "error": "trainer and rollout log-probs disagree"}, "crashed"),
-        ({"state": "interrupted", "pid": 1}, "crashed"),
+        ({"state": "interrupted", "pid": 1, "error": "stopped by run.time_limit_s after step 2"}, "stopped"),
         ({"state": "running", "pid": 1, "host": "another-host"}, "running"),
     ],
 )
@@ -121,8 +121,8 @@ def test_status_from_status_file(tmp_path: Path, status: dict, state: str) -> No
     data = read_run(run)
     assert data.status.state == state, data.status
     assert "step 2 of 4" in data.status.detail
-    if status["state"] == "failed":
-        assert "log-probs disagree" in data.status.detail
+    if "error" in status:
+        assert status["error"] in data.status.detail
 
 
 def test_no_status_file_is_inferred(tmp_path: Path) -> None:
