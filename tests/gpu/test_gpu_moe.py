@@ -11,7 +11,7 @@ dense counterpart, vLLM 0.26 CUDA rollouts (`bash scripts/gpu_check.sh moe`; doc
 3. `python -m bench.moe_logprob_gap --device cuda --rollout vllm --dtype bfloat16 float32 --steps 2`: that gap for the
    MoE and the dense model of the same size (figures).
 
-4. (written 2026-12-02, not yet run on a GPU) 2 with `rollout.routing_replay=true`: vLLM's routed experts replayed
+4. (passed on an H100, bench/results/gpu_check-2026-12-06c.md) 2 with `rollout.routing_replay=true`: vLLM's routed experts replayed
    by the trainer (docs/moe.md, "Routing replay").
 
 GPU time (estimate, one H200, eager vLLM): ~1 min for 1, ~2 min for 2, ~5 min for 3 (four runs), ~2 min for 4.
