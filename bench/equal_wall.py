@@ -147,9 +147,7 @@ def run_rlbridge_arm(a: argparse.Namespace, arm: str, seed: int, work: Path) -> 
         for t, rec in ((t, json.loads(line)) for t, line in arrivals.lines)
         if rec.get("kind") == "train"
     }
-    saved = (
-        [i.step for i in list_checkpoints(run_dir, hashes=False) if i.complete] if run_dir.exists() else []
-    )
+    saved = [i.step for i in list_checkpoints(run_dir, hashes=False) if i.complete]
     step, overran = scored_step(saved, ends, a.wall_s)
     res: dict[str, Any] = {
         "rc": rc,

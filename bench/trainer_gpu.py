@@ -303,12 +303,13 @@ def _plain_product(product: Any, hidden: Any, weight: Any, *args: Any, **kwargs:
     return product(hidden, weight, *args, **kwargs)
 
 
-def exact_output_layer() -> None:
+def exact_output_layer() -> Any:
     """The output layer's float32 product on CUDA's exact float32 matmuls (FFMA kernels) for the rest of the
-    process, as before engines/float32_head: its TF32 scope replaced by the plain product."""
+    process, as before engines/float32_head: its TF32 scope replaced by the plain product. Returns the scope."""
     from rlbridge.engines import float32_head
 
-    float32_head.scoped_product = _plain_product
+    scoped, float32_head.scoped_product = float32_head.scoped_product, _plain_product
+    return scoped
 
 
 @contextmanager
@@ -316,8 +317,7 @@ def exact_output_layer_scope() -> Iterator[None]:
     """exact_output_layer inside the block only."""
     from rlbridge.engines import float32_head
 
-    scoped = float32_head.scoped_product
-    float32_head.scoped_product = _plain_product
+    scoped = exact_output_layer()
     try:
         yield
     finally:

@@ -113,9 +113,8 @@ def run_status(run_dir: Path, planned: int | None, done: int, evals: list[dict[s
         state, pid, host = st.get("state"), st.get("pid"), st.get("host")
         if state == "finished":
             return Status("finished", f"{done} steps")
-        if (
-            state == "interrupted"
-        ):  # SIGTERM, Ctrl-C, run.time_limit_s: saved, resumable (the message says how)
+        # interrupted: SIGTERM, Ctrl-C or run.time_limit_s after a save, resumable (the message says how)
+        if state == "interrupted":
             return Status("stopped", f"at {progress}: {st.get('error') or state}")
         if state == "failed":
             return Status("crashed", f"failed at {progress}: {st.get('error') or state}")
