@@ -358,6 +358,9 @@ PYEOF
       tail -16 "$OUT/$part/log.txt" ;;
     30b)  # issue 44 item 5: the 30B-A3B MoE recipe on one H200 with size7b.py's one-GPU overrides and the MoE recipe's own
           # (one node, pipeline and expert parallel 1, one mini-batch, vLLM at 0.45 of the device: the plan's fit)
+      # a second call on the same machine starts over unless the first one's run saved its checkpoint
+      [ -n "$(ls /tmp/rlb30b/checkpoints 2>/dev/null)" ] && { echo "/tmp/rlb30b has a checkpoint: trained already"; continue; }
+      rm -rf /tmp/rlb30b
       timeout "$(left)" "$PY" bench/size7b.py train --recipe recipes/qwen3-30b-a3b-moe-lora.yaml --model qwen3-30b-a3b-random \
         --engine "${ENGINE30B:-megatron}" --steps "${STEPS30B:-2}" --save-every "${STEPS30B:-2}" --run-dir /tmp/rlb30b \
         --set cluster.nodes=1 --set trainer.parallel.pipeline=1 --set trainer.parallel.expert=1 \
