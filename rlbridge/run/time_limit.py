@@ -4,8 +4,10 @@ After each step the loop asks `TimeLimit.stop_after_step`: when this command's w
 start-up included) plus the longest of the last few steps (evaluation and periodic saves included) plus the last
 save would pass the limit, the run saves this step and stops like a SIGTERM does (signals.Interrupted), with exit
 code 75 (EX_TEMPFAIL: "try again", which job wrappers can requeue on) and the `rlbridge resume` command. The
-estimate is the longest recent step, not the mean, so that the last step and its save end inside the limit; a
-first step's compile and warm-up count until three later steps have run. `rlbridge resume` starts a new limit.
+estimate is the longest recent step, not the mean, so that the last step and its save end inside the limit. The
+command's first step (compile, warm-up, the first generation of an async run) is the estimate only until a second
+step has run: it does not recur, and counting it for three steps stopped short runs a step early. `rlbridge
+resume` starts a new limit.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class TimeLimit:
         self._started = now - (process_age_s() if age_s is None else age_s)
         self._last_end = now
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._first_s: float | None = None
 
     def begin(self) -> None:
         """The first step starts now (start-up, a resume's restore and the evaluation before step 1 are done)."""
@@ -58,10 +61,13 @@ class TimeLimit:
         if self.limit_s is None:
             return False
         now = self._clock()
-        self._recent.append(now - self._last_end)
+        if self._first_s is None:
+            self._first_s = now - self._last_end
+        else:
+            self._recent.append(now - self._last_end)
         self._last_end = now
         elapsed = now - self._started
-        expected_end = elapsed + max(self._recent) + save_s
+        expected_end = elapsed + max(self._recent, default=self._first_s) + save_s
         if expected_end <= self.limit_s:
             return False
         log(

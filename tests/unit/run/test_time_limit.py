@@ -41,14 +41,21 @@ def test_stops_after_the_last_step_whose_successor_and_save_would_not_fit() -> N
     assert clock.now - 10.0 + 20.0 == 90.0  # the stopped step ended inside the limit, its save too (92 s)
 
 
-def test_a_long_first_step_counts_until_three_later_steps_have_run() -> None:
+def test_a_long_first_step_is_the_estimate_only_until_a_second_step_has_run() -> None:
     # step 1 takes 60 s (compile, warm-up), then 10 s each: steps end at 60, 70, 80, 90, ... s
     clock = Clock()
-    # the estimate is 60 s after steps 1-3: with a 130 s limit, step 3 (80 s) is the last (the next "ends" at 140)
-    assert steps_run(TimeLimit(130.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 3
+    # after step 1 (60 s) the estimate is 60 s: with a 110 s limit, the run stops there (the next "ends" at 120)
+    assert steps_run(TimeLimit(110.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 1
     clock = Clock()
-    # from step 4 on it is 10 s: with 200 s, step 15 ends at 200 s, and the next would pass it
-    assert steps_run(TimeLimit(200.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 15
+    # with 130 s, step 2 (70 s) runs and the estimate becomes 10 s: step 8 ends at 130 s and is the last
+    assert steps_run(TimeLimit(130.0, clock, age_s=0.0), clock, [60.0] + [10.0] * 30, save_s=0.0) == 8
+    # a slow later step (25 s: a periodic save in it) is the estimate while it is one of the last three:
+    # steps end at 60, 70, 95, 105, 115, 125, ... s
+    durations = [60.0, 10.0, 25.0] + [10.0] * 30
+    clock = Clock()
+    assert steps_run(TimeLimit(130.0, clock, age_s=0.0), clock, durations, save_s=0.0) == 5  # 115 + 25 > 130
+    clock = Clock()
+    assert steps_run(TimeLimit(160.0, clock, age_s=0.0), clock, durations, save_s=0.0) == 9  # 155 + 10 > 160
 
 
 def test_no_limit_never_stops() -> None:
