@@ -215,7 +215,7 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         where = (
             "on the trainer's devices, resident next to it (no sleep)"
             if c.colocate
-            else f"on {r.rollout.gpus or world} device(s) of its own"
+            else f"on {r.rollout_devices} device(s) of its own"
         )
         notes.append(
             f"async: the rollout generates up to {r.rollout.max_staleness} step(s) ahead of the trainer, {where}"

@@ -131,8 +131,7 @@ def rollout_engine_groups(r: Recipe) -> tuple[int, int]:
     """(engine groups, engines per group): a group per rollout.tensor_parallel devices of the rollout's (the
     trainer's when colocated), rollout.engines_per_device engines in each at tensor parallel 1, one above."""
     rtp = r.rollout.tensor_parallel
-    devices = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
-    return max(devices // rtp, 1), (r.rollout.engines_per_device if rtp == 1 else 1)
+    return max(r.rollout_devices // rtp, 1), (r.rollout.engines_per_device if rtp == 1 else 1)
 
 
 def rollout_engine_count(r: Recipe) -> int:

@@ -127,7 +127,7 @@ def check_layout(r: Recipe, out: Issues) -> None:
 
 
 def check_rollout_layout(r: Recipe, out: Issues) -> None:
-    gpus = r.world_size if r.cluster.colocate else (r.rollout.gpus or r.world_size)
+    gpus = r.rollout_devices
     if gpus % r.rollout.tensor_parallel:
         out.append(
             RecipeIssue(

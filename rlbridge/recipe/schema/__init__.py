@@ -143,6 +143,12 @@ class Recipe(Section):
         return self.data.mini_batch_size or self.data.batch_size
 
     @property
+    def rollout_devices(self) -> int:
+        """Devices the rollout generates on: the trainer's when colocated, else rollout.gpus of its own (default: as
+        many as the trainer's)."""
+        return self.world_size if self.cluster.colocate else (self.rollout.gpus or self.world_size)
+
+    @property
     def rollouts_per_step(self) -> int:
         """Samples generated and trained on per step: data.batch_size prompts x rollout.n."""
         return self.data.batch_size * self.rollout.n
