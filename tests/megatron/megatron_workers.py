@@ -1114,8 +1114,9 @@ def _critic_grads(critic: Any, batch: SeqBatch, fn: Any, num_micro_batches: int)
 def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any]:
     """forward.vocab_parallel_logprobs on this rank's shard of one [2, 5, padded] float32 logits tensor (the same
     on every rank, seeded), with megatron's tensor parallelism over all ranks: log-probs and entropies of the
-    targets, and the gradient of logp.sum() + 0.3 * entropy.sum() with respect to the shard. Columns past
-    vocab_size are megatron's vocabulary padding."""
+    targets, and the gradient of logp.sum() + 0.3 * entropy.sum() with respect to the shard; then the entropy
+    as a metric only (entropy_grad False) and the gradient of logp.sum() alone. Columns past vocab_size are
+    megatron's vocabulary padding."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -1136,6 +1137,15 @@ def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any
         assert entropy is not None
         (logp.sum() + 0.3 * entropy.sum()).backward()
         assert shard.grad is not None
+        # the entropy as a metric only (entropy_grad False, algorithm.entropy_coef 0): the same values, and the
+        # log-probs' gradient alone
+        metric = shard.detach().clone().requires_grad_(True)
+        logp_m, entropy_m = forward.vocab_parallel_logprobs(
+            metric, targets, vocab_size=vocab_size, with_entropy=True, entropy_grad=False
+        )
+        assert entropy_m is not None
+        logp_m.sum().backward()
+        assert metric.grad is not None
         return {
             "logits": logits,
             "targets": targets,
@@ -1143,6 +1153,8 @@ def vocab_logprob_suite(vocab_size: int = 13, padded: int = 16) -> dict[str, Any
             "entropy": entropy.detach(),
             "grad": shard.grad.detach(),
             "columns": (rank * width, (rank + 1) * width),
+            "entropy_metric": entropy_m.detach(),
+            "grad_logp_only": metric.grad.detach(),
         }
     finally:
         ps.destroy_model_parallel()

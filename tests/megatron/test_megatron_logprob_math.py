@@ -18,12 +18,14 @@ def ranks(run_workers: Any) -> list[dict[str, Any]]:
     return run_workers("vocab_logprob_suite", 2)
 
 
-def reference(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+def reference(
+    logits: torch.Tensor, targets: torch.Tensor, vocab: int, entropy_weight: float = 0.3
+) -> dict[str, torch.Tensor]:
     full = logits.double().clone().requires_grad_(True)
     logp_all = torch.log_softmax(full[..., :vocab], dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    (logp.sum() + 0.3 * entropy.sum()).backward()
+    (logp.sum() + entropy_weight * entropy.sum()).backward()
     assert full.grad is not None
     return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": full.grad}
 
@@ -37,3 +39,13 @@ def test_log_probs_entropies_and_gradients_match_float64(ranks: list[dict[str, A
         torch.testing.assert_close(r["grad"].double(), ref["grad"][..., lo:hi], atol=1e-5, rtol=0)
     padding = ranks[1]["grad"][..., 13 - 8 :]  # rank 1 holds columns 8..15; 13..15 are padding
     assert bool((padding == 0).all())
+
+
+def test_a_metric_only_entropy_has_the_same_values_and_no_gradient(ranks: list[dict[str, Any]]) -> None:
+    """entropy_grad False (algorithm.entropy_coef 0): the entropies are unchanged and the backward of the log-probs
+    is that of the log-probs alone (the entropy's vocabulary-wide product is not differentiated)."""
+    ref = reference(ranks[0]["logits"], ranks[0]["targets"], vocab=13, entropy_weight=0.0)
+    for r in ranks:
+        torch.testing.assert_close(r["entropy_metric"].double(), ref["entropy"], atol=1e-5, rtol=0)
+        lo, hi = r["columns"]
+        torch.testing.assert_close(r["grad_logp_only"].double(), ref["grad"][..., lo:hi], atol=1e-5, rtol=0)

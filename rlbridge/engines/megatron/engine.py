@@ -221,11 +221,12 @@ class MegatronTrainEngine:
     def _accumulate(self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int) -> dict[str, Any]:
         """Forward/backward every micro-batch through the schedule; the metrics' means over the passes run."""
         vocab = self.bundle.vocab_size
+        entropy_grad = self.recipe.algorithm.entropy_coef != 0  # else a metric only (as the hf engine's)
 
         def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
             logits, targets = forward.response_logits(output, mb)
             logp, entropy = forward.vocab_parallel_logprobs(
-                logits, targets, vocab_size=vocab, with_entropy=True
+                logits, targets, vocab_size=vocab, with_entropy=True, entropy_grad=entropy_grad
             )
             assert entropy is not None
             # the closure indexes [b, R] tensors: columns a trimmed micro-batch dropped come back as 0

@@ -161,12 +161,18 @@ def set_routing_replay(chunk: torch.nn.Module, mb: MicroBatch) -> None:
 
 # ------------------------------------------------------------------------------ vocab-parallel math
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` and entropies from logits sharded over the TP vocab: [b, t, v/tp] -> [b, t].
 
     Differentiable; the full vocabulary is never materialized on one rank. Columns past `vocab_size`
-    (megatron's vocab padding) are excluded.
+    (megatron's vocab padding) are excluded. `entropy_grad` False: the entropy is a metric, computed without
+    autograd (its vocabulary-wide product then neither records a backward nor keeps `shifted` alive for one).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
@@ -197,9 +203,10 @@ def vocab_parallel_logprobs(
     # E_p[shifted] as a batched [1, v] @ [v, 1] product: no [b, t, v] temporary for exp * shifted (the vocabulary
     # dimension dominates memory: 11 GiB per such tensor for 18k response positions of a 152k vocabulary);
     # padded columns (-inf, probability 0) count as 0, the rest of `shifted` is finite
-    values = shifted if pad_cols is None else shifted.masked_fill(pad_cols, 0.0)
-    expected = (exp.unsqueeze(-2) @ values.unsqueeze(-1)).reshape(exp.shape[:-1])
-    expected_logit = tp_sum(expected) / sum_exp
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        values = shifted if pad_cols is None else shifted.masked_fill(pad_cols, 0.0)
+        expected = (exp.unsqueeze(-2) @ values.unsqueeze(-1)).reshape(exp.shape[:-1])
+        expected_logit = tp_sum(expected) / sum_exp
     return logprobs, log_z - expected_logit
 
 

@@ -559,6 +559,24 @@ def test_entropy_bonus_is_negative_coef_times_aggregate() -> None:
     )
 
 
+def test_a_zero_entropy_coefficient_reports_the_entropy_without_a_gradient_path() -> None:
+    """entropy_coef 0: the entropy is a metric (its value reported), the loss is the policy loss, and the backward
+    does not reach the entropy (engines skip its vocabulary-wide product's backward)."""
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=F64, requires_grad=True)
+    entropy = torch.tensor([[2.0, 1.0], [4.0, 3.0]], dtype=F64, requires_grad=True)
+    mask, adv = torch.ones(2, 2), torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=F64)
+    kw = {"clip_low": 0.2, "clip_high": 0.2}
+    loss, metrics = total_loss(logp, logp.detach(), adv, mask, entropy_bt=entropy, entropy_coef=0.0, **kw)
+    plain, _ = total_loss(logp, logp.detach(), adv, mask, **kw)
+    assert metrics["entropy"] == pytest.approx(2.5, rel=1e-12)
+    assert loss.item() == plain.item()
+    loss.backward()
+    assert entropy.grad is None and logp.grad is not None
+    loss, _ = total_loss(logp, logp.detach(), adv, mask, entropy_bt=entropy, entropy_coef=0.1, **kw)
+    loss.backward()
+    assert entropy.grad is not None
+
+
 # ---------------------------------------------------------------------------------------------------
 # value loss
 # ---------------------------------------------------------------------------------------------------
