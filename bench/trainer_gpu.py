@@ -3,8 +3,8 @@
 Same GPU, same random-weight model, same batch, same loss for every row: `--batch` sequences of
 `--prompt` + `--response` tokens (no padding), `--micro` sequences per micro-batch, bfloat16, activation
 recompute as `--recompute` (default none), one optimizer step per `train_step`. The loss is the response
-tokens' mean negative log-prob plus a small entropy term (both engines compute log-probs and entropies as in
-GRPO). Shapes:
+tokens' mean negative log-prob; both engines compute log-probs and entropies as in GRPO at its default
+algorithm.entropy_coef 0 (the entropy a metric, without a gradient). Shapes:
 
     smollm2-135m  Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings
     qwen2.5-0.5b  Qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151936, tied, q/k/v biases
@@ -278,7 +278,8 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
 
 def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
     """(batch, loss_fn, num_micro_batches) of the job's train_step: random tokens, no padding, the
-    response tokens' mean negative log-prob plus a small entropy term."""
+    response tokens' mean negative log-prob (the engines' entropy, a metric at the recipe's entropy_coef 0, is
+    not in it)."""
     import torch
 
     from rlbridge.batch import SeqBatch
@@ -294,7 +295,7 @@ def train_inputs(spec: dict[str, Any]) -> tuple[Any, Any, int]:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch.response_mask[rows].to(logp.device)
         n = mask.sum().clamp(min=1)
-        return -(logp * mask).sum() / n - 1e-3 * (entropy * mask).sum() / n, {}
+        return -(logp * mask).sum() / n, {}
 
     return batch, loss_fn, b // spec["micro"]
 

@@ -46,6 +46,7 @@ def build(engine_name: str, model_dir: str, device: str) -> tuple[Any, Any]:
         "trainer": {"engine": engine_name, "micro_batch_size": 4, "optim": {"lr": 1e-4, "clip_grad": 1.0}},
         "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 10},
         "cluster": {"device": device},
+        "algorithm": {"entropy_coef": 1e-3},  # the loss's entropy bonus below: trained, not a metric
     })  # fmt: skip
     if device == "cuda":
         torch.cuda.set_device(0)

@@ -27,6 +27,8 @@ def make_recipe(model_dir: str, **sections: Any) -> Recipe:
         "reward": {"fn": "arithmetic"},
         "data": {"train": {"path": "unused.jsonl"}},
         "run": {"seed": 3, "steps": 10},
+        # mean_logprob_loss's entropy bonus is trained (entropy_coef 0 would make the engine's entropy a metric)
+        "algorithm": {"entropy_coef": 0.01},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
