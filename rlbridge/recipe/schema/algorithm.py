@@ -78,7 +78,8 @@ class _AlgoBase(Section):
     rollout_correction: RolloutCorrectionCfg = RolloutCorrectionCfg()
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
     """Entropy bonus coefficient: above 0 it rewards keeping the policy's entropy up (against early collapse of
-    exploration); it also computes the entropy's gradient."""
+    exploration); it also computes the entropy's gradient. At 0 the entropy is a metric only: neither engine
+    differentiates it (its vocabulary-wide product has no backward)."""
     loss_agg: LossAgg = "token-mean"
     """How token losses are aggregated into one number."""
 
