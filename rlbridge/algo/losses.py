@@ -354,9 +354,8 @@ def total_loss(
         metrics["kl_loss"] = _item(kl)
     if entropy_bt is not None:
         metrics["entropy"] = _item(aggregate(entropy_bt.detach(), mask, agg))
-    if (
-        entropy_coef != 0.0
-    ):  # at 0 the entropy is a metric: no backward through it (its vocabulary-wide product)
+    # at entropy_coef 0 the entropy is a metric: no backward through it (its vocabulary-wide product)
+    if entropy_bt is not None and entropy_coef != 0.0:
         loss = loss + entropy_bonus(_zero_pad(entropy_bt, mask), mask, entropy_coef, agg)
     metrics["loss"] = _item(loss)
     return loss, metrics
