@@ -61,7 +61,8 @@
 #   bash scripts/gpu_bench.sh 7bmeg     # the same with the megatron engine (STEPS7B=2: 2 steps, checkpoint at 2)
 #   bash scripts/gpu_bench.sh 7bresume 7bexport  # after 7bhf on the same machine: kill -9 + resume, export-hf, vLLM
 #   bash scripts/gpu_bench.sh 7bfit     # issue 44 item 3: the biggest budget the plan accepts fits; the next is refused
-#   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py)
+#   bash scripts/gpu_bench.sh mfu7b     # issue 44 item 2: MFU of the update at the 7B shape (bench/trainer_gpu.py; 447 s with
+#                                       # the site's unpacking on a fresh H100, 2026-12-07: mfu7b-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh mfu7btf32 # the same with CUDA float32 matmuls on TF32 (the float32 output layer) and its log-prob gap
 #   bash scripts/gpu_bench.sh tf32ab    # the output layer's product on TF32 (engines/float32_head) vs exact float32, mfu7b's
 #                                       # jobs unprofiled, one run each way alternated per mode (TF32AB_MODES, default
@@ -70,6 +71,8 @@
 #                                       # with its start when each run initialized its own random 7B (446 s for the full
 #                                       # pair on an H100: tf32head-gpu-2026-12-07); the models are now saved once per machine
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
+#                                       # (ran 2026-12-07 on an H100 as two trainer_gpu calls, 43 + 54 s on a machine holding the
+#                                       # saved models: mfu7b-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh 30b       # issue 44 item 5: recipes/qwen3-30b-a3b-moe-lora.yaml on ONE H200 (not an H100: the
 #                                       # plan needs 0.74 of an 80 GiB device for vLLM alone), qwen3-30b-a3b-random, vLLM at
 #                                       # 0.45, ENGINE30B (default megatron) for STEPS30B (default 2) steps; the first call
@@ -367,14 +370,14 @@ PYEOF
         --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -30 "$OUT/$part/log.txt" ;;
     mfu7b|mfu7btf32|plan7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning
-            # (its first MFU7B_FULL_LAYERS layers, default 8, 4 on a card under 100 GiB: the whole 7B's full fine-tuning
-            # does not fit one GPU), both engines, with a profile of each; two bench runs so that no job is one that
+            # (its first MFU7B_FULL_LAYERS layers, default 8: 63.5 GiB peak on an H100, mfu7b-gpu-2026-12-07; the whole
+            # 7B's full fine-tuning does not fit one GPU), both engines, with a profile of each; two bench runs so that no job is one that
             # cannot fit. mfu7btf32: the same with CUDA float32 matmuls on TF32 tensor cores (the float32 output
             # layer: 23-52 % of the kernel time in mfu7b-gpu-2026-12-06), and the log-prob gap that makes.
             # plan7b (issue 44 item 3): the same jobs with trainer.recompute full, unprofiled: the plan vs the peaks
       precision=ieee; recompute=none; [ "$part" = mfu7btf32 ] && precision=tf32
       profile=--profile; [ "$part" = plan7b ] && { recompute=full; profile=; }
-      full_layers=${MFU7B_FULL_LAYERS:-8}; [ -n "$gib" ] && [ "${gib%.*}" -lt 100 ] && full_layers=${MFU7B_FULL_LAYERS:-4}
+      full_layers=${MFU7B_FULL_LAYERS:-8}
       for job in "lora qwen2.5-7b" "full qwen2.5-7b:$full_layers"; do
         read -r mode model <<< "$job"
         # shellcheck disable=SC2086  # $profile: no word when empty
@@ -384,7 +387,7 @@ PYEOF
         tail -12 "$OUT/$part/$mode.txt"
       done ;;
     tf32ab)  # the float32 output layer on TF32 tensor cores vs exact float32 matmuls, the same jobs as mfu7b (unprofiled)
-      full_layers=${MFU7B_FULL_LAYERS:-8}; [ -n "$gib" ] && [ "${gib%.*}" -lt 100 ] && full_layers=${MFU7B_FULL_LAYERS:-4}
+      full_layers=${MFU7B_FULL_LAYERS:-8}
       for mode in ${TF32AB_MODES:-full lora}; do
         model=qwen2.5-7b; [ "$mode" = full ] && model=qwen2.5-7b:$full_layers
         for head in tf32 ieee; do
