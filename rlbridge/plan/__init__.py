@@ -192,6 +192,11 @@ def resolved_sleep(r: Recipe, sleeps: bool) -> Recipe:
     return r.model_copy(update={"rollout": rollout})
 
 
+SHORT_TIME_LIMIT_S = 600.0
+"""run.time_limit_s below this gets a note: start-up alone took 35-180 s in measured runs, and a limit meant in
+minutes but written as seconds would stop a job minutes in (saved, but not what was asked)."""
+
+
 def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
     p, c = r.trainer.parallel, r.cluster
     world = r.world_size
@@ -226,6 +231,12 @@ def make_plan(r: Recipe, m: ModelInfo | None) -> Plan:
         notes.append(
             f"rollout.max_num_seqs {seqs} is below the {per_engine} rollouts each engine "
             f"generates per step: it generates them in waves ({per_engine} or more decodes them at once)"
+        )
+    limit = r.run.time_limit_s
+    if limit is not None and limit < SHORT_TIME_LIMIT_S:
+        notes.append(
+            f"run.time_limit_s is {limit:g} seconds ({limit / 60:.1f} min), start-up included (a cluster job's limit "
+            "less a margin, in seconds): where start-up takes most of it, each run saves after its first step and stops"
         )
     notes += unread_rollout_keys(r)
     mem = memory(r, m, dp, b) if m is not None else None

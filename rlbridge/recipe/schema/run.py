@@ -65,7 +65,8 @@ class RunCfg(Section):
     time_limit_s: Annotated[float, Field(gt=0)] | None = None
     """Wall-clock seconds this command may run, start-up included (a cluster job's limit, less a margin): after a
     step, when the next step and a save would end past it, the run saves and stops with exit code 75 and the
-    `rlbridge resume` command, which starts a new limit. Null: no limit."""
+    `rlbridge resume` command, which starts a new limit. Under 600 s the plan notes it (seconds, not minutes).
+    Null: no limit."""
     keep: PositiveInt = 3
     """Complete checkpoints kept; the newest good one is never deleted."""
     dir: str | None = None

@@ -58,6 +58,23 @@ def test_a_long_first_step_is_the_estimate_only_until_a_second_step_has_run() ->
     assert steps_run(TimeLimit(160.0, clock, age_s=0.0), clock, durations, save_s=0.0) == 9  # 155 + 10 > 160
 
 
+def test_a_limit_of_minutes_is_noted_by_the_plan() -> None:
+    """validate-recipe and plan print the plan's notes: a limit under 10 minutes says its unit and what it implies
+    (a limit meant in minutes, written as seconds, would stop the job minutes in); none for an hour or no limit."""
+    from rlbridge.plan import make_plan
+    from rlbridge.recipe.load import load_recipe
+
+    def notes(*sets: str) -> list[str]:
+        recipe = load_recipe(str(ROOT / "recipes" / "quickstart.yaml"), list(sets))
+        return [n for n in make_plan(recipe, None).notes if n.startswith("run.time_limit_s")]
+
+    assert notes("run.time_limit_s=240") == [
+        "run.time_limit_s is 240 seconds (4.0 min), start-up included (a cluster job's limit less a margin, in "
+        "seconds): where start-up takes most of it, each run saves after its first step and stops"
+    ]
+    assert notes("run.time_limit_s=3600") == [] and notes() == []
+
+
 def test_no_limit_never_stops() -> None:
     clock = Clock()
     assert steps_run(TimeLimit(None, clock, age_s=1e9), clock, [1e6] * 5, save_s=1e6) == 0
