@@ -274,7 +274,7 @@ class HFTrainEngine:
                         if recorded >= PRERECORD_MAX:
                             return recorded
                         sub = self._pass_batch(batch, group, False)
-                        recorded += graphs.prerecord(sub, self._entropy_grad)
+                        recorded += graphs.prerecord(sub, self.recipe.algorithm.trains_entropy)
                     if graphs.off is not None:
                         return recorded
         return recorded
@@ -305,24 +305,24 @@ class HFTrainEngine:
                         return {k: v / max(done, 1) for k, v in sums.items()}, True
                     (loss / num_micro_batches).backward()
                 if graphs is not None:  # an eager pass of a new shape was its warm-up: record it now
-                    graphs.record(sub, self._entropy_grad)
+                    graphs.record(sub, self.recipe.algorithm.trains_entropy)
                 done += 1
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
         return {k: v / done for k, v in sums.items()}, False
 
-    @property
-    def _entropy_grad(self) -> bool:
-        return self.recipe.algorithm.entropy_coef != 0
-
     def _micro_step(
         self, sub: SeqBatch, rows: Tensor, loss_fn: LossFn, width: int, shared: bool
     ) -> tuple[Tensor, dict[str, float]]:
         """`sub`: the rows' forward batch (forward_batch); `width`: the full batch's R, which the closure indexes."""
-        replayed = None if shared or self._graphs is None else self._graphs.replay(sub, self._entropy_grad)
+        replayed = (
+            None
+            if shared or self._graphs is None
+            else self._graphs.replay(sub, self.recipe.algorithm.trains_entropy)
+        )
         logp, entropy = replayed or self._token_stats(self.model, sub, shared)
         logp = _masked(logp, sub.response_mask)
-        if not self._entropy_grad:  # a metric only: no gradient pass for it
+        if not self.recipe.algorithm.trains_entropy:  # a metric only: no gradient pass for it
             entropy = entropy.detach()
         # the closure indexes [b, R] tensors: trimmed columns come back as 0, masked ones added beyond R go
         return loss_fn(_fit(logp, width), _fit(_masked(entropy, sub.response_mask), width), rows)

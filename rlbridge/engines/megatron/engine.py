@@ -221,7 +221,7 @@ class MegatronTrainEngine:
     def _accumulate(self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int) -> dict[str, Any]:
         """Forward/backward every micro-batch through the schedule; the metrics' means over the passes run."""
         vocab = self.bundle.vocab_size
-        entropy_grad = self.recipe.algorithm.entropy_coef != 0  # else a metric only (as the hf engine's)
+        entropy_grad = self.recipe.algorithm.trains_entropy  # else a metric only, without autograd
 
         def stage(output: torch.Tensor, mb: forward.MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
             logits, targets = forward.response_logits(output, mb)

@@ -171,9 +171,9 @@ def vocab_parallel_logprobs(
     """Log-probs of `targets` and entropies from logits sharded over the TP vocab: [b, t, v/tp] -> [b, t].
 
     Differentiable; the full vocabulary is never materialized on one rank. Columns past `vocab_size`
-    (megatron's vocab padding) are excluded. `entropy_grad` False: the entropy is a metric (detached, as the hf
-    engine's at algorithm.entropy_coef 0), its vocabulary-wide product computed without autograd: it neither
-    records a backward nor keeps `shifted` alive for one.
+    (megatron's vocab padding) are excluded. `entropy_grad` False: the entropy is a metric (as the hf engine's at
+    algorithm.entropy_coef 0), computed without autograd: its vocabulary-wide product neither records a backward
+    nor keeps `shifted` alive for one.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
@@ -207,9 +207,8 @@ def vocab_parallel_logprobs(
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         values = shifted if pad_cols is None else shifted.masked_fill(pad_cols, 0.0)
         expected = (exp.unsqueeze(-2) @ values.unsqueeze(-1)).reshape(exp.shape[:-1])
-        expected_logit = tp_sum(expected) / sum_exp
-    entropy = log_z - expected_logit
-    return logprobs, entropy if entropy_grad else entropy.detach()
+        entropy = log_z - tp_sum(expected) / sum_exp
+    return logprobs, entropy
 
 
 def response_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

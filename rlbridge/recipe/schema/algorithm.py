@@ -84,6 +84,12 @@ class _AlgoBase(Section):
     """How token losses are aggregated into one number."""
 
     @property
+    def trains_entropy(self) -> bool:
+        """The entropy bonus is in the loss (entropy_coef above 0); else the engines compute the entropy as a
+        metric, without autograd."""
+        return self.entropy_coef != 0
+
+    @property
     def has_critic(self) -> bool:
         """Whether the algorithm trains a value model (PPO's critic) next to the policy."""
         return False
