@@ -361,13 +361,15 @@ PYEOF
       tail -16 "$OUT/$part/log.txt" ;;
     30b)  # issue 44 item 5: the 30B-A3B MoE recipe on one H200 with size7b.py's one-GPU overrides and the MoE recipe's own
           # (one node, pipeline and expert parallel 1, one mini-batch, vLLM at 0.45 of the device: the plan's fit)
+          # and the adapter sync (the recipe's merged sync would write 57 GiB to /dev/shm beside vLLM's 57 GiB offload)
       # a second call on the same machine starts over unless the first one's run saved its checkpoint
       [ -n "$(ls /tmp/rlb30b/checkpoints 2>/dev/null)" ] && { echo "/tmp/rlb30b has a checkpoint: trained already"; continue; }
       rm -rf /tmp/rlb30b
       timeout "$(left)" "$PY" bench/size7b.py train --recipe recipes/qwen3-30b-a3b-moe-lora.yaml --model qwen3-30b-a3b-random \
         --engine "${ENGINE30B:-megatron}" --steps "${STEPS30B:-2}" --save-every "${STEPS30B:-2}" --run-dir /tmp/rlb30b \
         --set cluster.nodes=1 --set trainer.parallel.pipeline=1 --set trainer.parallel.expert=1 \
-        --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+        --set data.mini_batch_size=32 --set rollout.gpu_memory_utilization=0.45 \
+        --set rollout.weight_sync=adapter --set rollout.max_lora_rank=32 --out "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
       tail -30 "$OUT/$part/log.txt" ;;
     mfu7b|mfu7btf32|plan7b)  # issue 44 item 2: the update's MFU at the 7B shape, LoRA (whole model) and full fine-tuning
             # (its first MFU7B_FULL_LAYERS layers, default 8: 63.5 GiB peak on an H100, mfu7b-gpu-2026-12-07; the whole
