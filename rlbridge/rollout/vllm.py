@@ -81,7 +81,13 @@ from rlbridge.rollout.vllm_compat import (
     sampled_logprobs,
 )
 from rlbridge.weights import WeightExport, WeightSync
-from rlbridge.weights.directory import ram_tempdir, remove_dir, write_adapter, write_merged
+from rlbridge.weights.directory import (
+    export_bytes,
+    ram_tempdir,
+    remove_dir,
+    write_adapter,
+    write_merged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +338,7 @@ class VllmRollout:
             if weights.path
             else write_merged(
                 weights,
-                ram_tempdir("rlbridge-merged-"),
+                ram_tempdir("rlbridge-merged-", export_bytes(weights, getattr(torch, self._dtype))),
                 base_dir=self._model_dir,
                 dtype=getattr(torch, self._dtype),
             )
@@ -367,7 +373,9 @@ class VllmRollout:
                 f"adapter rank {rank} exceeds rollout.max_lora_rank={self._kwargs['max_lora_rank']}"
             )
         new_dir = (
-            Path(weights.path) if weights.path else write_adapter(weights, ram_tempdir("rlbridge-adapter-"))
+            Path(weights.path)
+            if weights.path
+            else write_adapter(weights, ram_tempdir("rlbridge-adapter-", export_bytes(weights)))
         )
         self._lora_ids += 1
         request = LoRARequest(lora_name=f"v{version}", lora_int_id=self._lora_ids, lora_path=str(new_dir))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import mmap
 import os
 import re
@@ -23,24 +24,84 @@ from typing import Any
 
 import torch
 
+from rlbridge.errors import RlbridgeError
 from rlbridge.run.process import pid_alive
 from rlbridge.weights import WeightExport, WeightSync
 from rlbridge.weights.hf_files import MERGED_FILE, SAFETENSORS_DTYPES, save_hf
 
+log = logging.getLogger(__name__)
 
-def ram_tempdir(prefix: str) -> Path:
+
+ROOM_MARGIN = 1.05
+"""Free space a weights directory asks for beyond the tensors' bytes (safetensors header, filesystem blocks)."""
+
+
+def ram_tempdir(prefix: str, need_bytes: int = 0) -> Path:
     """A fresh directory in RAM-backed storage (/dev/shm) when available, else the system temp dir, named
     `<prefix><pid>-<random>`. Directories of this kind left by dead processes are removed first: a run that
     is killed (or whose rollout worker is killed on the way out) cannot delete its last weights, and in
-    /dev/shm they would hold RAM until the next reboot (a merged SmolLM2 is 540 MB)."""
-    base = _ram_base()
-    sweep_stale(base)
+    /dev/shm they would hold RAM until the next reboot (a merged SmolLM2 is 540 MB).
+
+    need_bytes: the tensor bytes about to be written. Where /dev/shm has less room (a container's default
+    /dev/shm is 64 MB; a merged 30B model is 57 GiB), the directory goes to the system temp dir (disk) with a
+    warning, and where neither has room an RlbridgeError says so with the fixes, before anything is written
+    (a write that runs out of room fails half-way, or kills the reader of a mapped file with SIGBUS)."""
+    shm, disk = _ram_base(), Path(tempfile.gettempdir())
+    sweep_stale(shm)
+    base = shm
+    if need_bytes and _free_bytes(shm) < need_bytes * ROOM_MARGIN:
+        if shm != disk:
+            sweep_stale(disk)
+        if _free_bytes(disk) < need_bytes * ROOM_MARGIN:
+            raise RlbridgeError(_no_room_message(need_bytes, [shm, disk]))
+        if shm != disk:
+            _warn_once(
+                f"rlbridge: {need_bytes / 2**30:.2f} GiB of weights do not fit {shm} "
+                f"({_free_bytes(shm) / 2**30:.2f} GiB free): writing them to {disk} (disk, slower). A larger "
+                "/dev/shm (docker run --shm-size), rollout.weight_sync adapter or rollout.weight_transport "
+                "cuda_ipc avoids it."
+            )
+        base = disk
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
 
 
 def _ram_base() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _no_room_message(need_bytes: int, places: list[Path]) -> str:
+    free = ", ".join(f"{p} {_free_bytes(p) / 2**30:.2f} GiB free" for p in dict.fromkeys(places))
+    return (
+        f"no room for the rollout's weights: {need_bytes / 2**30:.2f} GiB to write ({free}). Fix: "
+        "rollout.weight_sync adapter (LoRA: megabytes), rollout.weight_transport cuda_ipc (colocated GPUs: no "
+        "files), a larger /dev/shm (docker run --shm-size), or TMPDIR on a disk with room"
+    )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def export_bytes(weights: WeightExport, dtype: torch.dtype | None = None) -> int:
+    """Tensor bytes of an export as written: floating tensors in `dtype` when given (the rollout's)."""
+    total = 0
+    for t in weights.tensors.values():
+        size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+        total += t.numel() * size
+    return total
 
 
 def sweep_ram_dirs() -> list[str]:
