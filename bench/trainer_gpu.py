@@ -253,7 +253,8 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, Any, float]:
     cuda = torch.cuda.is_available()
     recipe = Recipe.model_validate({
         "name": "bench", "model": {"path": spec["model_dir"], "dtype": "bfloat16"},
-        "lora": {"rank": 16 if lora else 0, "alpha": 32, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
+        "lora": {"rank": 16 if lora else 0, "alpha": 32, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                 "compute_dtype": spec.get("lora_dtype", "float32")},
         "trainer": {"engine": spec["engine"], "micro_batch_size": spec["micro"], "optim": {"lr": 1e-5, "clip_grad": 1.0},
                     "recompute": recompute_cfg(spec.get("recompute", "none"))},
         "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "unused.jsonl"}, "batch_size": 1}, "run": {"steps": 1000},
@@ -388,6 +389,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         "trainable_params": trainable, "grad_norm": float(m["grad_norm"]), "skipped": float(m.get("skipped", 0.0)),
         "build_s": build_s, "fp32_matmul": spec.get("fp32_matmul", "ieee"), "fp32_matmul_logprob_gap": tf32_gap,
         "float32_head": spec.get("float32_head", "tf32"), "float32_head_logprob_gap": head_gap,
+        "lora_dtype": spec.get("lora_dtype", "float32"),
     }  # fmt: skip
 
 
@@ -450,6 +452,13 @@ def main() -> int:
         "job first measures the log-prob gap against exact float32) or on exact float32 matmuls (as before it)",
     )
     ap.add_argument(
+        "--lora-dtype",
+        default="float32",
+        choices=["float32", "model"],
+        help="lora.compute_dtype: the hf engine's adapters in float32 (peft's default) or in the model's bfloat16 "
+        "with float32 masters (megatron's adapters are always the model's dtype)",
+    )
+    ap.add_argument(
         "--out", default=None, help="Also write the JSON and the table here (default: bench/results/)."
     )
     ap.add_argument(
@@ -500,6 +509,7 @@ def main() -> int:
                         "profile": args.profile,
                         "fp32_matmul": args.fp32_matmul,
                         "float32_head": args.float32_head,
+                        "lora_dtype": args.lora_dtype,
                         "recompute": args.recompute,
                     }
                 )
@@ -607,7 +617,7 @@ def main() -> int:
     )
     result = {"gpu": gpu_name, "gpus": gpus, "versions": versions, "peak": peak, "flops_formula": formula,
               "settings": {k: getattr(args, k) for k in
-              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul", "float32_head", "recompute")},
+              ("batch", "prompt", "response", "micro", "warmup", "steps", "attention", "profile", "fp32_matmul", "float32_head", "lora_dtype", "recompute")},
               "ratios": ratios, "failures": failures, "details": rows}  # fmt: skip
     report("trainer_gpu", result, table_rows, save=args.out is None)
     if args.out:

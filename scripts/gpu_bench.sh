@@ -70,6 +70,8 @@
 #                                       # batch; a run of the 7B took ~220-270 s
 #                                       # with its start when each run initialized its own random 7B (446 s for the full
 #                                       # pair on an H100: tf32head-gpu-2026-12-07); the models are now saved once per machine
+#   bash scripts/gpu_bench.sh loradtype # the hf engine's LoRA step at the 7B shape with float32 adapters vs lora.compute_dtype
+#                                       # model (bf16 adapters, float32 masters), alternated, 2 rounds; NOT yet run
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #                                       # (ran 2026-12-07 on an H100 as two trainer_gpu calls, 43 + 54 s on a machine holding the
 #                                       # saved models: mfu7b-gpu-2026-12-07)
@@ -388,6 +390,17 @@ PYEOF
           --fp32-matmul "$precision" --recompute "$recompute" --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
         tail -12 "$OUT/$part/$mode.txt"
       done ;;
+    loradtype)  # the hf engine's LoRA update at the 7B shape (mfu7b's LoRA job, unprofiled) with its adapters in
+                # float32 (peft's default) and in the model's bfloat16 with float32 masters (lora.compute_dtype
+                # model), alternated, LORADTYPE_ROUNDS (default 2) rounds
+      for round in $(seq "${LORADTYPE_ROUNDS:-2}"); do
+        for dtype in float32 model; do
+          timeout "$(left)" "$PY" bench/trainer_gpu.py --models qwen2.5-7b --modes lora --engines hf --attention sdpa \
+            --batch "${MFU7B_BATCH:-16}" --prompt 256 --response 256 --micro "${MFU7B_MICRO:-8}" --warmup 1 --steps 3 \
+            --peak-reps 20 --lora-dtype "$dtype" --out "$OUT/$part/$dtype-$round" > "$OUT/$part/$dtype-$round.txt" 2>&1
+          grep -E "^done|\"(step_ms|mfu)\"" "$OUT/$part/$dtype-$round.txt" | tail -3
+        done
+      done ;;
     tf32ab)  # the float32 output layer on TF32 tensor cores vs exact float32 matmuls, the same jobs as mfu7b (unprofiled)
       full_layers=${MFU7B_FULL_LAYERS:-8}
       for mode in ${TF32AB_MODES:-full lora}; do
@@ -399,7 +412,7 @@ PYEOF
           grep -E "^done|\"(step_ms|mfu)\"" "$OUT/$part/$mode-$head.txt" | tail -6
         done
       done ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, tf32ab, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, tf32ab, loradtype, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

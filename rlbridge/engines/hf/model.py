@@ -168,9 +168,12 @@ def apply_lora(base: PreTrainedModel, recipe: Recipe) -> PeftModel:
     )
     with torch.random.fork_rng(devices=[]):  # adapter init from run.seed, global RNG untouched
         torch.manual_seed(recipe.run.seed)
-        # float32 adapters on a bfloat16 / float16 base (peft's default, stated): they are their own
-        # master weights, and their share of each layer's output is computed in float32
-        return get_peft_model(base, config, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+        # lora.compute_dtype float32: float32 adapters on a bfloat16 / float16 base (peft's default): their own
+        # master weights, their share of each layer's output computed in float32. model: adapters in the base's
+        # dtype (peft creates them so without the autocast), float32 masters from engines/hf/master.py
+        return get_peft_model(
+            base, config, adapter_name=ADAPTER, autocast_adapter_dtype=cfg.compute_dtype == "float32"
+        )
 
 
 def apply_recompute(hf_model: PreTrainedModel, recipe: Recipe, device: torch.device) -> None:

@@ -326,6 +326,14 @@ def check_cuda_graphs(r: Recipe, out: Issues) -> None:
                 "LoRA (lora.rank > 0) or model.dtype: float32",
             )
         )
+    if r.lora.enabled and r.lora.compute_dtype == "model" and r.model.dtype != "float32":
+        reasons.append(
+            (
+                f"lora.compute_dtype model keeps {r.model.dtype} adapters whose gradients move into float32 "
+                "masters by hooks, which a replayed backward does not run",
+                "lora.compute_dtype: float32",
+            )
+        )
     for why, fix in reasons:
         out.append(
             RecipeIssue(

@@ -39,6 +39,15 @@ class LoraCfg(Section):
     gate_proj, up_proj, down_proj), or `all-linear`. Mapped per engine."""
     type: Literal["lora", "dora", "canonical_lora"] = "lora"
     """Adapter type. canonical_lora puts separate adapters on q, k, v and gate, up (as HF PEFT does)."""
+    compute_dtype: Literal["float32", "model"] = "float32"
+    """hf engine on a bfloat16 / float16 model: the dtype its adapters are held and computed in. float32 (peft's
+    default): the adapters are their own float32 master weights and each adapted layer computes its LoRA share in
+    float32 (its input cast to float32 and the sum cast back: casts and float32 products, ~350 of a 7B LoRA
+    step's 938 ms on an H100, docs/results.md). model: adapters in the model's dtype with float32 master copies
+    for the optimizer (as the megatron engine keeps them): 16-bit tensor-core products, no casts; the LoRA share
+    is rounded to the model's dtype before it is added (tests/unit/engines/test_lora_compute_dtype.py states the
+    log-prob gap). Not with trainer.cuda_graphs (its replays cannot move gradients into the masters). A float32
+    model, and the megatron engine (always the model's dtype), are unaffected."""
 
     @property
     def enabled(self) -> bool:

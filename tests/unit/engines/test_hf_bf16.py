@@ -14,12 +14,14 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load, save
 
+from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf.critic import HFCritic
 from rlbridge.engines.hf.engine import HFTrainEngine
 from rlbridge.recipe.schema import Recipe
@@ -146,6 +148,77 @@ def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path]) -> Non
     assert all(
         torch.equal(p, q) for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True)
     )
+
+
+# ------------------------------------------------------------------------------------- LoRA dtype
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
+
+
+def lora_engines(path: Path, lr: float = 1e-4) -> dict[str, HFTrainEngine]:
+    """The same adapters (B random, not peft's zeros; values bf16 can hold, so both engines start equal) computed
+    in float32 (peft's default) and in the model's bfloat16 (lora.compute_dtype model)."""
+    engines = {
+        d: engine(path, "bfloat16", lr=lr, lora={**LORA, "compute_dtype": d}) for d in ("float32", "model")
+    }
+    gen = torch.Generator().manual_seed(0)
+    start = {
+        n: (torch.randn(p.shape, generator=gen) * 0.05).bfloat16().float()
+        for n, p in engines["float32"].trainable_state().items()
+    }
+    for e in engines.values():
+        e.load_trainable_state(start)
+    return engines
+
+
+def test_lora_in_the_model_dtype_keeps_float32_masters(model_dirs: dict[str, Path]) -> None:
+    path, batch = model_dirs["llama-tied"], ragged_batch()
+    e = lora_engines(path)["model"]
+    adapters = [p for _, p in e.model.named_parameters() if p.requires_grad]
+    assert adapters and {p.dtype for p in adapters} == {torch.bfloat16}
+    assert e.master.num_copies == len(e._trainable) == len(adapters)
+    e.train_step(batch, token_sum_loss(batch), num_micro_batches=2)
+    assert all(p.dtype == torch.float32 for _, p in e._trainable)
+    assert all(s["exp_avg"].dtype == torch.float32 for s in e.optimizer.state.values())
+    masters = dict(e._trainable)
+    assert all(torch.equal(p, masters[n].to(p.dtype)) for n, p in e.model.named_parameters() if n in masters)
+    # exported adapters (sync, export-hf) are the model's bfloat16 copies; checkpoints the float32 masters
+    assert {v.dtype for v in e.trainable_state().values()} == {torch.float32}
+
+
+def float64_logprobs(model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
+    """Response log-probs of unpadded rows through a float64 copy of `model` (its weights as they are)."""
+    ref = copy.deepcopy(model).double().eval()
+    want = torch.zeros(batch.response_mask.shape, dtype=torch.float64)
+    for i in range(batch.size):
+        ids = batch.input_ids[i][batch.attention_mask[i] > 0]
+        n = int(batch.response_mask[i].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0], dim=-1)
+        want[i, :n] = logp[len(ids) - n - 1 : len(ids) - 1].gather(-1, ids[len(ids) - n :, None]).squeeze(-1)
+    return want
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_lora_in_the_model_dtype_matches_float32_adapters(model_dirs: dict[str, Path], kind: str) -> None:
+    path, batch = model_dirs[kind], ragged_batch()
+    engines = lora_engines(path)
+    mask = batch.response_mask > 0
+    want = float64_logprobs(engines["float32"].model, batch)[mask]
+    err = {}
+    for d, e in engines.items():
+        diff = (e.logprobs(batch).double()[mask] - want).abs()
+        err[d] = float(diff.mean()), float(diff.max())
+        print(f"{kind}: log-probs with {d} adapters vs float64: mean {err[d][0]:.2e} max {err[d][1]:.2e}")
+    assert err["model"][0] < 1.35 * err["float32"][0] and err["model"][1] < 1.5 * err["float32"][1], err
+    moves = {}
+    for d, e in engines.items():
+        start = e.trainable_state()
+        for _ in range(3):
+            assert e.train_step(batch, token_sum_loss(batch), num_micro_batches=2)["skipped"] == 0.0
+        moves[d] = update(start, e.trainable_state())
+    gap = rel(moves["model"], moves["float32"])
+    print(f"{kind}: three steps' update, bf16 vs float32 adapters: relative error {gap:.3f}")
+    assert gap < 0.2, gap
 
 
 # ------------------------------------------------------------------------------------------ critic

@@ -235,6 +235,26 @@ CASES = [
         },
     ),
     (
+        "cuda graphs with bf16 LoRA adapters",
+        {
+            "trainer__cuda_graphs": True,
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "lora__compute_dtype": "model",
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+        "trainer.cuda_graphs",
+        "lora.compute_dtype model keeps bfloat16 adapters",
+        {
+            "trainer__cuda_graphs": True,
+            "trainer__engine": "hf",
+            "trainer__parallel": {},
+            "cluster__gpus_per_node": 1,
+            "rollout__tensor_parallel": 1,
+        },
+    ),
+    (
         "mini batch does not split over dp",
         {"data__batch_size": 1, "rollout__n": 2},
         "data.mini_batch_size",
