@@ -381,13 +381,43 @@ def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
     )
 
 
+LARGE_MERGED_GIB = 8.0
+"""Merged weights from this size on get the plan's host-memory note (_merged_files_note)."""
+
+
+def _merged_files_note(r: Recipe, mem: Memory) -> str | None:
+    """GPUs, merged weights through files: each sync writes the whole model into /dev/shm (host memory) on
+    every node, beside vLLM's sleep offload of its own weights (weights/directory.py falls back to the temp dir
+    on disk where /dev/shm has no room). Said for large models, with what avoids it."""
+    ro = r.rollout
+    if r.cluster.device != "cuda" or ro.weight_sync != "merged" or ro.weight_transport != "files":
+        return None
+    gib = mem.total_params * DTYPE_BYTES[r.model.dtype] / GIB
+    if gib < LARGE_MERGED_GIB:
+        return None
+    offload = " beside vLLM's sleep offload of its weights" if mem.rollout_sleeps else ""
+    fixes = ["rollout.weight_sync adapter (the adapters only)"] if r.lora.enabled else []
+    if r.cluster.colocate and r.cluster.nodes == 1 and ro.tensor_parallel == 1:
+        fixes.append("rollout.weight_transport cuda_ipc (no files)")
+    if not fixes:
+        fixes.append("a node whose /dev/shm holds it")
+    return (
+        f"rollout.weight_sync merged: each sync writes the merged model ({gib:.1f} GiB) into /dev/shm, host "
+        f"memory, on every node{offload} (on disk, slower, where /dev/shm has no room); "
+        f"{' or '.join(fixes)} avoids it"
+    )
+
+
 def memory_notes(r: Recipe, m: ModelInfo, dp: int, b: Batches, mem: Memory) -> list[str]:
     """The plan's notes from its memory estimate: a peak past the device, a token budget that would make the
-    update less host-bound, the shared-prompt passes' higher peak."""
+    update less host-bound, a large merged sync's host memory, the shared-prompt passes' higher peak."""
     notes = []
     if r.cluster.device == "cuda" and mem.peak > mem.capacity:
         notes.append(f"estimated peak {mem.peak:.1f} GiB exceeds the {mem.capacity:.0f} GiB per device")
     note = _budget_note(r, m, dp, b, mem)
+    if note:
+        notes.append(note)
+    note = _merged_files_note(r, mem)
     if note:
         notes.append(note)
     if _shares_prompts_on_a_gpu(r):

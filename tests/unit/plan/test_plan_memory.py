@@ -199,6 +199,27 @@ def test_shared_prompts_on_a_gpu_get_a_note_with_their_measured_peak() -> None:
     assert recomputed[0] == []  # the engine runs the plain passes
 
 
+def test_a_large_merged_sync_through_files_gets_a_host_memory_note() -> None:
+    """A 7B's merged weights (14.2 GiB) through /dev/shm each sync: said, with what avoids it where it applies."""
+    base = ["model.path=qwen2.5-7b-random", "cluster.gpus_per_node=1", "trainer.parallel.tensor=1",
+            "trainer.parallel.sequence_parallel=false", "rollout.tensor_parallel=1", "data.train.path=builtin:arithmetic",
+            "data.val=null"]  # fmt: skip
+
+    def notes(*sets: str) -> list[str]:
+        r = load_recipe("recipes/qwen2.5-7b-grpo-lora.yaml", [*base, *sets])
+        return [n for n in make_plan(r, read_model_info(r.model.path)).notes if "/dev/shm" in n]
+
+    (note,) = notes("rollout.weight_sync=merged")
+    assert "the merged model (14.2 GiB)" in note
+    assert "rollout.weight_sync adapter" in note and "rollout.weight_transport cuda_ipc" in note
+    (two_nodes,) = notes("rollout.weight_sync=merged", "cluster.nodes=2")
+    assert "cuda_ipc" not in two_nodes  # not eligible there
+    assert notes() == []  # the recipe's adapter sync
+    assert notes("rollout.weight_sync=merged", "rollout.weight_transport=cuda_ipc") == []
+    small = load_recipe("recipes/quickstart-gpu.yaml", ["rollout.weight_sync=merged"])
+    assert not any("/dev/shm" in n for n in make_plan(small, read_model_info(small.model.path)).notes)
+
+
 # ------------------------------------------------------------------ rollout.sleep: vLLM asleep or resident
 def gpu_plan(sets: list[str], path: str = "recipes/quickstart-gpu.yaml") -> tuple[Recipe, Any]:
     r = load_recipe(path, sets)
