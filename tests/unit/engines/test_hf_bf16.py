@@ -30,6 +30,7 @@ from tests.unit.engines.test_hf_engine import make_recipe, ragged_batch, token_s
 
 torch.set_num_threads(2)
 FULL = {"rank": 0}
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +128,10 @@ def test_bf16_logprobs_against_float64(model_dirs: dict[str, Path], kind: str) -
     assert float(diff.mean()) < 0.08 and float(diff.max()) < 0.4, (float(diff.mean()), float(diff.max()))
 
 
-def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("lora", [None, {**LORA, "compute_dtype": "model"}], ids=["full", "bf16 adapters"])
+def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path], lora: dict | None) -> None:
     path, batch = model_dirs["llama-tied"], ragged_batch()
-    first = engine(path, "bfloat16", lr=1e-3)
+    first = engine(path, "bfloat16", lr=1e-3, lora=lora)
     first.train_step(batch, token_sum_loss(batch), num_micro_batches=2)
     weights = load(save(first.trainable_state()))
     tensors, meta = first.optimizer_state()
@@ -139,7 +141,7 @@ def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path]) -> Non
     assert any(not torch.equal(v, v.bfloat16().float()) for v in weights.values())
     expected = first.train_step(batch, token_sum_loss(batch), num_micro_batches=2)
 
-    second = engine(path, "bfloat16", lr=1e-3)
+    second = engine(path, "bfloat16", lr=1e-3, lora=lora)
     second.load_trainable_state(weights)
     second.load_optimizer_state(tensors, meta)
     assert second.train_step(batch, token_sum_loss(batch), num_micro_batches=2) == expected
@@ -151,7 +153,6 @@ def test_bf16_checkpoint_round_trip_is_exact(model_dirs: dict[str, Path]) -> Non
 
 
 # ------------------------------------------------------------------------------------- LoRA dtype
-LORA = {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}
 
 
 def lora_engines(path: Path, lr: float = 1e-4) -> dict[str, HFTrainEngine]:
