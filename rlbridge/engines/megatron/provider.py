@@ -123,6 +123,7 @@ NOT_IN_TABLE: dict[str, str] = {
     "trainer.shared_prompts": "the hf engine's shared-prompt passes; the megatron engine runs plain passes "
     "(always is refused with this engine by validate-recipe)",
     "lora.type": "selects the PEFT class (PEFT_CLASSES) instead of setting a field; tested separately",
+    "lora.compute_dtype": "the hf engine's choice: megatron's adapters are always the model's dtype, float32 main params",
     "trainer.optim.min_lr": "read at every step by lr_at, the schedule shared with the hf engine",
     "trainer.optim.schedule": "read at every step by lr_at, the schedule shared with the hf engine",
     "trainer.optim.warmup_steps": "read at every step by lr_at, the schedule shared with the hf engine",

@@ -42,8 +42,8 @@ class LoraCfg(Section):
     compute_dtype: Literal["float32", "model"] = "float32"
     """hf engine on a bfloat16 / float16 model: the dtype its adapters are held and computed in. float32 (peft's
     default): the adapters are their own float32 master weights and each adapted layer computes its LoRA share in
-    float32 (its input cast to float32 and the sum cast back: casts and float32 products, ~350 of a 7B LoRA
-    step's 938 ms on an H100, docs/results.md). model: adapters in the model's dtype with float32 master copies
+    float32 (its input cast to float32 and the sum cast back: casts and float32 products, a third of a 7B LoRA
+    step's time in a profile, docs/engines/hf.md). model: adapters in the model's dtype with float32 master copies
     for the optimizer (as the megatron engine keeps them): 16-bit tensor-core products, no casts; the LoRA share
     is rounded to the model's dtype before it is added (tests/unit/engines/test_lora_compute_dtype.py states the
     log-prob gap). Not with trainer.cuda_graphs (its replays cannot move gradients into the masters). A float32
