@@ -402,7 +402,7 @@ def plan_trainer_gib(row: dict[str, Any], args: argparse.Namespace, model_dir: P
 
     recipe = Recipe.model_validate({
         "name": "trainer-gpu", "model": {"path": str(model_dir), "dtype": "bfloat16"},
-        "lora": {"rank": 16 if row["mode"] == "lora" else 0, "alpha": 32},  # as run_job's recipe
+        "lora": {"rank": 16 if row["mode"] == "lora" else 0, "alpha": 32, "compute_dtype": args.lora_dtype},  # as run_job's
         "trainer": {"engine": row["engine"], "micro_batch_size": args.micro, "recompute": recompute_cfg(args.recompute)},
         "rollout": {"n": 1, "max_prompt_tokens": args.prompt, "max_response_tokens": args.response},
         "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": args.batch},

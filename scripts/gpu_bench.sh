@@ -71,7 +71,8 @@
 #                                       # with its start when each run initialized its own random 7B (446 s for the full
 #                                       # pair on an H100: tf32head-gpu-2026-12-07); the models are now saved once per machine
 #   bash scripts/gpu_bench.sh loradtype # the hf engine's LoRA step at the 7B shape with float32 adapters vs lora.compute_dtype
-#                                       # model (bf16 adapters, float32 masters), alternated, 2 rounds; NOT yet run
+#                                       # model (bf16 adapters, float32 masters), alternated, 2 rounds (3 of 4 runs in 430 s on a
+#                                       # fresh H100, 2026-12-07: loradtype-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #                                       # (ran 2026-12-07 on an H100 as two trainer_gpu calls, 43 + 54 s on a machine holding the
 #                                       # saved models: mfu7b-gpu-2026-12-07)

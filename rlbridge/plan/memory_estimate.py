@@ -275,7 +275,8 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     SDPA's q, k, v and output (no [s, s] scores: both engines use SDPA / flash attention), SwiGLU's gate, up and
     product: `18h + 8I + 4kv` for the hf engine, `18h + 10.6I + 4kv` for megatron (its fused SwiGLU keeps more
     of the MLP). A float32 model holds twice that. Under LoRA on a 16-bit model the hf engine adds peft's float32
-    copy of each adapted module's input (4 bytes x its input width: its adapters are float32). The loss holds
+    copy of each adapted module's input (4 bytes x its input width: its adapters are float32), unless
+    lora.compute_dtype is model (adapters in the model's dtype read the input the base layer saves). The loss holds
     per scored position and vocabulary entry ~8 bytes in the hf engine (float32 logits and their gradient:
     engines/hf/token_stats.py keeps no vocabulary-sized temporary) and ~20 in megatron (float32 logits and their
     transposed copy besides); both fitted to measured peaks (docs/defaults.md#plan-memory). Both score the response
@@ -299,7 +300,7 @@ def _activations(r: Recipe, m: ModelInfo, b: Batches, cap: float | None = None) 
     unit = DTYPE_BYTES[r.model.dtype] / 2
     width = m.mlp_width_per_token()
     per_token = (18 * h + coef.mlp_bytes * width + 4 * m.kv_heads * m.head_dim) * unit / p.tensor
-    if coef.lora_input_copies and r.lora.enabled and unit < 2:
+    if coef.lora_input_copies and r.lora.enabled and r.lora.compute_dtype == "float32" and unit < 2:
         per_token += 4 * _lora_input_width(r, m)
     layers = m.layers / p.pipeline
     if r.trainer.recompute.granularity == "full":  # checkpointed layer inputs + one layer recomputed

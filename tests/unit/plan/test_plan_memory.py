@@ -125,6 +125,19 @@ def test_megatron_engine_sweep_peaks(
     assert memory.trainer_total == pytest.approx(measured_gib, rel=0.03)
 
 
+@pytest.mark.parametrize(("dtype", "measured_gib"), [("float32", 54.09), ("model", 42.43)])
+def test_hf_lora_peaks_at_the_7b_shape_by_adapter_dtype(dtype: str, measured_gib: float) -> None:
+    """bench/results/loradtype-gpu-2026-12-07.md (H100): bench/trainer_gpu.py's hf LoRA job at the Qwen2.5-7B shape,
+    16 x (256 + 256) tokens in passes of 8, adapters in float32 (peft's copies of the adapted inputs) or in the
+    model's bfloat16 (lora.compute_dtype model: no copies)."""
+    r = sweep_recipe("hf", True, prompt=256, response=256, micro=8)
+    r = Recipe.model_validate({**r.model_dump(), "lora": {**r.lora.model_dump(), "compute_dtype": dtype}})
+    r = Recipe.model_validate({**r.model_dump(), "data": {**r.data.model_dump(), "batch_size": 16}})
+    memory = make_plan(r, read_model_info("qwen2.5-7b-random")).memory
+    assert memory is not None
+    assert memory.trainer_total == pytest.approx(measured_gib, rel=TOLERANCE)
+
+
 def activations(info: ModelInfo, **raw: Any) -> float:
     r = sweep_recipe(raw.pop("engine", "hf"), raw.pop("lora", True))
     if raw:
@@ -141,6 +154,13 @@ def test_terms_follow_what_a_pass_keeps() -> None:
     fp32 = activations(SMOLLM2, model={"path": "x", "dtype": "float32"})
     fp32_full = activations(SMOLLM2, lora=False, model={"path": "x", "dtype": "float32"})
     assert fp32 == pytest.approx(fp32_full)
+    # adapters in the model's dtype read the input the base layer saves: no copies
+    r = sweep_recipe("hf", True)
+    model_dtype = Recipe.model_validate(
+        {**r.model_dump(), "lora": {**r.lora.model_dump(), "compute_dtype": "model"}}
+    )
+    memory = make_plan(model_dtype, SMOLLM2).memory
+    assert memory is not None and memory.activations == pytest.approx(activations(SMOLLM2, lora=False))
     # full recompute keeps only layer inputs
     assert activations(SMOLLM2, trainer={"recompute": {"granularity": "full"}}) < 0.3 * bf16
     # the loss scores the response positions in both engines: moving 511 of the 1024 tokens from the response to
