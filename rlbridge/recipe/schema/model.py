@@ -45,10 +45,10 @@ class LoraCfg(Section):
     float32 (its input cast to float32 and the sum cast back: casts and float32 products, a third of a 7B LoRA
     step's time in a profile, docs/engines/hf.md). model: adapters in the model's dtype with float32 master copies
     for the optimizer (as the megatron engine keeps them): 16-bit tensor-core products, no casts or float32 input
-    copies (faster, less memory: docs/engines/hf.md); the LoRA share
-    is rounded to the model's dtype before it is added (tests/unit/engines/test_hf_bf16.py states the
-    log-prob gap). Not with trainer.cuda_graphs (its replays cannot move gradients into the masters). A float32
-    model, and the megatron engine (always the model's dtype), are unaffected."""
+    copies (faster, less memory: docs/engines/hf.md); the LoRA share is rounded to the model's dtype before it is
+    added (tests/unit/engines/test_hf_bf16.py states the log-prob gap). Not with trainer.cuda_graphs (its replays
+    cannot move gradients into the masters). A float32 model, and the megatron engine (always the model's dtype),
+    are unaffected."""
 
     @property
     def enabled(self) -> bool:
