@@ -19,6 +19,7 @@ from rlbridge.model.info import ModelInfo, read_model_info
 from rlbridge.plan.batches import Batches
 from rlbridge.recipe.schema import MAX_GRAPHS, MAX_PASS_TOKENS, Recipe, round_width
 from rlbridge.rollout.registry import rollout_engine
+from rlbridge.weights import WeightSync
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -391,7 +392,7 @@ def _merged_files_note(r: Recipe, mem: Memory) -> str | None:
     every node, beside vLLM's sleep offload of its own weights (weights/directory.py falls back to the temp dir
     on disk where /dev/shm has no room). Said for large models, with what avoids it."""
     ro = r.rollout
-    if r.cluster.device != "cuda" or ro.weight_sync != "merged" or ro.weight_transport != "files":
+    if r.cluster.device != "cuda" or ro.weight_sync != WeightSync.MERGED or ro.weight_transport != "files":
         return None
     gib = mem.total_params * DTYPE_BYTES[r.model.dtype] / GIB
     if gib < LARGE_MERGED_GIB:

@@ -81,13 +81,7 @@ from rlbridge.rollout.vllm_compat import (
     sampled_logprobs,
 )
 from rlbridge.weights import WeightExport, WeightSync
-from rlbridge.weights.directory import (
-    export_bytes,
-    ram_tempdir,
-    remove_dir,
-    write_adapter,
-    write_merged,
-)
+from rlbridge.weights.directory import ram_tempdir, remove_dir, write_adapter, write_merged
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +332,7 @@ class VllmRollout:
             if weights.path
             else write_merged(
                 weights,
-                ram_tempdir("rlbridge-merged-", export_bytes(weights, getattr(torch, self._dtype))),
+                ram_tempdir("rlbridge-merged-", weights.nbytes(getattr(torch, self._dtype))),
                 base_dir=self._model_dir,
                 dtype=getattr(torch, self._dtype),
             )
@@ -375,7 +369,7 @@ class VllmRollout:
         new_dir = (
             Path(weights.path)
             if weights.path
-            else write_adapter(weights, ram_tempdir("rlbridge-adapter-", export_bytes(weights)))
+            else write_adapter(weights, ram_tempdir("rlbridge-adapter-", weights.nbytes()))
         )
         self._lora_ids += 1
         request = LoRARequest(lora_name=f"v{version}", lora_int_id=self._lora_ids, lora_path=str(new_dir))

@@ -46,27 +46,21 @@ class WeightSender:
         if not as_files:
             return weights
         exported = time.perf_counter()
-        from rlbridge.weights.directory import (
-            export_bytes,
-            overwrite_merged,
-            ram_tempdir,
-            write_adapter,
-            write_merged,
-        )
+        from rlbridge.weights.directory import overwrite_merged, ram_tempdir, write_adapter, write_merged
 
         kind = weights.kind
         if (
             kind == WeightSync.MERGED
         ):  # one directory for the run, its file overwritten in place (weights/directory.py)
             if self._merged_dir is None:
-                self._merged_dir = ram_tempdir("rlbridge-merged-", export_bytes(weights, self.dtype))
+                self._merged_dir = ram_tempdir("rlbridge-merged-", weights.nbytes(self.dtype))
                 weakref.finalize(self, shutil.rmtree, self._merged_dir, ignore_errors=True)
             out, how = self._merged_dir, "in place"
             if not overwrite_merged(weights, out, dtype=self.dtype):
                 write_merged(weights, out, base_dir=self.model_dir, dtype=self.dtype)
                 how = "new file"
         else:
-            out = write_adapter(weights, ram_tempdir("rlbridge-adapter-", export_bytes(weights)))
+            out = write_adapter(weights, ram_tempdir("rlbridge-adapter-", weights.nbytes()))
             how = "new directory"
         end = time.perf_counter()
         log.info(

@@ -157,7 +157,7 @@ class TrainerRole:
         through Ray, as files on this node, or by CUDA IPC handles kept until `release_export`)."""
         start = time.perf_counter()
         weights = self.engine.export_weights(kind)  # collective with a multi-rank engine: every rank calls it
-        self.sender.last_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.sender.last_bytes = weights.nbytes()
         if not self.is_holder:
             return WeightExport(kind, {}, weights.adapter_config)
         return self.sender.send(weights, started=start, as_files=as_files, cuda_ipc=cuda_ipc)

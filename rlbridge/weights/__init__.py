@@ -50,6 +50,14 @@ class WeightExport:
     data (rlbridge/weights/ipc.py); `tensors` is then empty and the trainer keeps the tensors alive until its
     `release_export`."""
 
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Tensor bytes of `tensors`; with `dtype`, floating tensors counted in it (as a writer casting to the
+        rollout's dtype writes them)."""
+        return sum(
+            t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+            for t in self.tensors.values()
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         """What pickle (and so Ray, between trainer, driver and rollout workers) sends: the fields, with every
         tensor that views a larger storage replaced by a compact copy. torch pickles a view with its whole

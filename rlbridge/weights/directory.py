@@ -54,8 +54,9 @@ def ram_tempdir(prefix: str, need_bytes: int = 0) -> Path:
             sweep_stale(disk)
         if _free_bytes(disk) < need_bytes * ROOM_MARGIN:
             raise RlbridgeError(_no_room_message(need_bytes, [shm, disk]))
-        if shm != disk:
-            _warn_once(
+        if shm != disk and shm not in _warned:
+            _warned.add(shm)
+            log.warning(
                 f"rlbridge: {need_bytes / 2**30:.2f} GiB of weights do not fit {shm} "
                 f"({_free_bytes(shm) / 2**30:.2f} GiB free): writing them to {disk} (disk, slower). A larger "
                 "/dev/shm (docker run --shm-size), rollout.weight_sync adapter or rollout.weight_transport "
@@ -86,22 +87,8 @@ def _no_room_message(need_bytes: int, places: list[Path]) -> str:
     )
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
-
-def export_bytes(weights: WeightExport, dtype: torch.dtype | None = None) -> int:
-    """Tensor bytes of an export as written: floating tensors in `dtype` when given (the rollout's)."""
-    total = 0
-    for t in weights.tensors.values():
-        size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
-        total += t.numel() * size
-    return total
+_warned: set[Path] = set()
+"""The RAM-backed directories already reported too small by this process (one warning each)."""
 
 
 def sweep_ram_dirs() -> list[str]:

@@ -45,8 +45,9 @@ class RolloutCfg(Section):
     """How merged weights travel from the trainer to vLLM on the same node: files (a safetensors directory in
     /dev/shm that vLLM reloads; in the temp dir on disk, with a warning, where /dev/shm has too little room, as a
     container's default 64 MB; an error before anything is written where neither has) or cuda_ipc (a colocated
-    CUDA trainer shares its GPU tensors with vLLM by CUDA IPC handles, no copy through host memory; needs cluster.device cuda, colocate, one node, rollout.engine vllm at
-    tensor_parallel 1, weight_sync merged and a trainer of one process). Same log-probs as files, faster for large
+    CUDA trainer shares its GPU tensors with vLLM by CUDA IPC handles, no copy through host memory; needs
+    cluster.device cuda, colocate, one node, rollout.engine vllm at tensor_parallel 1, weight_sync merged and a
+    trainer of one process). Same log-probs as files, faster for large
     weights (tests/gpu/test_gpu_ipc_sync.py; docs/defaults.md#cuda-ipc)."""
     max_lora_rank: PositiveInt = 64
     """vLLM's max_lora_rank; must be >= lora.rank when weight_sync is adapter."""

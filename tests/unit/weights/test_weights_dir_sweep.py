@@ -16,7 +16,7 @@ import torch
 
 from rlbridge.errors import RlbridgeError
 from rlbridge.weights import WeightExport, WeightSync, directory
-from rlbridge.weights.directory import export_bytes, ram_tempdir, sweep_stale
+from rlbridge.weights.directory import ram_tempdir, sweep_stale
 
 
 def test_sweep_removes_only_what_dead_processes_left(tmp_path: Path) -> None:
@@ -84,10 +84,10 @@ def test_weights_that_do_not_fit_dev_shm_go_to_the_temp_dir(
     assert "do not fit" in caplog.text and "--shm-size" in caplog.text
 
 
-def test_export_bytes_counts_floating_tensors_in_the_rollout_dtype() -> None:
+def test_export_nbytes_counts_floating_tensors_in_the_rollout_dtype() -> None:
     weights = WeightExport(
         WeightSync.MERGED,
         {"w": torch.zeros(4, 8, dtype=torch.float32), "ids": torch.zeros(3, dtype=torch.int64)},
     )
-    assert export_bytes(weights) == 4 * 8 * 4 + 3 * 8
-    assert export_bytes(weights, torch.bfloat16) == 4 * 8 * 2 + 3 * 8
+    assert weights.nbytes() == 4 * 8 * 4 + 3 * 8
+    assert weights.nbytes(torch.bfloat16) == 4 * 8 * 2 + 3 * 8
