@@ -109,20 +109,25 @@ def test_masters_and_moments_are_float32(model_dirs: dict[str, Path]) -> None:
     assert {p.dtype for p in adapters.model.parameters() if not p.requires_grad} == {torch.bfloat16}
 
 
+def float64_logprobs(ref: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
+    """Response log-probs of `batch`'s unpadded rows, one row at a time, through `ref` (a float64 model)."""
+    want = torch.zeros(batch.response_mask.shape, dtype=torch.float64)
+    for i in range(batch.size):
+        ids = batch.input_ids[i][batch.attention_mask[i] > 0]
+        n = int(batch.response_mask[i].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0], dim=-1)
+        want[i, :n] = logp[len(ids) - n - 1 : len(ids) - 1].gather(-1, ids[len(ids) - n :, None]).squeeze(-1)
+    return want
+
+
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_bf16_logprobs_against_float64(model_dirs: dict[str, Path], kind: str) -> None:
     from transformers import AutoModelForCausalLM
 
     path, batch = model_dirs[kind], ragged_batch()
     got = engine(path, "bfloat16").logprobs(batch).double()
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    want = torch.zeros_like(got)
-    for i in range(batch.size):  # unpadded rows
-        ids = batch.input_ids[i][batch.attention_mask[i] > 0]
-        n = int(batch.response_mask[i].sum())
-        with torch.no_grad():
-            logp = torch.log_softmax(ref(ids[None]).logits[0], dim=-1)
-        want[i, :n] = logp[len(ids) - n - 1 : len(ids) - 1].gather(-1, ids[len(ids) - n :, None]).squeeze(-1)
+    want = float64_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval(), batch)
     diff = (got - want).abs()[batch.response_mask > 0]
     print(f"{kind}: bf16 log-probs vs float64: mean {float(diff.mean()):.2e} max {float(diff.max()):.2e}")
     assert float(diff.mean()) < 0.08 and float(diff.max()) < 0.4, (float(diff.mean()), float(diff.max()))
@@ -186,25 +191,13 @@ def test_lora_in_the_model_dtype_keeps_float32_masters(model_dirs: dict[str, Pat
     assert {v.dtype for v in e.trainable_state().values()} == {torch.float32}
 
 
-def float64_logprobs(model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
-    """Response log-probs of unpadded rows through a float64 copy of `model` (its weights as they are)."""
-    ref = copy.deepcopy(model).double().eval()
-    want = torch.zeros(batch.response_mask.shape, dtype=torch.float64)
-    for i in range(batch.size):
-        ids = batch.input_ids[i][batch.attention_mask[i] > 0]
-        n = int(batch.response_mask[i].sum())
-        with torch.no_grad():
-            logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0], dim=-1)
-        want[i, :n] = logp[len(ids) - n - 1 : len(ids) - 1].gather(-1, ids[len(ids) - n :, None]).squeeze(-1)
-    return want
-
-
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_lora_in_the_model_dtype_matches_float32_adapters(model_dirs: dict[str, Path], kind: str) -> None:
     path, batch = model_dirs[kind], ragged_batch()
     engines = lora_engines(path)
     mask = batch.response_mask > 0
-    want = float64_logprobs(engines["float32"].model, batch)[mask]
+    # the float32-adapter engine's weights (bf16 base, bf16-exact adapters) in float64
+    want = float64_logprobs(copy.deepcopy(engines["float32"].model).double().eval(), batch)[mask]
     err = {}
     for d, e in engines.items():
         diff = (e.logprobs(batch).double()[mask] - want).abs()
