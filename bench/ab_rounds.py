@@ -410,6 +410,7 @@ def main() -> None:
         runs = [json.loads(p.read_text()) for p in sorted(a.out.glob("round*-*.json")) if is_run_file(p)]
     else:
         check_args(a)
+        trl_grpo.validate_rlbridge(a.steps + a.warmup, [*a.sets, *a.rlbridge_sets], cpu_env(r))
         runs = rounds(a, r)
     doc = write_summary(a, r, runs)
     print(doc["headline"])

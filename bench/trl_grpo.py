@@ -457,6 +457,30 @@ def summarize(name: str, m: dict[str, Any], steps: list[dict[str, Any]], warmup:
     }
 
 
+def rlbridge_cmd(verb: str, total: int, sets: list[str], *extra: str) -> list[str]:
+    """`python -m rlbridge <verb>` on RECIPE for a run of `total` steps without evaluation, `sets` applied last."""
+    overrides = [
+        "--set",
+        f"run.steps={total}",
+        "--set",
+        "data.val=null",
+        *sum((["--set", s] for s in sets), []),
+    ]
+    return [sys.executable, "-m", "rlbridge", verb, str(RECIPE), *extra, *overrides]
+
+
+def validate_rlbridge(total: int, sets: list[str], env: dict[str, str] | None = None) -> None:
+    """`rlbridge validate-recipe` of the run that run_rlbridge would start, on this machine (its devices and the
+    plan's memory check): a recipe the CLI would refuse stops the benchmark here, with the CLI's message, before
+    any round spends the budget."""
+    cmd = rlbridge_cmd("validate-recipe", total, sets)
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    if p.returncode != 0:
+        raise SystemExit(
+            f"rlbridge would refuse this run (validate-recipe rc {p.returncode}):\n{p.stdout}{p.stderr}"
+        )
+
+
 def run_rlbridge(
     total: int,
     warmup: int,
@@ -471,20 +495,7 @@ def run_rlbridge(
     """`env`: variables added to the run's environment; `keep`: where its metrics.jsonl is copied (flat);
     `timeout_s`: the run is killed past it (a failed run)."""
     run_dir = work / f"rlbridge-{time.time_ns()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlbridge",
-        "train",
-        str(RECIPE),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"run.steps={total}",
-        "--set",
-        "data.val=null",
-        *sum((["--set", s] for s in sets), []),
-    ]
+    cmd = rlbridge_cmd("train", total, sets, "--run-dir", str(run_dir))
     m = measure(cmd, work / "rlbridge.log", run_dir / "metrics.jsonl", env=env, timeout_s=timeout_s)
     if keep is not None and (run_dir / "metrics.jsonl").exists():
         shutil.copyfile(run_dir / "metrics.jsonl", keep)
@@ -494,7 +505,12 @@ def run_rlbridge(
             shutil.copyfile(log_file, keep.with_suffix(f".{log_file.name}"))
     if m["rc"] != 0:
         why = f"killed after {timeout_s:.0f} s" if m["timed_out"] else f"rc {m['rc']}"
-        raise SystemExit(f"rlbridge failed ({why}); log: {work / 'rlbridge.log'}")
+        tail = (
+            (work / "rlbridge.log").read_text(errors="replace")[-800:]
+            if (work / "rlbridge.log").exists()
+            else ""
+        )
+        raise SystemExit(f"rlbridge failed ({why}); log: {work / 'rlbridge.log'}; its end:\n{tail}")
     records = [(t, json.loads(line)) for t, line in m["arrivals"]]
     train = [(t, rec) for t, rec in records if rec.get("kind") == "train"]
     steps = []

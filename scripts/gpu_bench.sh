@@ -110,7 +110,9 @@
 #                                       # bench/startup_marks.py, 1-step CLI runs alternated, 3 rounds (~6 x 60 s); NOT yet
 #                                       # run on a GPU
 #   bash scripts/gpu_bench.sh abasync512  # the same at 512 rollouts, <= 256 tokens, 1 + 3 steps, 2 rounds; TRL with gradient
-#                                       # checkpointing (one micro-batch of 512)
+#                                       # checkpointing (one micro-batch of 512); on an 80 GB card vLLM at 0.22 and rlbridge's
+#                                       # passes at 24576 tokens (the plan's fit); one round each per 560 s call on an H100
+#                                       # (a pair ~345 s: abasync512-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh async3 update   # several parts in order under one budget
 #
 # The GPU quickstart sets rollout.sleep auto since 2026-12-02's twelfth session (vLLM resident through the update
@@ -287,18 +289,22 @@ PYEOF
       # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
       timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
         --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
+      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
     abasync|abasync512)  # issue 47: async vs async, bench/ab_rounds.py --trl-async (bench/trl_async.py)
       if [ "$part" = abasync ]; then
         args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
       else
         args=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
               --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+        # on an 80 GB card the plan refuses the fast recipe at 512 (trainer 60.5 GiB at 32768-token passes beside
+        # vLLM's 0.3): vLLM at 0.22 for both tools, rlbridge's passes at 24576 tokens (74.4 GiB planned)
+        [ ${#card[@]} -gt 0 ] && args+=(--set rollout.gpu_memory_utilization=0.22
+                                        --rlbridge-set trainer.max_tokens_per_micro_batch=24576)
       fi
       # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
       timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu-fast.yaml --trl-async --out "$OUT/$part" \
         --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[ab\]|^(sync|async) vs|Error" "$OUT/$part/log.txt" | tail -14 ;;
+      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
     eqwall)  # issue 47 item 4: bench/equal_wall.py on the GPU quickstart, one seed per call (EQWALL_SEED, default 1),
              # EQWALL_S seconds of training per arm (default 90): TRL, rlbridge sync, rlbridge async
       timeout "$(left)" "$PY" bench/equal_wall.py --recipe recipes/quickstart-gpu.yaml --wall-s "${EQWALL_S:-90}" \

@@ -1,7 +1,8 @@
 """bench/ab_rounds.py's summary arithmetic against a hand computation: the ratio of the pooled median step times,
 the min-max of the per-round ratios, time to first step and wall time, and which rounds count (both tools
 completed); bench/trl_grpo.py's --trl-config parsing; the check of --trl-config leaves the environment the rlbridge
-runs inherit as it was."""
+runs inherit as it was; a run that rlbridge's validate-recipe refuses stops the benchmark before its first
+round."""
 
 from __future__ import annotations
 
@@ -146,3 +147,15 @@ def test_checking_trl_config_leaves_the_environment_alone(
         sys.modules.pop("trl", None)
         if real is not None:
             sys.modules["trl"] = real
+
+
+def test_a_run_rlbridge_would_refuse_stops_before_the_first_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the real CLI (validate-recipe) on the CPU quickstart: an accepted run passes, a refused one stops the benchmark
+    # with the CLI's key and fix, as a plan refusal on an 80 GB card did after two TRL rounds had spent the budget
+    from bench import trl_grpo
+
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.setattr(trl_grpo, "RECIPE", root / "recipes" / "quickstart.yaml")
+    trl_grpo.validate_rlbridge(2, [])
+    with pytest.raises(SystemExit, match=r"(?s)rlbridge would refuse.*rollout\.max_response_tokens.*fix:"):
+        trl_grpo.validate_rlbridge(2, ["rollout.max_response_tokens=0"])
