@@ -50,28 +50,41 @@ def micro_batch_rows(
     max_tokens: int | None = None,
     width_multiple: int = 1,
     sides: bool = False,
+    packed: bool = False,
 ) -> list[Tensor]:
     """Row indices of each micro-batch: `num_micro_batches` groups of near-equal size, of rows of similar
     length (by_length) or contiguous in index order (by_length=False: the former layout). With `max_tokens`
     (by_length only), as many groups as the token budget needs instead (`budget_rows`, with the passes' widths
-    rounded up to `width_multiple`, prompt and response each with `sides`)."""
+    rounded up to `width_multiple`, prompt and response each with `sides`; with `packed`, by real tokens)."""
     if not 1 <= num_micro_batches <= batch.size:
         raise ValueError(f"num_micro_batches must be in [1, {batch.size}], got {num_micro_batches}")
     if max_tokens is not None and by_length:
-        return budget_rows(batch, max_tokens, width_multiple, sides)
+        return budget_rows(batch, max_tokens, width_multiple, sides, packed=packed)
     rows = length_order(batch) if by_length else torch.arange(batch.size)
     return list(rows.tensor_split(num_micro_batches))
 
 
 def budget_rows(
-    batch: SeqBatch, max_tokens: int, width_multiple: int = 1, sides: bool = False
+    batch: SeqBatch, max_tokens: int, width_multiple: int = 1, sides: bool = False, *, packed: bool = False
 ) -> list[Tensor]:
     """Rows in length order, cut greedily into groups whose trimmed size, rows x (longest prompt + longest
     response in the group, rounded up to a multiple of `width_multiple`: trainer.pass_width_multiple; with
     `sides` each of the two rounded up: SeqBatch.sides_rounded), stays within `max_tokens`; a row longer than
-    the budget forms a group alone."""
+    the budget forms a group alone. `packed` (trainer.packed_passes: a pass computes its rows' real tokens only):
+    groups whose real tokens stay within `max_tokens`."""
     prompt_b, response_b = (lengths.tolist() for lengths in real_lengths(batch))
     groups: list[list[int]] = []
+    if packed:
+        used = 0
+        for row in length_order(batch).tolist():
+            n = prompt_b[row] + response_b[row]
+            if groups and used + n <= max_tokens:
+                groups[-1].append(row)
+                used += n
+            else:
+                groups.append([row])
+                used = n
+        return [torch.tensor(g, dtype=torch.long) for g in groups]
     widest_p = widest_r = 0
 
     def width(p: int, r: int) -> int:
@@ -103,10 +116,11 @@ def scoring_rows(
     by_length: bool = True,
     width_multiple: int = 1,
     sides: bool = False,
+    packed: bool = False,
 ) -> list[Tensor]:
     """Row indices of the no-gradient passes (log-probs, values): trainer.logprob_chunk_size rows each, or
     (null) the groups a training pass of these rows would have: micro_batch_size rows, or by the token budget
-    (at passes' widths rounded up to `width_multiple`, each side with `sides`)."""
+    (at passes' widths rounded up to `width_multiple`, each side with `sides`; by real tokens with `packed`)."""
     if trainer.logprob_chunk_size is not None:
         return chunk_rows(batch, trainer.logprob_chunk_size, by_length=by_length)
     num, _ = scoring_passes(batch.size, None, trainer.micro_batch_size)
@@ -117,6 +131,7 @@ def scoring_rows(
         max_tokens=trainer.max_tokens_per_micro_batch,
         width_multiple=width_multiple,
         sides=sides,
+        packed=packed,
     )
 
 

@@ -82,6 +82,8 @@ class TrainerEngineSpec:
     """Shared-prompt passes (trainer.shared_prompts)."""
     cuda_graphs: bool = False
     """Training passes recorded as CUDA graphs (trainer.cuda_graphs)."""
+    packed_passes: bool = False
+    """Passes of packed rows with variable-length attention (trainer.packed_passes)."""
     auto_width_multiple_cuda: int = 1
     """trainer.pass_width_multiple null resolves to this on a CUDA device (1 elsewhere)."""
     smoke: bool = False

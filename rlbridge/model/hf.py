@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 from transformers.modeling_utils import (
     ALL_ATTENTION_FUNCTIONS,
     AttentionInterface,
@@ -50,6 +50,7 @@ __all__ = [
     "PeftModel",
     "PreTrainedModel",
     "PreTrainedTokenizerFast",
+    "flash_attention_mask",
     "get_peft_model",
     "get_peft_model_state_dict",
     "hf_logging",

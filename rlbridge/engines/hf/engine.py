@@ -66,6 +66,7 @@ from rlbridge.engines.hf.shared_prompts import (
     shared_response_logits,
 )
 from rlbridge.engines.hf.token_stats import logprobs_and_entropy, response_logits
+from rlbridge.engines.hf.varlen import packed_token_stats, use_packed_attention
 from rlbridge.engines.micro import forward_batch, micro_batch_rows, scoring_rows
 from rlbridge.engines.optim import adamw_state, load_adamw_state, lr_at
 from rlbridge.errors import RlbridgeError
@@ -132,6 +133,12 @@ class HFTrainEngine:
         self._weights = HfWeights(base, self._peft, self.model_dir)
         """Merged and adapter exports of the live model (export.py)."""
         apply_recompute(base, recipe, self.device)
+        self.packed = recipe.trainer.packed_passes
+        """trainer.packed_passes: each pass's rows as one row of real tokens with varlen attention (varlen.py)."""
+        if self.packed:
+            for m in (base, self._reference):
+                if m is not None:
+                    use_packed_attention(m)
         self._shared_logged: bool | None = None
         self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
             DynamicCache(config=base.config)
@@ -203,6 +210,7 @@ class HFTrainEngine:
             by_length=self.padding_free,
             width_multiple=self._width(False),
             sides=self.sides,
+            packed=self.packed,
         )
         budget = None if self.recipe.trainer.logprob_chunk_size else self._max_tokens
         groups, shared = self._layout(batch, plain, len(plain), budget)
@@ -336,6 +344,7 @@ class HFTrainEngine:
             max_tokens=self._max_tokens,
             width_multiple=self._width(False),
             sides=self.sides,
+            packed=self.packed,
         )
 
     def _layout(
@@ -348,6 +357,7 @@ class HFTrainEngine:
         mode = self.recipe.trainer.shared_prompts
         if (
             mode == "never"
+            or self.packed
             or not self._can_share
             or not self.padding_free
             or batch.routed_experts is not None
@@ -388,6 +398,8 @@ class HFTrainEngine:
     def _token_stats(self, model: nn.Module, sub: SeqBatch, shared: bool) -> tuple[Tensor, Tensor]:
         """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its
         distinct prompts run once (shared)."""
+        if self.packed:
+            return packed_token_stats(model, sub)
         if not shared:
             return logprobs_and_entropy(response_logits(model, sub), sub.response_ids)
         head, rest = shared_response_logits(model, sub)

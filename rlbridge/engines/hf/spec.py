@@ -45,6 +45,7 @@ HF = TrainerEngineSpec(
     moe="peft",
     shared_prompts=True,
     cuda_graphs=True,
+    packed_passes=True,
     exports_dora=True,
     auto_width_multiple_cuda=16,  # recipe/schema.AUTO_WIDTH_MULTIPLE (a test keeps them equal)
 )

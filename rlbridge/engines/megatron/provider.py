@@ -118,6 +118,8 @@ NOT_IN_TABLE: dict[str, str] = {
     "trainer.max_tokens_per_micro_batch": "forms the engine's training passes (forward.split_micro_batches); "
     "refused with pipeline or context parallelism",
     "trainer.pass_width_multiple": "pads each pass's sequence (forward.split_micro_batches seq_multiple)",
+    "trainer.packed_passes": "the hf engine's packed rows (engines/hf/varlen.py); refused with this engine by "
+    "validate-recipe",
     "trainer.cuda_graphs": "the hf engine's recorded passes (engines/hf/graphs.py); refused with this engine by "
     "validate-recipe",
     "trainer.shared_prompts": "the hf engine's shared-prompt passes; the megatron engine runs plain passes "

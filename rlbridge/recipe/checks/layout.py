@@ -289,6 +289,36 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
         )
 
 
+def check_packed_passes(r: Recipe, out: Issues) -> None:
+    """trainer.packed_passes: the hf engine's packed rows (engines/hf/varlen.py); what their layout cannot carry is
+    refused here. Sliding-window models are refused when the engine loads the model (their config says)."""
+    if not r.trainer.packed_passes:
+        return
+    reasons = []
+    if not trainer_engine(r).packed_passes:
+        packed = trainer_engines_that(lambda e: e.packed_passes)
+        reasons.append(
+            (
+                f"the {r.trainer.engine} engine has no packed passes (the {packed} engine has)",
+                f"trainer.engine: {packed}",
+            )
+        )
+    if r.trainer.cuda_graphs:
+        reasons.append(("CUDA graphs record padded pass shapes", "trainer.cuda_graphs: false"))
+    if r.trainer.shared_prompts == "always":
+        reasons.append(
+            ("shared-prompt passes are a padded layout of their own", "trainer.shared_prompts: auto")
+        )
+    if r.rollout.routing_replay:
+        reasons.append(("routing replay sets experts per padded column", "rollout.routing_replay: false"))
+    for why, fix in reasons:
+        out.append(
+            RecipeIssue(
+                "trainer.packed_passes", why, value="true", fix=f"set {fix}, or trainer.packed_passes: false"
+            )
+        )
+
+
 def check_cuda_graphs(r: Recipe, out: Issues) -> None:
     """trainer.cuda_graphs records the hf engine's passes on a GPU (engines/hf/graphs.py): what it cannot record is
     refused here, not discovered at the first step."""

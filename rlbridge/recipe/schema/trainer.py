@@ -105,6 +105,13 @@ class TrainerCfg(Section):
     pass at its own widths: on a CPU the added columns cost compute; the megatron engine's GPU cost is not measured
     yet). Change it to trade those extra positions against fewer new shapes (docs/defaults.md#pass-widths).
     Not applied to trainer.shared_prompts' passes."""
+    packed_passes: bool = False
+    """hf engine: run each pass's rows as one row of their real tokens, with no padding and variable-length
+    attention over the rows' boundaries (torch's varlen_attn on CUDA), instead of the rows at their pass's widths
+    with a padding mask; the token budget (max_tokens_per_micro_batch) then counts real tokens. Exact (the same
+    log-probs and gradients up to float summation order: docs/engines/hf.md#packed-passes-trainerpacked_passes).
+    Not with trainer.cuda_graphs, trainer.shared_prompts always, rollout.routing_replay or sliding-window models;
+    the PPO critic keeps padded passes. Off by default: its GPU speed is not measured yet (bench/packed_passes.py)."""
     cuda_graphs: bool = False
     """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape,
     and replay them for later passes of that shape: one launch instead of tens of thousands of host-side calls,

@@ -1,0 +1,121 @@
+"""Packed passes (trainer.packed_passes, rlbridge/engines/hf/varlen.py): each pass's rows as one row of real tokens
+with variable-length attention, against the padded passes, on a tiny Llama (CPU, where the attention is one causal
+SDPA per row).
+
+The batch: test_shared_prompts' 12 rows (prompts of 1-14 tokens, responses of 1-17, left-padded prompts), 3
+micro-batches or a token budget. float32: log-probs atol 1e-5, losses 1e-6, gradients 1e-5 relative (Frobenius and
+largest entry); with the models cast to float64, gradients within 1e-6: the same computation up to rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlbridge.algo.objective import make_loss_fn
+from rlbridge.engines.hf import varlen
+from rlbridge.engines.hf.engine import HFTrainEngine
+from rlbridge.engines.hf.varlen import VARLEN_ATTENTION
+from rlbridge.engines.micro import budget_rows
+from rlbridge.recipe.checks import run_checks
+from tests.unit.engines.test_padding_free import assert_grads_close, perturb_lora_b, policy_inputs, summed
+from tests.unit.engines.test_shared_prompts import NUM_MICRO, grouped_batch, model_dir, recipe
+
+__all__ = ["model_dir"]  # the module-scoped fixture, shared
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "max_tokens"),
+    [
+        ({"name": "grpo", "loss_agg": "token-mean", "entropy_coef": 0.01}, None),
+        ({"name": "grpo", "loss_agg": "seq-mean-token-mean", "kl": {"coef": 0.1}}, 40),
+    ],
+    ids=["token-mean+entropy", "seq-mean+kl+budget"],
+)
+def test_packed_passes_give_the_padded_log_probs_loss_and_gradients(
+    model_dir: Path, algorithm: dict[str, Any], max_tokens: int | None
+) -> None:
+    packed = HFTrainEngine(
+        recipe(model_dir, "never", algorithm, max_tokens_per_micro_batch=max_tokens, packed_passes=True),
+        model_dir,
+    )
+    padded = HFTrainEngine(
+        recipe(model_dir, "never", algorithm, max_tokens_per_micro_batch=max_tokens), model_dir
+    )
+    assert packed.hf_model.config._attn_implementation == VARLEN_ATTENTION
+    perturb_lora_b(packed.trainable_state(), packed.load_trainable_state)
+    padded.load_trainable_state(packed.trainable_state())
+    batch = grouped_batch()
+    old, ref = padded.logprobs(batch), padded.logprobs(batch, reference=True)
+    torch.testing.assert_close(packed.logprobs(batch), old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed.logprobs(batch, reference=True), ref, atol=1e-5, rtol=0)
+    assert float((packed.logprobs(batch) * (1 - batch.response_mask)).abs().max()) == 0.0  # 0 on padding
+    inputs = policy_inputs(batch, old, ref)
+    fn = make_loss_fn(packed.recipe.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
+    for tol in (1e-5, 1e-6):  # float32, then the models cast to float64
+        if tol < 1e-5:
+            packed.model.double()
+            padded.model.double()
+        losses = [[0.0], [0.0]]
+        want = padded.gradients(batch, summed(fn, losses[0]), num_micro_batches=NUM_MICRO)
+        got = packed.gradients(batch, summed(fn, losses[1]), num_micro_batches=NUM_MICRO)
+        assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6, abs=1e-6) and losses[0][0] != 0.0
+        assert_grads_close(got, want, tol)
+
+
+def test_packed_passes_train_a_step_as_the_padded_ones(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = [0]
+    rows_attention = varlen._rows_attention
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return rows_attention(*args)
+
+    monkeypatch.setattr(varlen, "_rows_attention", counted)
+    algorithm = {"name": "grpo"}
+    packed = HFTrainEngine(recipe(model_dir, "never", algorithm, packed_passes=True), model_dir)
+    padded = HFTrainEngine(recipe(model_dir, "never", algorithm), model_dir)
+    perturb_lora_b(packed.trainable_state(), packed.load_trainable_state)
+    padded.load_trainable_state(packed.trainable_state())
+    batch = grouped_batch()
+    old = padded.logprobs(batch)
+    fn = make_loss_fn(
+        packed.recipe.algorithm,
+        policy_inputs(batch, old, old),
+        norm_constant=32.0,
+        micro_scale=float(NUM_MICRO),
+    )
+    for engine in (packed, padded):
+        assert engine.train_step(batch, fn, num_micro_batches=NUM_MICRO)["skipped"] == 0.0
+    layers = packed.hf_model.config.num_hidden_layers
+    assert calls[0] == layers * NUM_MICRO  # every layer of every training pass ran the packed attention
+    for name, want in padded.trainable_state().items():
+        torch.testing.assert_close(packed.trainable_state()[name], want, atol=1e-6, rtol=1e-5)
+
+
+def test_validate_refuses_what_packed_passes_cannot_carry(model_dir: Path) -> None:
+    base = recipe(model_dir, "never", {"name": "grpo"}, packed_passes=True)
+    assert not [i for i in run_checks(base, model_checks=False)[0] if i.key == "trainer.packed_passes"]
+    for update, fragment in (
+        ({"cuda_graphs": True}, "trainer.cuda_graphs: false"),
+        ({"shared_prompts": "always"}, "trainer.shared_prompts: auto"),
+        ({"engine": "megatron"}, "trainer.engine: hf"),
+    ):
+        r = base.model_copy(update={"trainer": base.trainer.model_copy(update=update)})
+        issues = [i for i in run_checks(r, model_checks=False)[0] if i.key == "trainer.packed_passes"]
+        assert issues and any(fragment in i.fix for i in issues), (update, issues)
+
+
+def test_a_packed_budget_counts_real_tokens() -> None:
+    batch = grouped_batch()
+    real = batch.attention_mask.sum(dim=1)
+    padded = budget_rows(batch, 40)
+    packed = budget_rows(batch, 40, packed=True)
+    assert sorted(torch.cat(packed).tolist()) == list(range(batch.size))
+    assert all(int(real[g].sum()) <= 40 or len(g) == 1 for g in packed)
+    assert len(packed) < len(padded)  # the padding the padded passes count leaves fewer rows per pass
