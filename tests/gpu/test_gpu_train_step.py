@@ -78,17 +78,14 @@ def test_moe_logprobs_and_one_step_per_expert(engine: str, moe_dir: Path, tmp_pa
     assert r["num_frozen"] > 0 and not r["frozen_changed"], r["frozen_changed"][:10]
 
 
-def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
-    """trainer.shared_prompts (engines/hf/shared_prompts.py) on the device, in this process: SmolLM2 with LoRA rank 8
-    (B ~ N(0, 0.05)), 4 chat prompts x 4 random responses of 3-40 tokens; log-probs and the GRPO gradient of the
-    shared passes against the plain ones. float32: |log p diff| <= 1e-4, gradients within 3e-4 relative
-    (summation order only; measured 2.5e-5 and 1.9e-4 on an H200, 3e-5 and 7.7e-5 in the CPU dry run). bfloat16: the shared passes are no further
-    from the float32 log-probs and gradient than the plain bf16 passes are (mean |log p diff|: within 1.25x +
-    0.005; worst relative gradient error: within 1.6x + 0.02: alone in a pytest process H200s gave plain 0.136,
-    shared 0.172 twice; after the vLLM engine tests in the same process plain 0.194, shared 0.284, float32 the same
-    to the digit: the worst tensor's bf16 error on these tokens depends on the kernels the process picks). The two bf16 layouts' gradients differ by 8 %
-    (CPU dry run) to 15 % (H200, 2026-12-03) from each other: bf16 sums in another order on random tokens whose
-    log-probs are ~-15. Figures: the differences, and both layouts' seconds (second round)."""
+def layout_runs(model_dir: Path, layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each layout (trainer overrides by name; the first is the reference) in float32 and bfloat16 on the device,
+    in this process: SmolLM2 with LoRA rank 8 (B ~ N(0, 0.05)), 4 chat prompts x 4 random responses of 3-40 tokens;
+    log-probs and the GRPO gradient of every other layout against the first. Returns, per other layout NAME:
+    NAME_f32_logprob_diff_max and NAME_f32_grad_rel (float32 against the reference's float32), NAME_bf16_gap and
+    NAME_bf16_grad_gap (its bf16 run against the reference's float32), with ref_bf16_gap / ref_bf16_grad_gap (the
+    reference's own bf16 run against its float32) and NAME_bf16_grad_rel (the two bf16 runs against each other);
+    and every run's seconds (second round)."""
     import time
 
     import torch
@@ -115,10 +112,10 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
     lora_b = torch.Generator().manual_seed(1)
     sync = torch.cuda.synchronize if P.device == "cuda" else (lambda: None)
 
-    def run(dtype: str, mode: str) -> tuple[Any, dict[str, Any], float, float]:
+    def run(dtype: str, trainer: dict[str, Any]) -> tuple[Any, dict[str, Any], float, float]:
         raw = {"name": "t", "model": {"path": str(model_dir), "dtype": dtype},
                "lora": {"rank": 8, "alpha": 16, "targets": ["all-linear"]},
-               "trainer": {"shared_prompts": mode, "logprob_chunk_size": 8, "optim": {"lr": 1e-4}},
+               "trainer": {"logprob_chunk_size": 8, "optim": {"lr": 1e-4}, **trainer},
                "rollout": {"n": 4, "max_response_tokens": 40},
                "reward": {"fn": "arithmetic"}, "data": {"train": {"path": "builtin:arithmetic"}, "batch_size": 4},
                "cluster": {"device": "cuda" if P.device == "cuda" else "cpu"}}  # fmt: skip
@@ -126,7 +123,10 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
         lora_b.manual_seed(1)
         eng.load_trainable_state({n: torch.randn(t.shape, generator=lora_b) * 0.05 if "lora_B" in n else t
                                   for n, t in eng.trainable_state().items()})  # fmt: skip
-        assert eng._layout(batch, [torch.arange(batch.size)], 2, None)[1] == (mode == "always")
+        if "shared_prompts" in trainer:
+            assert eng._layout(batch, [torch.arange(batch.size)], 2, None)[1] == (
+                trainer["shared_prompts"] == "always"
+            )
         fn = make_loss_fn(eng.recipe.algorithm, LossInputs(adv, batch.response_mask, None, None, None),
                           norm_constant=40.0, micro_scale=2.0)  # fmt: skip
         for _ in range(2):  # the second round is timed
@@ -146,24 +146,50 @@ def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
     def rel(a: dict[str, Any], b: dict[str, Any]) -> float:
         return max(float((a[k] - g).norm() / g.norm()) for k, g in b.items() if float(g.norm()) > 0)
 
-    runs = {(d, m): run(d, m) for d in ("float32", "bfloat16") for m in ("never", "always")}
-    ref = runs["float32", "never"][0]
-    f32 = (runs["float32", "always"][0] - ref).abs()[real]
-    gap_plain = float((runs["bfloat16", "never"][0] - ref).abs()[real].mean())
-    gap_shared = float((runs["bfloat16", "always"][0] - ref).abs()[real].mean())
-    grads_f32 = rel(runs["float32", "always"][1], runs["float32", "never"][1])
-    grads_bf16 = rel(runs["bfloat16", "always"][1], runs["bfloat16", "never"][1])
-    grad_gap_plain = rel(runs["bfloat16", "never"][1], runs["float32", "never"][1])
-    grad_gap_shared = rel(runs["bfloat16", "always"][1], runs["float32", "never"][1])
-    seconds = {
-        f"{d}_{m}_{what}": runs[d, m][i]
-        for (d, m) in runs
-        for i, what in ((2, "logprobs_s"), (3, "gradients_s"))
+    runs = {(d, name): run(d, trainer) for d in ("float32", "bfloat16") for name, trainer in layouts.items()}
+    first = next(iter(layouts))
+    ref_lp, ref_grads = runs["float32", first][0], runs["float32", first][1]
+    out: dict[str, Any] = {
+        "ref_bf16_gap": float((runs["bfloat16", first][0] - ref_lp).abs()[real].mean()),
+        "ref_bf16_grad_gap": rel(runs["bfloat16", first][1], ref_grads),
     }
-    figure("shared_prompts", f32_logprob_diff_max=float(f32.max()), f32_grad_rel=grads_f32,
-           bf16_gap_to_f32_plain=gap_plain, bf16_gap_to_f32_shared=gap_shared, bf16_grad_rel=grads_bf16,
-           bf16_grad_gap_to_f32_plain=grad_gap_plain, bf16_grad_gap_to_f32_shared=grad_gap_shared,
-           **seconds)  # fmt: skip
-    assert float(f32.max()) <= 1e-4 and grads_f32 <= 3e-4, (float(f32.max()), grads_f32)
-    assert gap_shared <= 1.25 * gap_plain + 0.005, (gap_shared, gap_plain)
-    assert grad_gap_shared <= 1.6 * grad_gap_plain + 0.02, (grad_gap_shared, grad_gap_plain)
+    for name in list(layouts)[1:]:
+        out[f"{name}_f32_logprob_diff_max"] = float((runs["float32", name][0] - ref_lp).abs()[real].max())
+        out[f"{name}_f32_grad_rel"] = rel(runs["float32", name][1], ref_grads)
+        out[f"{name}_bf16_gap"] = float((runs["bfloat16", name][0] - ref_lp).abs()[real].mean())
+        out[f"{name}_bf16_grad_gap"] = rel(runs["bfloat16", name][1], ref_grads)
+        out[f"{name}_bf16_grad_rel"] = rel(runs["bfloat16", name][1], runs["bfloat16", first][1])
+    for (d, name), r in runs.items():
+        out[f"{d}_{name}_logprobs_s"], out[f"{d}_{name}_gradients_s"] = r[2], r[3]
+    return out
+
+
+def test_shared_prompts_match_the_plain_passes(model_dir: Path) -> None:
+    """trainer.shared_prompts (engines/hf/shared_prompts.py) against the plain passes (layout_runs). float32:
+    |log p diff| <= 1e-4, gradients within 3e-4 relative (summation order only; measured 2.5e-5 and 1.9e-4 on an
+    H200, 3e-5 and 7.7e-5 in the CPU dry run). bfloat16: the shared passes are no further from the float32 log-probs
+    and gradient than the plain bf16 passes are (mean |log p diff|: within 1.25x + 0.005; worst relative gradient
+    error: within 1.6x + 0.02: alone in a pytest process H200s gave plain 0.136, shared 0.172 twice; after the vLLM
+    engine tests in the same process plain 0.194, shared 0.284, float32 the same to the digit: the worst tensor's
+    bf16 error on these tokens depends on the kernels the process picks). The two bf16 layouts' gradients differ by
+    8 % (CPU dry run) to 15 % (H200, 2026-12-03) from each other: bf16 sums in another order on random tokens whose
+    log-probs are ~-15."""
+    r = layout_runs(model_dir, {"never": {"shared_prompts": "never"}, "always": {"shared_prompts": "always"}})
+    figure("shared_prompts", **r)
+    assert r["always_f32_logprob_diff_max"] <= 1e-4 and r["always_f32_grad_rel"] <= 3e-4, r
+    assert r["always_bf16_gap"] <= 1.25 * r["ref_bf16_gap"] + 0.005, r
+    assert r["always_bf16_grad_gap"] <= 1.6 * r["ref_bf16_grad_gap"] + 0.02, r
+
+
+def test_packed_passes_match_the_padded_ones(model_dir: Path) -> None:
+    """trainer.packed_passes (engines/hf/varlen.py) against the padded passes (layout_runs), both under a 512-token
+    budget. float32 runs one SDPA per row (varlen_attn takes 16-bit tensors only): |log p diff| <= 1e-4, gradients
+    within 3e-4 relative, as the shared passes. bfloat16 runs torch's varlen_attn on CUDA: no further from the
+    float32 log-probs and gradient than the padded bf16 passes are, with the shared passes' margins (1.25x + 0.005,
+    1.6x + 0.02)."""
+    budget = {"max_tokens_per_micro_batch": 512, "shared_prompts": "never"}
+    r = layout_runs(model_dir, {"padded": budget, "packed": {**budget, "packed_passes": True}})
+    figure("packed_passes", **r)
+    assert r["packed_f32_logprob_diff_max"] <= 1e-4 and r["packed_f32_grad_rel"] <= 3e-4, r
+    assert r["packed_bf16_gap"] <= 1.25 * r["ref_bf16_gap"] + 0.005, r
+    assert r["packed_bf16_grad_gap"] <= 1.6 * r["ref_bf16_grad_gap"] + 0.02, r

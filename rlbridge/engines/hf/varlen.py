@@ -5,8 +5,8 @@ The padded layout (engines/micro.py) computes every row at its pass's widths: ro
 the positions padding on GSM8K-like lengths, and SDPA runs with a padding mask. Here the real tokens of the pass's
 rows are concatenated ([1, T]), each row's position ids restart at 0, and the layers' attention is
 `VARLEN_ATTENTION`, registered with transformers' attention interface: torch's `varlen_attn` (FlashAttention-2
-kernels in torch) with the pass's cumulative row lengths on CUDA, one causal SDPA per row elsewhere (exact, for the
-CPU tests). transformers hands the `cu_seq_lens_*` / `max_length_*` keywords of the model call to the attention
+kernels in torch) with the pass's cumulative row lengths for 16-bit tensors on CUDA, one causal SDPA per row
+elsewhere (float32 models, CPUs: exact, for the tests). transformers hands the `cu_seq_lens_*` / `max_length_*` keywords of the model call to the attention
 function. The output layer runs on the positions that predict response tokens only (`logits_to_keep` as indices),
 and the log-probs and entropies come back in the padded [b, R] layout the loss closures index, 0 on padding.
 
@@ -78,7 +78,8 @@ def _attention(
     cu, longest = kw["cu_seq_lens_q"], int(kw["max_length_q"])
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     scale = kw.get("scaling")
-    out = _cuda_attention(q, k, v, cu, longest, scale) if q.is_cuda else _rows_attention(q, k, v, cu, scale)
+    on_kernel = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
+    out = _cuda_attention(q, k, v, cu, longest, scale) if on_kernel else _rows_attention(q, k, v, cu, scale)
     return out.unsqueeze(0), None
 
 
