@@ -99,8 +99,8 @@ def use_packed_attention(model: nn.Module) -> None:
         )
     AttentionInterface.register(VARLEN_ATTENTION, _attention)
     AttentionMaskInterface.register(VARLEN_ATTENTION, flash_attention_mask)  # None without a padding mask
-    model.set_attn_implementation(VARLEN_ATTENTION)  # type: ignore[operator]
-    if model.config._attn_implementation != VARLEN_ATTENTION:  # type: ignore[union-attr]
+    model.set_attn_implementation(VARLEN_ATTENTION)  # type: ignore[operator]  # a PreTrainedModel, typed nn.Module
+    if model.config._attn_implementation != VARLEN_ATTENTION:  # type: ignore[union-attr]  # as above
         raise RlbridgeError(
             f"trainer.packed_passes: transformers cannot switch {type(model).__name__}'s attention to the packed "
             "passes' varlen attention; set trainer.packed_passes: false"
