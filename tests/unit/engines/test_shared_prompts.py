@@ -123,23 +123,29 @@ def test_shared_prompts_give_the_plain_log_probs_loss_and_gradients(
     plain = HFTrainEngine(
         recipe(model_dir, "never", algorithm, max_tokens_per_micro_batch=max_tokens), model_dir
     )
-    perturb_lora_b(shared.trainable_state(), shared.load_trainable_state)
-    plain.load_trainable_state(shared.trainable_state())
-    batch = grouped_batch()
-    old, ref = plain.logprobs(batch), plain.logprobs(batch, reference=True)
-    torch.testing.assert_close(shared.logprobs(batch), old, atol=1e-5, rtol=0)
-    torch.testing.assert_close(shared.logprobs(batch, reference=True), ref, atol=1e-5, rtol=0)
+    assert_layouts_agree(shared, plain, grouped_batch())
+
+
+def assert_layouts_agree(got: HFTrainEngine, want: HFTrainEngine, batch: SeqBatch) -> None:
+    """Two engines of one recipe but their pass layout, on the same LoRA weights (`got`'s, B perturbed): the same
+    log-probs and reference log-probs (atol 1e-5), then the same loss (1e-6) and gradients (assert_grads_close)
+    of the recipe's algorithm in float32 (1e-5) and with both models cast to float64 (1e-6)."""
+    perturb_lora_b(got.trainable_state(), got.load_trainable_state)
+    want.load_trainable_state(got.trainable_state())
+    old, ref = want.logprobs(batch), want.logprobs(batch, reference=True)
+    torch.testing.assert_close(got.logprobs(batch), old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logprobs(batch, reference=True), ref, atol=1e-5, rtol=0)
     inputs = policy_inputs(batch, old, ref)
-    fn = make_loss_fn(shared.recipe.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
+    fn = make_loss_fn(got.recipe.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
     for tol in (1e-5, 1e-6):  # float32, then the models cast to float64
         if tol < 1e-5:
-            shared.model.double()
-            plain.model.double()
+            got.model.double()
+            want.model.double()
         losses = [[0.0], [0.0]]
-        want = plain.gradients(batch, summed(fn, losses[0]), num_micro_batches=NUM_MICRO)
-        got = shared.gradients(batch, summed(fn, losses[1]), num_micro_batches=NUM_MICRO)
+        want_grads = want.gradients(batch, summed(fn, losses[0]), num_micro_batches=NUM_MICRO)
+        got_grads = got.gradients(batch, summed(fn, losses[1]), num_micro_batches=NUM_MICRO)
         assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6, abs=1e-6) and losses[0][0] != 0.0
-        assert_grads_close(got, want, tol)
+        assert_grads_close(got_grads, want_grads, tol)
 
 
 def test_a_response_of_one_token_needs_no_response_pass(model_dir: Path) -> None:
