@@ -31,7 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.trainer_gpu import SHAPES  # noqa: E402
-from bench.update_padding import add_model_args, bench_engine, bench_recipe, lengths_batch, save_model  # noqa: E402
+from bench.update_padding import (  # noqa: E402
+    add_batch_args,
+    add_model_args,
+    bench_engine,
+    bench_recipe,
+    lengths_batch,
+    save_model,
+)
 
 
 def engines(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
@@ -66,16 +73,8 @@ def engines(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--batch", type=int, default=16)
+    add_batch_args(ap)
     ap.add_argument("--max-tokens", type=int, default=32768)
-    ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--prompt-min", type=int, default=60)
-    ap.add_argument("--prompt-max", type=int, default=200)
-    ap.add_argument("--response-min", type=int, default=20)
-    ap.add_argument("--response-max", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="folder for packed_passes.json")
     args = ap.parse_args(argv)
 

@@ -47,6 +47,20 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
 
 
+def add_batch_args(ap: argparse.ArgumentParser) -> None:
+    """--batch, --lora-rank, the prompt and response length ranges, --warmup, --steps, --seed: the timed batch of
+    a one-engine update bench (lengths_batch)."""
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--prompt-min", type=int, default=60)
+    ap.add_argument("--prompt-max", type=int, default=200)
+    ap.add_argument("--response-min", type=int, default=20)
+    ap.add_argument("--response-max", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def save_model(name: str, layers: int | None, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,16 +93,8 @@ def lengths_batch(args: argparse.Namespace, vocab: int) -> Any:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--batch", type=int, default=16)
+    add_batch_args(ap)
     ap.add_argument("--micro", type=int, default=4, help="number of micro-batches")
-    ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--prompt-min", type=int, default=60)
-    ap.add_argument("--prompt-max", type=int, default=200)
-    ap.add_argument("--response-min", type=int, default=20)
-    ap.add_argument("--response-max", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="also time a token-budget layout")
     ap.add_argument("--engine", default="hf", choices=["hf", "megatron"])
