@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import socket
@@ -124,12 +123,12 @@ def cpu_build_launch(cmd: list[str]) -> list[str]:
 
 
 def varlen_stand_in() -> types.SimpleNamespace:
-    """`flash_attn_varlen_func` with FlashAttention's signature on torch's varlen_attn: GQA by `enable_gqa` (or K/V
-    repeated per head group on a torch without it), causal as window (-1, 0) (or `is_causal` on torch 2.10). On
+    """`flash_attn_varlen_func` with FlashAttention's signature on torch's varlen_attn (rlbridge's
+    engines/hf/varlen.varlen_cuda: GQA by `enable_gqa` or K/V repeated, causal as window (w, 0) or `is_causal`). On
     CPU tensors (varlen_attn is CUDA only) segment_attention, so that the whole loop can be dry-run there."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # noqa: F401  # a torch without it fails here, not mid-run
 
-    params = inspect.signature(varlen_attn).parameters
+    from rlbridge.engines.hf.varlen import varlen_cuda
 
     def flash_attn_varlen_func(
         q: Any,
@@ -150,21 +149,10 @@ def varlen_stand_in() -> types.SimpleNamespace:
             if window_size[0] != -1:
                 raise NotImplementedError("a sliding window on CPU")
             return segment_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
-        kw: dict[str, Any] = {"scale": softmax_scale}
-        if "window_size" in params:
-            kw["window_size"] = (window_size[0], 0) if causal else tuple(window_size)
-        elif window_size[0] != -1:
-            raise NotImplementedError("a sliding window needs torch's varlen_attn with window_size")
-        else:
-            kw["is_causal"] = causal
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in params:
-                kw["enable_gqa"] = True
-            else:
-                groups = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        cu_q, cu_k = cu_seqlens_q.int(), cu_seqlens_k.int()
-        return varlen_attn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), **kw)
+        return varlen_cuda(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+            causal=causal, window=tuple(window_size),
+        )  # fmt: skip
 
     return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
 

@@ -47,24 +47,40 @@ def _rows_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | 
     return torch.cat(outs, dim=0)
 
 
-def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
-    """torch's varlen_attn, causal, with GQA by `enable_gqa` where this torch has it (else K/V repeated)."""
+def varlen_cuda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None,
+    *,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+) -> Tensor:
+    """torch's varlen_attn (16-bit CUDA tensors, layout (tokens, heads, head_dim)) whatever its torch version
+    takes: causal as window (window[0], 0) (or `is_causal` on a torch without window_size, which then has no
+    sliding window), GQA by `enable_gqa` (or K/V repeated per head group). Also bench/trl_async.py's stand-in for
+    FlashAttention's varlen function."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kw: dict[str, Any] = {"scale": scale}
     if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal
+        kw["window_size"] = (window[0], 0) if causal else tuple(window)
+    elif window[0] != -1:
+        raise NotImplementedError("a sliding window needs torch's varlen_attn with window_size")
     else:
-        kw["is_causal"] = True
+        kw["is_causal"] = causal
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    cu = cu.to(torch.int32)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+    out = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **kw)
     return out[0] if isinstance(out, tuple) else out  # (output, aux) only with return_aux
 
 
@@ -79,7 +95,11 @@ def _attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     scale = kw.get("scaling")
     on_kernel = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-    out = _cuda_attention(q, k, v, cu, longest, scale) if on_kernel else _rows_attention(q, k, v, cu, scale)
+    out = (
+        varlen_cuda(q, k, v, cu, cu, longest, longest, scale)
+        if on_kernel
+        else _rows_attention(q, k, v, cu, scale)
+    )
     return out.unsqueeze(0), None
 
 
