@@ -139,13 +139,14 @@ def packed_token_stats(model: nn.Module, sub: SeqBatch) -> tuple[Tensor, Tensor]
     p = sub.prompt_width
     response = real[:, p:]  # real response columns, those the log-probs are for
     picks = packed_index[:, p:][response] - 1  # the position before each response token predicts it
+    longest = int(lengths.max())  # one host sync
     out = model(
         input_ids=sub.input_ids[real][None],
         position_ids=sub.position_ids[real][None],
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
-        max_length_q=int(lengths.max()),
-        max_length_k=int(lengths.max()),
+        max_length_q=longest,
+        max_length_k=longest,
         use_cache=False,
         logits_to_keep=picks,
     )
