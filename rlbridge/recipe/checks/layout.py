@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from rlbridge.engines.registry import trainer_engine, trainer_engines_that
+from rlbridge.engines.spec import TrainerEngineSpec
 from rlbridge.errors import RecipeIssue
 from rlbridge.recipe.checks.common import Issues, choices, divisors
 from rlbridge.recipe.schema import GROUP_ALGORITHMS, Recipe
@@ -294,15 +296,7 @@ def check_packed_passes(r: Recipe, out: Issues) -> None:
     refused here. Sliding-window models are refused when the engine loads the model (their config says)."""
     if not r.trainer.packed_passes:
         return
-    reasons = []
-    if not trainer_engine(r).packed_passes:
-        packed = trainer_engines_that(lambda e: e.packed_passes)
-        reasons.append(
-            (
-                f"the {r.trainer.engine} engine has no packed passes (the {packed} engine has)",
-                f"trainer.engine: {packed}",
-            )
-        )
+    reasons = _engine_reasons(r, lambda e: e.packed_passes, "packed passes")
     if r.trainer.cuda_graphs:
         reasons.append(("CUDA graphs record padded pass shapes", "trainer.cuda_graphs: false"))
     if r.trainer.shared_prompts == "always":
@@ -311,12 +305,7 @@ def check_packed_passes(r: Recipe, out: Issues) -> None:
         )
     if r.rollout.routing_replay:
         reasons.append(("routing replay sets experts per padded column", "rollout.routing_replay: false"))
-    for why, fix in reasons:
-        out.append(
-            RecipeIssue(
-                "trainer.packed_passes", why, value="true", fix=f"set {fix}, or trainer.packed_passes: false"
-            )
-        )
+    _refuse_flag(out, "trainer.packed_passes", reasons)
 
 
 def check_cuda_graphs(r: Recipe, out: Issues) -> None:
@@ -324,15 +313,7 @@ def check_cuda_graphs(r: Recipe, out: Issues) -> None:
     refused here, not discovered at the first step."""
     if not r.trainer.cuda_graphs:
         return
-    reasons = []
-    if not trainer_engine(r).cuda_graphs:
-        graphs = trainer_engines_that(lambda e: e.cuda_graphs)
-        reasons.append(
-            (
-                f"the {r.trainer.engine} engine has no recorded passes (the {graphs} engine has)",
-                f"trainer.engine: {graphs}",
-            )
-        )
+    reasons = _engine_reasons(r, lambda e: e.cuda_graphs, "recorded passes")
     if r.cluster.device != "cuda":
         reasons.append(
             (f"CUDA graphs need cluster.device cuda, not {r.cluster.device}", "cluster.device: cuda")
@@ -364,9 +345,23 @@ def check_cuda_graphs(r: Recipe, out: Issues) -> None:
                 "lora.compute_dtype: float32",
             )
         )
-    for why, fix in reasons:
-        out.append(
-            RecipeIssue(
-                "trainer.cuda_graphs", why, value="true", fix=f"set {fix}, or trainer.cuda_graphs: false"
-            )
+    _refuse_flag(out, "trainer.cuda_graphs", reasons)
+
+
+def _engine_reasons(r: Recipe, has: Callable[[TrainerEngineSpec], bool], what: str) -> list[tuple[str, str]]:
+    """[(why, fix)] of a boolean trainer option the recipe's engine lacks (`what` it has not), else []."""
+    if has(trainer_engine(r)):
+        return []
+    others = trainer_engines_that(has)
+    return [
+        (
+            f"the {r.trainer.engine} engine has no {what} (the {others} engine has)",
+            f"trainer.engine: {others}",
         )
+    ]
+
+
+def _refuse_flag(out: Issues, key: str, reasons: list[tuple[str, str]]) -> None:
+    """One issue per (why, fix) against boolean option `key` set true: its fix, or the option off."""
+    for why, fix in reasons:
+        out.append(RecipeIssue(key, why, value="true", fix=f"set {fix}, or {key}: false"))
