@@ -5,14 +5,18 @@ engine of each layout on the same random weights and the same batch, `train_step
   most `--max-tokens` computed positions, each trimmed to its widths, SDPA with the padding mask;
 - packed: `trainer.packed_passes: true` (rlbridge/engines/hf/varlen.py): each pass's real tokens as one row,
   varlen attention over the rows' boundaries (torch's varlen_attn on CUDA, one SDPA per row on the CPU), passes of
-  at most `--max-tokens` real tokens.
+  at most `--max-tokens` real tokens;
+- packed-shared (with `--samples` > 1 rows per prompt): packed passes with `trainer.shared_prompts: always`, each
+  distinct prompt's tokens once per pass, its rows' responses attending to them (varlen.shared_layout).
+The padded engine keeps `trainer.shared_prompts: auto` (shared prompts on a CPU where they save positions), the
+packed one `never`.
 
-Before timing, the check: both engines' log-probs of the batch and their gradients of one GRPO loss (the engine's
-`gradients`, no step) against each other. The batch: `--batch` rows with prompt and response lengths uniform in
+Before timing, the check: each packed engine's log-probs of the batch and their gradients of one GRPO loss (the engine's
+`gradients`, no step) against the padded engine's. The batch: `--batch` rows with prompt and response lengths uniform in
 their ranges (bench/update_padding.py's, random ids, seeded), random weights of bench/trainer_gpu.py's shapes, LoRA
 on every linear layer (`--lora-rank`, 0 = full fine-tuning), the GRPO token-mean loss of random advantages.
 
-    python bench/packed_passes.py [--model smollm2-135m] [--layers N] [--device cuda] [--batch 512]
+    python bench/packed_passes.py [--model smollm2-135m] [--layers N] [--device cuda] [--batch 512] [--samples 8]
         [--max-tokens 32768] [--lora-rank 16] [--warmup 1] [--steps 3] [--out DIR]
 """
 
@@ -41,8 +45,10 @@ from bench.update_padding import (  # noqa: E402
 )
 
 
-def engines(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
-    """(padded, packed) engines of the same random weights, both under the token budget `args.max_tokens`."""
+def engines(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """The layouts' engines of the same random weights, all under the token budget `args.max_tokens`: padded
+    (trainer.shared_prompts auto: shared prompts on a CPU), packed (no sharing) and, with --samples > 1,
+    packed-shared (trainer.shared_prompts always: each distinct prompt once per packed pass)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         save_model(args.model, args.layers, model_dir)
@@ -50,13 +56,20 @@ def engines(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
             model_dir, dtype, lora_rank=args.lora_rank, response_max=args.response_max,
             batch_size=max(1, args.batch // 2), device=args.device,
         )  # fmt: skip
-        out = []
-        for packed in (False, True):
+        layouts = {"padded": (False, "auto"), "packed": (True, "never")}
+        if args.samples > 1:
+            layouts["packed-shared"] = (True, "always")
+        out = {}
+        for name, (packed, sharing) in layouts.items():
             trainer = base.trainer.model_copy(
-                update={"max_tokens_per_micro_batch": args.max_tokens, "packed_passes": packed}
+                update={
+                    "max_tokens_per_micro_batch": args.max_tokens,
+                    "packed_passes": packed,
+                    "shared_prompts": sharing,
+                }
             )
-            out.append(bench_engine(base.model_copy(update={"trainer": trainer}), model_dir, args.device))
-    padded, packed_engine = out
+            out[name] = bench_engine(base.model_copy(update={"trainer": trainer}), model_dir, args.device)
+    padded = out["padded"]
     if args.lora_rank:  # B = 0 would leave A's gradient 0: nothing to compare
         import torch
 
@@ -65,9 +78,9 @@ def engines(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
             n: torch.randn(t.shape, generator=gen) * 0.02 if "lora_B" in n else t
             for n, t in padded.trainable_state().items()
         }
-        padded.load_trainable_state(state)
-        packed_engine.load_trainable_state(state)
-    return padded, packed_engine
+        for engine in out.values():
+            engine.load_trainable_state(state)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -84,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rlbridge.engines.micro import budget_rows
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    padded, packed = engines(args, dtype)
+    layouts = engines(args, dtype)
+    padded = layouts["padded"]
     batch = lengths_batch(args, int(SHAPES[args.model]["vocab_size"]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv = torch.randn(batch.size, 1, generator=gen).expand(-1, batch.response_width) * batch.response_mask
@@ -94,21 +108,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         norm_constant=float(args.response_max),
         micro_scale=1.0,
     )
-    # the check: the same log-probs and gradients (before any step changes the weights)
-    lp_padded, lp_packed = padded.logprobs(batch), packed.logprobs(batch)
+    # the check: each packed layout's log-probs and gradients against the padded ones (before any step)
+    lp_padded = padded.logprobs(batch)
     g_padded = padded.gradients(batch, loss_fn, num_micro_batches=1)
-    g_packed = packed.gradients(batch, loss_fn, num_micro_batches=1)
-    check = {
-        "logprob_max_abs": float((lp_padded - lp_packed).abs().max()),
-        "grad_max_rel": max(
-            float((g_packed[k].double() - g.double()).abs().max() / g.double().abs().max().clamp(min=1e-30))
-            for k, g in g_padded.items()
-        ),
-    }
-    del g_padded, g_packed
+    check = {}
+    for name, engine in layouts.items():
+        if engine is padded:
+            continue
+        g = engine.gradients(batch, loss_fn, num_micro_batches=1)
+        check[name] = {
+            "logprob_max_abs": float((engine.logprobs(batch) - lp_padded).abs().max()),
+            "grad_max_rel": max(
+                float((g[k].double() - w.double()).abs().max() / w.double().abs().max().clamp(min=1e-30))
+                for k, w in g_padded.items()
+            ),
+        }
+        del g
+    del g_padded
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    layouts = {"padded": padded, "packed": packed}
     times: dict[str, list[float]] = {name: [] for name in layouts}
     peaks = dict.fromkeys(layouts, 0.0)
     for k in range(args.warmup + args.steps):
@@ -139,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_s_median": {n: statistics.median(t) for n, t in times.items()},
         "tokens_per_s": {n: real / statistics.median(t) for n, t in times.items()},
         "speedup_packed": statistics.median(times["padded"]) / statistics.median(times["packed"]),
+        "speedup_vs_padded": {
+            n: statistics.median(times["padded"]) / statistics.median(t)
+            for n, t in times.items()
+            if n != "padded"
+        },
         "peak_gib": peaks,
         "check": check,
     }

@@ -48,9 +48,15 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_batch_args(ap: argparse.ArgumentParser) -> None:
-    """--batch, --lora-rank, the prompt and response length ranges, --warmup, --steps, --seed: the timed batch of
-    a one-engine update bench (lengths_batch)."""
+    """--batch, --samples, --lora-rank, the prompt and response length ranges, --warmup, --steps, --seed: the timed
+    batch of a one-engine update bench (lengths_batch)."""
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="rows per prompt (GRPO's rollout.n): --batch / --samples prompts",
+    )
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--prompt-min", type=int, default=60)
     ap.add_argument("--prompt-max", type=int, default=200)
@@ -81,11 +87,19 @@ def lengths_batch(args: argparse.Namespace, vocab: int) -> Any:
     from rlbridge.batch import SeqBatch
 
     gen = torch.Generator().manual_seed(args.seed)
-    prompts, responses = [], []
-    for _ in range(args.batch):
-        p = int(torch.randint(args.prompt_min, args.prompt_max + 1, (), generator=gen))
+    samples = getattr(args, "samples", 1)  # rows per prompt, each with its own response
+    prompts: list[list[int]] = []
+    responses = []
+    for i in range(
+        args.batch
+    ):  # the draws in this order: the batches of --samples 1 are those of earlier results
+        new = i % samples == 0
+        if new:
+            p = int(torch.randint(args.prompt_min, args.prompt_max + 1, (), generator=gen))
         r = int(torch.randint(args.response_min, args.response_max + 1, (), generator=gen))
-        prompts.append(torch.randint(0, vocab, (p,), generator=gen).tolist())
+        if new:
+            prompt = torch.randint(0, vocab, (p,), generator=gen).tolist()
+        prompts.append(prompt)
         responses.append(torch.randint(0, vocab, (r,), generator=gen).tolist())
     return SeqBatch.from_token_lists(prompts, responses, pad_id=0)
 

@@ -74,7 +74,8 @@
 #                                       # model (bf16 adapters, float32 masters), alternated, 2 rounds (3 of 4 runs in 430 s on a
 #                                       # fresh H100, 2026-12-07: loradtype-gpu-2026-12-07)
 #   bash scripts/gpu_bench.sh packed    # issue 47 item 3: the hf engine's update in padded token-budget passes vs
-#                                       # trainer.packed_passes, 512 GSM8K-like rows, smollm2-135m and qwen2.5-0.5b
+#                                       # trainer.packed_passes (and with shared prompts), 512 GSM8K-like rows (64
+#                                       # prompts x 8), smollm2-135m and qwen2.5-0.5b
 #                                       # (PACKED_MODELS), bench/packed_passes.py; NOT yet run on a GPU. In the loop:
 #                                       # AB_ARGS="--rlbridge-set trainer.packed_passes=true" with ab512
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
@@ -401,13 +402,13 @@ PYEOF
           --fp32-matmul "$precision" --recompute "$recompute" --out "$OUT/$part/$mode" > "$OUT/$part/$mode.txt" 2>&1
         tail -12 "$OUT/$part/$mode.txt"
       done ;;
-    packed)  # issue 47 item 3's lever sized: the hf engine's train_step at 512 rollouts of GSM8K-like lengths in its
-             # padded token-budget passes vs trainer.packed_passes (varlen attention), same weights, alternated
-             # (bench/packed_passes.py; its check first: log-probs and gradients of both layouts)
+    packed)  # issue 47 item 3's lever sized: the hf engine's train_step at 512 rollouts (64 prompts x 8) of GSM8K-like
+             # lengths in its padded token-budget passes vs trainer.packed_passes (varlen attention), without and with
+             # shared prompts, same weights, alternated (bench/packed_passes.py; its check first: log-probs, gradients)
       for model in ${PACKED_MODELS:-smollm2-135m qwen2.5-0.5b}; do
-        timeout "$(left)" "$PY" bench/packed_passes.py --model "$model" --device cuda --batch 512 \
+        timeout "$(left)" "$PY" bench/packed_passes.py --model "$model" --device cuda --batch 512 --samples 8 \
           --max-tokens "${PACKED_TOKENS:-32768}" --warmup 1 --steps 3 --out "$OUT/$part/$model" > "$OUT/$part/$model.txt" 2>&1
-        grep -E '"(padded|packed|speedup_packed|logprob_max_abs|grad_max_rel)"' "$OUT/$part/$model.txt" | tail -14
+        grep -A4 -E '"(step_s_median|speedup_vs_padded|check|passes)"' "$OUT/$part/$model.txt" | tail -30
       done ;;
     loradtype)  # the hf engine's LoRA update at the 7B shape (mfu7b's LoRA job, unprofiled) with its adapters in
                 # float32 (peft's default) and in the model's bfloat16 with float32 masters (lora.compute_dtype

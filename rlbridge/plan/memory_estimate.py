@@ -371,13 +371,15 @@ not the estimate."""
 
 
 def _shares_prompts_on_a_gpu(r: Recipe) -> bool:
-    """The hf engine runs the shared-prompt passes on a GPU: shared_prompts always (auto shares on CPUs only), more
-    than one response per prompt, no activation recompute (engines/hf/shared_prompts.py)."""
+    """The hf engine runs the padded shared-prompt passes on a GPU: shared_prompts always (auto shares on CPUs only),
+    more than one response per prompt, no activation recompute (engines/hf/shared_prompts.py); not packed passes,
+    which share prompts through their attention segments and keep no KV cache (engines/hf/varlen.py)."""
     t = r.trainer
     return (
         r.cluster.device == "cuda"
         and trainer_engine(r).shared_prompts
         and t.shared_prompts == "always"
+        and not t.packed_passes
         and r.rollout.n > 1
         and t.recompute.granularity == "none"
     )

@@ -186,10 +186,16 @@ def test_packed_passes_match_the_padded_ones(model_dir: Path) -> None:
     budget. float32 runs one SDPA per row (varlen_attn takes 16-bit tensors only): |log p diff| <= 1e-4, gradients
     within 3e-4 relative, as the shared passes. bfloat16 runs torch's varlen_attn on CUDA: no further from the
     float32 log-probs and gradient than the padded bf16 passes are, with the shared passes' margins (1.25x + 0.005,
-    1.6x + 0.02)."""
+    1.6x + 0.02). The same for packed passes with shared prompts (trainer.shared_prompts always: each response's
+    segment attends to its prompt's keys through a gather, bottom-right causal in varlen_attn)."""
     budget = {"max_tokens_per_micro_batch": 512, "shared_prompts": "never"}
-    r = layout_runs(model_dir, {"padded": budget, "packed": {**budget, "packed_passes": True}})
+    packed = {**budget, "packed_passes": True}
+    r = layout_runs(
+        model_dir,
+        {"padded": budget, "packed": packed, "packed_shared": {**packed, "shared_prompts": "always"}},
+    )
     figure("packed_passes", **r)
-    assert r["packed_f32_logprob_diff_max"] <= 1e-4 and r["packed_f32_grad_rel"] <= 3e-4, r
-    assert r["packed_bf16_gap"] <= 1.25 * r["ref_bf16_gap"] + 0.005, r
-    assert r["packed_bf16_grad_gap"] <= 1.6 * r["ref_bf16_grad_gap"] + 0.02, r
+    for name in ("packed", "packed_shared"):
+        assert r[f"{name}_f32_logprob_diff_max"] <= 1e-4 and r[f"{name}_f32_grad_rel"] <= 3e-4, r
+        assert r[f"{name}_bf16_gap"] <= 1.25 * r["ref_bf16_gap"] + 0.005, r
+        assert r[f"{name}_bf16_grad_gap"] <= 1.6 * r["ref_bf16_grad_gap"] + 0.02, r

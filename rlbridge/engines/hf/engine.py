@@ -140,11 +140,12 @@ class HFTrainEngine:
                 if m is not None:
                     use_packed_attention(m)
         self._shared_logged: bool | None = None
-        self._can_share = recipe.trainer.recompute.granularity == "none" and plain_cache(
-            DynamicCache(config=base.config)
+        self._can_share = self.packed or (
+            recipe.trainer.recompute.granularity == "none" and plain_cache(DynamicCache(config=base.config))
         )
-        """Shared prompts (trainer.shared_prompts) need the model's KV cache in the training forward: no recompute
-        (transformers drops the cache of checkpointed layers), plain dynamic layers (no sliding window)."""
+        """Shared prompts (trainer.shared_prompts) in padded passes need the model's KV cache in the training
+        forward: no recompute (transformers drops the cache of checkpointed layers), plain dynamic layers (no sliding
+        window); packed passes share prompts by their attention segments (varlen.shared_layout), with no cache."""
         self.master = MasterWeights([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
         """Float32 masters of low-precision trainable parameters (rlbridge/engines/hf/master.py)."""
         self._trainable = self.master.named
@@ -357,7 +358,6 @@ class HFTrainEngine:
         mode = self.recipe.trainer.shared_prompts
         if (
             mode == "never"
-            or self.packed
             or not self._can_share
             or not self.padding_free
             or batch.routed_experts is not None
@@ -366,8 +366,8 @@ class HFTrainEngine:
         if mode == "auto" and self.device.type not in AUTO_DEVICES:
             return plain, False
         shape = shape_of(batch)
-        shared = grouped_rows(batch, num_groups, max_tokens=max_tokens, shape=shape)
-        use = mode == "always" or cheaper(batch, plain, shared, shape=shape)
+        shared = grouped_rows(batch, num_groups, max_tokens=max_tokens, shape=shape, packed=self.packed)
+        use = mode == "always" or cheaper(batch, plain, shared, shape=shape, packed=self.packed)
         if use != self._shared_logged:  # once per run, and again when the choice changes
             self._shared_logged = use
             log.info(
@@ -399,7 +399,7 @@ class HFTrainEngine:
         """[b, R] log-probs and entropies of a forward batch's response tokens, in one forward or with its
         distinct prompts run once (shared)."""
         if self.packed:
-            return packed_token_stats(model, sub)
+            return packed_token_stats(model, sub, shared=shared)
         if not shared:
             return logprobs_and_entropy(response_logits(model, sub), sub.response_ids)
         head, rest = shared_response_logits(model, sub)

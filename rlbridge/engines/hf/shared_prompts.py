@@ -80,11 +80,16 @@ def shape_of(batch: SeqBatch) -> RowShape:
 
 
 def grouped_rows(
-    batch: SeqBatch, num_groups: int, *, max_tokens: int | None = None, shape: RowShape | None = None
+    batch: SeqBatch,
+    num_groups: int,
+    *,
+    max_tokens: int | None = None,
+    shape: RowShape | None = None,
+    packed: bool = False,
 ) -> list[Tensor]:
     """Row indices of each pass with rows of one prompt kept together: prompts ordered by their longest
     response (then prompt length), their rows in that order cut into `num_groups` near-equal groups, or by a
-    token budget on the shared layout's positions (prompts x widest prompt + rows x widest response).
+    token budget on the shared layout's positions (shared_positions; `packed`: of packed passes).
     `shape`: shape_of(batch), if the caller has it."""
     prompt_of, prompt_len, response_len = shape or shape_of(batch)
     longest: dict[int, int] = {}
@@ -100,7 +105,10 @@ def grouped_rows(
         return list(torch.tensor(rows, dtype=torch.long).tensor_split(num_groups))
     groups: list[list[int]] = []
     for row in rows:
-        if groups and shared_positions(groups[-1] + [row], prompt_of, prompt_len, response_len) <= max_tokens:
+        if groups and (
+            shared_positions(groups[-1] + [row], prompt_of, prompt_len, response_len, packed=packed)
+            <= max_tokens
+        ):
             groups[-1].append(row)
         else:
             groups.append([row])
@@ -108,14 +116,28 @@ def grouped_rows(
 
 
 def shared_positions(
-    rows: list[int], prompt_of: Tensor, prompt_len: list[int], response_len: list[int]
+    rows: list[int],
+    prompt_of: Tensor,
+    prompt_len: list[int],
+    response_len: list[int],
+    *,
+    packed: bool = False,
 ) -> int:
-    """Positions one shared pass over `rows` computes: distinct prompts x widest prompt + rows x widest response."""
-    prompts = {int(prompt_of[r]) for r in rows}
+    """Positions one shared pass over `rows` computes: distinct prompts x widest prompt + rows x widest response;
+    packed (no padding): the distinct prompts' lengths + the responses' lengths."""
+    prompts = {int(prompt_of[r]): r for r in rows}
+    if packed:
+        return sum(prompt_len[r] for r in prompts.values()) + sum(response_len[r] for r in rows)
     return len(prompts) * max(prompt_len[r] for r in rows) + len(rows) * max(response_len[r] for r in rows)
 
 
-def plain_positions(groups: list[Tensor], prompt_len: list[int], response_len: list[int]) -> int:
+def plain_positions(
+    groups: list[Tensor], prompt_len: list[int], response_len: list[int], *, packed: bool = False
+) -> int:
+    """Positions the plain passes over `groups` compute: rows x (widest prompt + widest response) per pass;
+    packed: every row's real prompt and response lengths."""
+    if packed:
+        return sum(prompt_len[r] + response_len[r] for g in groups for r in g.tolist())
     return sum(
         len(g) * (max(prompt_len[r] for r in g.tolist()) + max(response_len[r] for r in g.tolist()))
         for g in groups
@@ -123,12 +145,20 @@ def plain_positions(groups: list[Tensor], prompt_len: list[int], response_len: l
 
 
 def cheaper(
-    batch: SeqBatch, plain: list[Tensor], shared: list[Tensor], *, shape: RowShape | None = None
+    batch: SeqBatch,
+    plain: list[Tensor],
+    shared: list[Tensor],
+    *,
+    shape: RowShape | None = None,
+    packed: bool = False,
 ) -> bool:
-    """Whether the shared layout's passes compute at most SAVING of the plain layout's positions."""
+    """Whether the shared layout's passes compute at most SAVING of the plain layout's positions (`packed`: of
+    packed passes, both ways)."""
     prompt_of, prompt_len, response_len = shape or shape_of(batch)
-    cost = sum(shared_positions(g.tolist(), prompt_of, prompt_len, response_len) for g in shared)
-    return cost <= SAVING * plain_positions(plain, prompt_len, response_len)
+    cost = sum(
+        shared_positions(g.tolist(), prompt_of, prompt_len, response_len, packed=packed) for g in shared
+    )
+    return cost <= SAVING * plain_positions(plain, prompt_len, response_len, packed=packed)
 
 
 def plain_cache(cache: object) -> bool:

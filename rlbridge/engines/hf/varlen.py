@@ -19,7 +19,7 @@ shapes), shared-prompt passes, routing replay (recipe/checks/layout.py refuses t
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,20 +31,38 @@ from rlbridge.errors import RlbridgeError
 
 VARLEN_ATTENTION = "rlbridge_varlen"
 """The attention implementation name registered with transformers for the packed passes."""
+KV_INDEX = "rlbridge_kv_index"
+"""The model-call keyword (handed to the attention function) of the packed tokens whose keys and values each
+segment attends to, in segment order, under shared prompts."""
 
 
-def _rows_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | None) -> Tensor:
-    """Causal attention one row at a time with torch's SDPA (any device, differentiable); layout (tokens, heads,
-    head_dim); grouped-query attention by repeating K/V per head group."""
+def _rows_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float | None
+) -> Tensor:
+    """Causal attention one segment at a time with torch's SDPA (any device, differentiable); layout (tokens, heads,
+    head_dim); a segment's queries are its last keys (bottom-right causal alignment, as FlashAttention's); grouped-query
+    attention by repeating K/V per head group."""
     groups = q.shape[1] // k.shape[1]
-    bounds = cu.tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].repeat_interleave(groups, dim=1).transpose(0, 1)
-        vs = v[start:end].repeat_interleave(groups, dim=1).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    for (q0, q1), (k0, k1) in zip(_spans(cu_q), _spans(cu_k), strict=True):
+        qs = q[q0:q1].transpose(0, 1)
+        ks = k[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
+        vs = v[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
+        n, m = q1 - q0, k1 - k0
+        if n == 0:
+            continue
+        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        outs.append(
+            F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale
+            ).transpose(0, 1)
+        )
     return torch.cat(outs, dim=0)
+
+
+def _spans(cu: Tensor) -> list[tuple[int, int]]:
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def varlen_cuda(
@@ -88,17 +106,21 @@ def _attention(
     module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kw: Any
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: one packed row's [1, heads, T, dim] queries, keys and values
-    -> [1, T, heads, dim]."""
+    -> [1, T, heads, dim]. With KV_INDEX among the keywords (shared prompts), the keys and values of segment s are
+    the packed tokens KV_INDEX[cu_seq_lens_k[s]:cu_seq_lens_k[s + 1]] (a response's: its prompt's, then its own)."""
     if kw.get("sliding_window"):
         raise RlbridgeError("trainer.packed_passes: sliding-window attention is not supported")
-    cu, longest = kw["cu_seq_lens_q"], int(kw["max_length_q"])
+    cu_q, cu_k = kw["cu_seq_lens_q"], kw["cu_seq_lens_k"]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
+    gather = kw.get(KV_INDEX)
+    if gather is not None:
+        k, v = k[gather], v[gather]  # differentiable: a prompt's gradient sums over its responses' segments
     scale = kw.get("scaling")
     on_kernel = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
     out = (
-        varlen_cuda(q, k, v, cu, cu, longest, longest, scale)
+        varlen_cuda(q, k, v, cu_q, cu_k, int(kw["max_length_q"]), int(kw["max_length_k"]), scale)
         if on_kernel
-        else _rows_attention(q, k, v, cu, scale)
+        else _rows_attention(q, k, v, cu_q, cu_k, scale)
     )
     return out.unsqueeze(0), None
 
@@ -127,30 +149,105 @@ def use_packed_attention(model: nn.Module) -> None:
         )
 
 
-def packed_token_stats(model: nn.Module, sub: SeqBatch) -> tuple[Tensor, Tensor]:
+def packed_token_stats(model: nn.Module, sub: SeqBatch, *, shared: bool = False) -> tuple[Tensor, Tensor]:
     """[b, R] log-probs and entropies of a forward batch's response tokens (0 on padding) from one packed forward
-    of its rows' real tokens (the model's attention VARLEN_ATTENTION: use_packed_attention)."""
+    of its rows' real tokens (the model's attention VARLEN_ATTENTION: use_packed_attention). shared: each
+    distinct prompt's tokens once (shared_layout), else every row's prompt and response as one segment."""
     real = (
         sub.attention_mask > 0
     )  # [b, S]: a row's real columns are contiguous (prompt left-padded, response right)
-    lengths = real.sum(dim=1)
-    cu = F.pad(lengths.cumsum(0), (1, 0))
-    packed_index = real.cumsum(dim=1) - 1 + cu[:-1, None]  # [b, S] each real column's index in the packed row
     p = sub.prompt_width
     response = real[:, p:]  # real response columns, those the log-probs are for
-    picks = packed_index[:, p:][response] - 1  # the position before each response token predicts it
-    longest = int(lengths.max())  # one host sync
+    if shared:
+        layout = shared_layout(sub)
+        ids, positions, picks = layout.input_ids, layout.position_ids, layout.picks
+        keywords: dict[str, Any] = {KV_INDEX: layout.kv_index}
+        cu_q, cu_k, longest_q, longest_k = layout.cu_q, layout.cu_k, layout.longest_q, layout.longest_k
+    else:
+        lengths = real.sum(dim=1)
+        cu_q = cu_k = F.pad(lengths.cumsum(0), (1, 0))
+        packed_index = (
+            real.cumsum(dim=1) - 1 + cu_q[:-1, None]
+        )  # [b, S] each real column's index in the packed row
+        picks = packed_index[:, p:][response] - 1  # the position before each response token predicts it
+        longest_q = longest_k = int(lengths.max())  # one host sync
+        ids, positions, keywords = sub.input_ids[real], sub.position_ids[real], {}
     out = model(
-        input_ids=sub.input_ids[real][None],
-        position_ids=sub.position_ids[real][None],
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=longest,
-        max_length_k=longest,
+        input_ids=ids[None],
+        position_ids=positions[None],
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=longest_q,
+        max_length_k=longest_k,
         use_cache=False,
         logits_to_keep=picks,
+        **keywords,
     )
     logits = out.logits.float()  # [1, n, V]
     logp, entropy = logprobs_and_entropy(logits, sub.input_ids[:, p:][response][None])
     zeros = torch.zeros(response.shape, dtype=logp.dtype, device=logp.device)
     return zeros.masked_scatter(response, logp[0]), zeros.masked_scatter(response, entropy[0])
+
+
+class SharedLayout(NamedTuple):
+    """One packed row with each distinct prompt once: its tokens (the distinct prompts' real tokens, then every
+    row's real response tokens, rows in order), and the attention segments: one per distinct prompt (causal over
+    itself), one per row (its response tokens as queries; its prompt's tokens and its own as keys, kv_index into
+    the packed tokens). picks: the packed position predicting each real response token, row-major (a row's first
+    response token is predicted by its prompt's last token, shared by the prompt's rows)."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    kv_index: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    longest_q: int
+    longest_k: int
+    picks: Tensor
+
+
+def shared_layout(sub: SeqBatch) -> SharedLayout:
+    """SharedLayout of a forward batch (rows with equal prompts share one copy: shared_prompts.prompt_index);
+    the index arithmetic runs on the host, the indices go to the batch's device once."""
+    from rlbridge.engines.hf.shared_prompts import prompt_index
+
+    p, device = sub.prompt_width, sub.input_ids.device
+    first, prompt_of = prompt_index(sub)
+    real = sub.attention_mask.cpu() > 0
+    prompt_len = real[first, :p].sum(dim=1)  # [u]
+    response_len = real[:, p:].sum(dim=1)  # [b]
+    prompt_start = F.pad(prompt_len.cumsum(0), (1, 0))[:-1]  # [u] in the packed row
+    response_start = int(prompt_len.sum()) + F.pad(response_len.cumsum(0), (1, 0))[:-1]  # [b]
+    row_prompt_len, row_prompt_start = prompt_len[prompt_of], prompt_start[prompt_of]
+    # keys: each prompt's own tokens, then per row its prompt's tokens followed by its response's
+    starts = torch.cat([prompt_start, torch.stack([row_prompt_start, response_start], dim=1).flatten()])
+    counts = torch.cat([prompt_len, torch.stack([row_prompt_len, response_len], dim=1).flatten()])
+    q_len = torch.cat([prompt_len, response_len])
+    k_len = torch.cat([prompt_len, row_prompt_len + response_len])
+    # each real response token's packed index, row-major; its predictor is the token before, or for a row's first
+    # response token the last token of its prompt
+    tokens = _ranges(response_start, response_len)
+    first_token = F.pad(response_len.cumsum(0), (1, 0))[:-1][response_len > 0]
+    picks = tokens - 1
+    picks[first_token] = (row_prompt_start + row_prompt_len - 1)[response_len > 0]
+    prompt_real, response_real = real[first, :p].to(device), real[:, p:].to(device)
+    return SharedLayout(
+        input_ids=torch.cat(
+            [sub.input_ids[first.to(device), :p][prompt_real], sub.input_ids[:, p:][response_real]]
+        ),
+        position_ids=torch.cat(
+            [sub.position_ids[first.to(device), :p][prompt_real], sub.position_ids[:, p:][response_real]]
+        ),
+        kv_index=_ranges(starts, counts).to(device),
+        cu_q=F.pad(q_len.cumsum(0), (1, 0)).to(device),
+        cu_k=F.pad(k_len.cumsum(0), (1, 0)).to(device),
+        longest_q=int(q_len.max()),
+        longest_k=int(k_len.max()),
+        picks=picks.to(device),
+    )
+
+
+def _ranges(starts: Tensor, counts: Tensor) -> Tensor:
+    """The concatenation of arange(start, start + count) over the pairs (1-D int64 tensors)."""
+    offsets = F.pad(counts.cumsum(0), (1, 0))[:-1]
+    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(int(counts.sum()))

@@ -264,8 +264,9 @@ def check_token_budget(r: Recipe, out: Issues) -> None:
 
 
 def check_shared_prompts(r: Recipe, out: Issues) -> None:
-    """trainer.shared_prompts always asks for the hf engine's shared passes, which need the model's KV cache in the
-    training forward (no recompute); auto and off never fail."""
+    """trainer.shared_prompts always asks for the hf engine's shared passes, which in padded passes need the model's
+    KV cache in the training forward (no recompute; packed passes share prompts without it); auto and off never
+    fail."""
     if r.trainer.shared_prompts != "always":
         return
     if not trainer_engine(r).shared_prompts:
@@ -279,14 +280,15 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
                 + trainer_engines_that(lambda e: e.shared_prompts),
             )
         )
-    elif r.trainer.recompute.granularity != "none":
+    elif r.trainer.recompute.granularity != "none" and not r.trainer.packed_passes:
         out.append(
             RecipeIssue(
                 "trainer.shared_prompts",
                 f"always: shared prompts need the KV cache of every layer, which recompute "
                 f"({r.trainer.recompute.granularity}) drops",
                 value="always",
-                fix="set trainer.shared_prompts to auto or never, or trainer.recompute.granularity to none",
+                fix="set trainer.shared_prompts to auto or never, trainer.recompute.granularity to none, or "
+                "trainer.packed_passes to true",
             )
         )
 
@@ -299,10 +301,6 @@ def check_packed_passes(r: Recipe, out: Issues) -> None:
     reasons = _engine_reasons(r, lambda e: e.packed_passes, "packed passes")
     if r.trainer.cuda_graphs:
         reasons.append(("CUDA graphs record padded pass shapes", "trainer.cuda_graphs: false"))
-    if r.trainer.shared_prompts == "always":
-        reasons.append(
-            ("shared-prompt passes are a padded layout of their own", "trainer.shared_prompts: auto")
-        )
     if r.rollout.routing_replay:
         reasons.append(("routing replay sets experts per padded column", "rollout.routing_replay: false"))
     _refuse_flag(out, "trainer.packed_passes", reasons)

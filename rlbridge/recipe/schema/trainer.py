@@ -110,8 +110,10 @@ class TrainerCfg(Section):
     attention over the rows' boundaries (torch's varlen_attn on CUDA), instead of the rows at their pass's widths
     with a padding mask; the token budget (max_tokens_per_micro_batch) then counts real tokens. Exact (the same
     log-probs and gradients up to float summation order: docs/engines/hf.md#packed-passes-trainerpacked_passes).
-    Not with trainer.cuda_graphs, trainer.shared_prompts always, rollout.routing_replay or sliding-window models;
-    the PPO critic keeps padded passes. Off by default: its GPU speed is not measured yet (bench/packed_passes.py)."""
+    Where trainer.shared_prompts shares (always, or auto on a CPU), each distinct prompt's tokens run once per pass
+    and its rows' responses attend to them (no KV cache kept: recompute allowed). Not with trainer.cuda_graphs,
+    rollout.routing_replay or sliding-window models; the PPO critic keeps padded passes. Off by default: its GPU
+    speed is not measured yet (bench/packed_passes.py)."""
     cuda_graphs: bool = False
     """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape,
     and replay them for later passes of that shape: one launch instead of tens of thousands of host-side calls,
@@ -140,10 +142,11 @@ class TrainerCfg(Section):
     """hf engine: run each distinct prompt once per pass, not once per sample, its keys and values shared by
     the responses of its rows (exact: docs/engines/hf.md). auto: on a CPU, where that computes at most 80 % of
     the positions of the plain passes (GRPO's n > 1 responses per prompt), plain passes on a GPU (measured slower
-    there: docs/defaults.md#shared-prompts); always: whenever the rows share
-    prompts; never: plain passes only (not `off`: YAML reads it as false). Needs trainer.recompute.granularity none (else the plain passes run); the megatron
-    engine always runs the plain passes. With always on a GPU, `rlbridge plan` estimates the plain passes and
-    notes the higher trainer peak measured for the shared ones."""
+    there: docs/defaults.md#shared-prompts); always: whenever the rows share prompts; never: plain passes only
+    (not `off`: YAML reads it as false). In padded passes it needs trainer.recompute.granularity none (else the
+    plain passes run); trainer.packed_passes share without a KV cache, recompute or not. The megatron engine
+    always runs the plain passes. With always on a GPU in padded passes, `rlbridge plan` estimates the plain
+    passes and notes the higher trainer peak measured for the shared ones."""
 
     def width_multiple(self, device: str) -> int:
         """pass_width_multiple resolved for a trainer on `device` (a torch device type): null is

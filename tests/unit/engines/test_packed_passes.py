@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from rlbridge.algo.objective import make_loss_fn
+from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf import varlen
 from rlbridge.engines.hf.engine import HFTrainEngine
-from rlbridge.engines.hf.varlen import VARLEN_ATTENTION
+from rlbridge.engines.hf.varlen import VARLEN_ATTENTION, shared_layout
 from rlbridge.engines.micro import budget_rows
 from rlbridge.recipe.checks import run_checks
 from tests.unit.engines.test_padding_free import perturb_lora_b, policy_inputs
@@ -26,6 +27,7 @@ from tests.unit.engines.test_shared_prompts import (
     NUM_MICRO,
     assert_layouts_agree,
     grouped_batch,
+    grouped_lists,
     model_dir,
     recipe,
 )
@@ -34,18 +36,25 @@ __all__ = ["model_dir"]  # the module-scoped fixture, shared
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "max_tokens"),
+    ("algorithm", "max_tokens", "sharing"),
     [
-        ({"name": "grpo", "loss_agg": "token-mean", "entropy_coef": 0.01}, None),
-        ({"name": "grpo", "loss_agg": "seq-mean-token-mean", "kl": {"coef": 0.1}}, 40),
+        ({"name": "grpo", "loss_agg": "token-mean", "entropy_coef": 0.01}, None, "never"),
+        ({"name": "grpo", "loss_agg": "seq-mean-token-mean", "kl": {"coef": 0.1}}, 40, "never"),
+        ({"name": "grpo", "loss_agg": "token-mean", "entropy_coef": 0.01}, None, "always"),
+        ({"name": "grpo", "loss_agg": "seq-mean-token-mean", "kl": {"coef": 0.1}}, 40, "always"),
     ],
-    ids=["token-mean+entropy", "seq-mean+kl+budget"],
+    ids=[
+        "token-mean+entropy",
+        "seq-mean+kl+budget",
+        "shared+token-mean+entropy",
+        "shared+seq-mean+kl+budget",
+    ],
 )
 def test_packed_passes_give_the_padded_log_probs_loss_and_gradients(
-    model_dir: Path, algorithm: dict[str, Any], max_tokens: int | None
+    model_dir: Path, algorithm: dict[str, Any], max_tokens: int | None, sharing: str
 ) -> None:
     packed = HFTrainEngine(
-        recipe(model_dir, "never", algorithm, max_tokens_per_micro_batch=max_tokens, packed_passes=True),
+        recipe(model_dir, sharing, algorithm, max_tokens_per_micro_batch=max_tokens, packed_passes=True),
         model_dir,
     )
     padded = HFTrainEngine(
@@ -94,12 +103,58 @@ def test_validate_refuses_what_packed_passes_cannot_carry(model_dir: Path) -> No
     assert not [i for i in run_checks(base, model_checks=False)[0] if i.key == "trainer.packed_passes"]
     for update, fragment in (
         ({"cuda_graphs": True}, "trainer.cuda_graphs: false"),
-        ({"shared_prompts": "always"}, "trainer.shared_prompts: auto"),
         ({"engine": "megatron"}, "trainer.engine: hf"),
     ):
         r = base.model_copy(update={"trainer": base.trainer.model_copy(update=update)})
         issues = [i for i in run_checks(r, model_checks=False)[0] if i.key == "trainer.packed_passes"]
         assert issues and any(fragment in i.fix for i in issues), (update, issues)
+    # shared prompts in packed passes need no KV cache: recompute is fine
+    recompute = base.trainer.recompute.model_copy(update={"granularity": "full"})
+    shared = base.model_copy(
+        update={
+            "trainer": base.trainer.model_copy(update={"shared_prompts": "always", "recompute": recompute})
+        }
+    )
+    keys = {i.key for i in run_checks(shared, model_checks=False)[0]}
+    assert not keys & {"trainer.packed_passes", "trainer.shared_prompts"}, keys
+    padded = shared.model_copy(update={"trainer": shared.trainer.model_copy(update={"packed_passes": False})})
+    assert "trainer.shared_prompts" in {i.key for i in run_checks(padded, model_checks=False)[0]}
+
+
+def test_the_shared_layout_runs_each_prompt_once() -> None:
+    batch = grouped_batch()
+    prompts, responses = grouped_lists()
+    layout = shared_layout(batch)
+    distinct = {tuple(p): None for p in prompts}  # in order of their first row, as prompt_index numbers them
+    want_ids = [t for p in distinct for t in p] + [t for r in responses for t in r]
+    assert layout.input_ids.tolist() == want_ids
+    n_prompt = sum(len(p) for p in distinct)
+    starts = dict(
+        zip(distinct, torch.tensor([0] + [len(p) for p in distinct]).cumsum(0).tolist(), strict=False)
+    )
+    # a row's keys: its prompt's tokens, then its own response's; its first token is predicted by its prompt's last
+    keys, picks, at = [], [], n_prompt
+    for p, r in zip(prompts, responses, strict=True):
+        own = list(range(starts[tuple(p)], starts[tuple(p)] + len(p)))
+        keys += own + list(range(at, at + len(r)))
+        picks += [own[-1]] + list(range(at, at + len(r) - 1))
+        at += len(r)
+    prompt_keys = list(range(n_prompt))
+    assert layout.kv_index.tolist() == prompt_keys + keys
+    assert layout.picks.tolist() == picks
+    assert layout.cu_q[-1] == len(want_ids) and layout.cu_k[-1] == len(prompt_keys + keys)
+    assert layout.longest_k == max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    # positions: a prompt from 0, a response from its prompt's length
+    want_pos = [i for p in distinct for i in range(len(p))]
+    want_pos += [len(p) + i for p, r in zip(prompts, responses, strict=True) for i in range(len(r))]
+    assert layout.position_ids.tolist() == want_pos
+
+
+def test_one_token_responses_in_shared_packed_passes(model_dir: Path) -> None:
+    engine = HFTrainEngine(recipe(model_dir, "always", {"name": "grpo"}, packed_passes=True), model_dir)
+    plain = HFTrainEngine(recipe(model_dir, "never", {"name": "grpo"}), model_dir)
+    batch = SeqBatch.from_token_lists([[3, 4, 5]] * 3 + [[9]] * 2, [[7], [8], [9], [1], [2]], pad_id=256)
+    torch.testing.assert_close(engine.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
 
 
 def test_a_packed_budget_counts_real_tokens() -> None:

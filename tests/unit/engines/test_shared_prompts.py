@@ -128,13 +128,14 @@ def test_shared_prompts_give_the_plain_log_probs_loss_and_gradients(
 
 def assert_layouts_agree(got: HFTrainEngine, want: HFTrainEngine, batch: SeqBatch) -> None:
     """Two engines of one recipe but their pass layout, on the same LoRA weights (`got`'s, B perturbed): the same
-    log-probs and reference log-probs (atol 1e-5), then the same loss (1e-6) and gradients (assert_grads_close)
+    log-probs and reference log-probs (atol 1e-5 + rtol 2e-6: float32 rounding of log-probs down to -10; the shared
+    packed layout's differ by up to 1.14e-5 in float32 and not at all with the models in float64), then the same loss (1e-6) and gradients (assert_grads_close)
     of the recipe's algorithm in float32 (1e-5) and with both models cast to float64 (1e-6)."""
     perturb_lora_b(got.trainable_state(), got.load_trainable_state)
     want.load_trainable_state(got.trainable_state())
     old, ref = want.logprobs(batch), want.logprobs(batch, reference=True)
-    torch.testing.assert_close(got.logprobs(batch), old, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got.logprobs(batch, reference=True), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logprobs(batch), old, atol=1e-5, rtol=2e-6)
+    torch.testing.assert_close(got.logprobs(batch, reference=True), ref, atol=1e-5, rtol=2e-6)
     inputs = policy_inputs(batch, old, ref)
     fn = make_loss_fn(got.recipe.algorithm, inputs, norm_constant=32.0, micro_scale=float(NUM_MICRO))
     for tol in (1e-5, 1e-6):  # float32, then the models cast to float64
