@@ -76,8 +76,10 @@
 #   bash scripts/gpu_bench.sh packed    # issue 47 item 3: the hf engine's update in padded token-budget passes vs
 #                                       # trainer.packed_passes (and with shared prompts), 512 GSM8K-like rows (64
 #                                       # prompts x 8), smollm2-135m and qwen2.5-0.5b
-#                                       # (PACKED_MODELS), bench/packed_passes.py; NOT yet run on a GPU. In the loop:
-#                                       # AB_ARGS="--rlbridge-set trainer.packed_passes=true" with ab512
+#                                       # (PACKED_MODELS), bench/packed_passes.py; smollm2 ran in ~130 s on an H100,
+#                                       # qwen2.5-0.5b needs PACKED_TOKENS=16384 on an 80 GB card (packed_passes-gpu-
+#                                       # 2026-12-07). In the loop: AB_ARGS="--rlbridge-set trainer.packed_passes=true
+#                                       # --rlbridge-set trainer.shared_prompts=always" with ab512
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #                                       # (ran 2026-12-07 on an H100 as two trainer_gpu calls, 43 + 54 s on a machine holding the
 #                                       # saved models: mfu7b-gpu-2026-12-07)

@@ -112,8 +112,8 @@ class TrainerCfg(Section):
     log-probs and gradients up to float summation order: docs/engines/hf.md#packed-passes-trainerpacked_passes).
     Where trainer.shared_prompts shares (always, or auto on a CPU), each distinct prompt's tokens run once per pass
     and its rows' responses attend to them (no KV cache kept: recompute allowed). Not with trainer.cuda_graphs,
-    rollout.routing_replay or sliding-window models; the PPO critic keeps padded passes. Off by default: its GPU
-    speed is not measured yet (bench/packed_passes.py)."""
+    rollout.routing_replay or sliding-window models; the PPO critic keeps padded passes. Off by default: faster
+    in the engine's own bench and on the CPU, its gain inside a GPU step is not settled yet (docs/engines/hf.md)."""
     cuda_graphs: bool = False
     """hf engine on a GPU: record each training pass's forward and backward as CUDA graphs, one pair per pass shape,
     and replay them for later passes of that shape: one launch instead of tens of thousands of host-side calls,
