@@ -13,7 +13,12 @@ and the log-probs and entropies come back in the padded [b, R] layout the loss c
 Exactness: each token attends to the same keys as in the padded forward (its own row's earlier tokens) at the same
 positions, so log-probs and gradients equal the padded layout's up to float summation order
 (tests/unit/engines/test_packed_passes.py). Not with: sliding-window attention, CUDA graphs (recorded padded
-shapes), shared-prompt passes, routing replay (recipe/checks/layout.py refuses those).
+shapes), routing replay (recipe/checks/layout.py refuses those).
+
+Shared prompts (trainer.shared_prompts, shared_layout): each distinct prompt's tokens once per pass; every row's
+response is a segment whose queries are its tokens and whose keys and values are its prompt's and its own,
+gathered from the packed row by index (KV_INDEX), causal aligned to the segment's last key. The gather is
+differentiable, so a prompt's gradient sums over its responses, as in the padded forward.
 """
 
 from __future__ import annotations
@@ -166,9 +171,8 @@ def packed_token_stats(model: nn.Module, sub: SeqBatch, *, shared: bool = False)
     else:
         lengths = real.sum(dim=1)
         cu_q = cu_k = F.pad(lengths.cumsum(0), (1, 0))
-        packed_index = (
-            real.cumsum(dim=1) - 1 + cu_q[:-1, None]
-        )  # [b, S] each real column's index in the packed row
+        # [b, S] each real column's index in the packed row
+        packed_index = real.cumsum(dim=1) - 1 + cu_q[:-1, None]
         picks = packed_index[:, p:][response] - 1  # the position before each response token predicts it
         longest_q = longest_k = int(lengths.max())  # one host sync
         ids, positions, keywords = sub.input_ids[real], sub.position_ids[real], {}
