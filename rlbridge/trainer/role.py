@@ -40,7 +40,7 @@ from rlbridge.weights import WeightSync
 
 log = logging.getLogger(__name__)
 
-UPDATE_SECONDS = ("old_logprobs_s", "trainer_update_s")
+UPDATE_SECONDS = ("old_logprobs_s", "trainer_update_s", "train_steps_s", "release_s")
 """The update's wall-clock outputs (they differ between two runs that are otherwise bit-identical)."""
 
 CUDNN_ATTENTION_ENV = "RLBRIDGE_CUDNN_ATTENTION"
@@ -204,6 +204,7 @@ class TrainerRole:
         seen = _SeenLogprobs(batch.size, batch.response_width)  # the first pass's live log-probs, per row
         self.gate.begin()
         metrics: list[dict[str, float]] = []
+        steps_began = time.perf_counter()
         for epoch in range(r.trainer.ppo_epochs):
             for rows in minis:
                 metrics.append(
@@ -220,6 +221,9 @@ class TrainerRole:
                 )
         out = _mean_metrics(metrics)
         out["old_logprobs_s"] = old_seconds  # inside time_update: the forward that bypass saves
+        # the engines' train steps (passes, backward, optimizer), their metrics read back: the rest of
+        # trainer_update_s is the loss inputs, the correction metrics, the gate and the memory hand-over
+        out["train_steps_s"] = time.perf_counter() - steps_began
         # the trainer's log-probs of the rollout's weights: the old ones, else those of the first pass (exact on
         # policy; in bypass mode later mini-batches include the policy's own movement). A rank that saw none of
         # them (a pipeline stage without the loss) keeps the loss closure's per-micro-batch means.
@@ -240,7 +244,9 @@ class TrainerRole:
             # vLLM wakes next on this device: hand it the activations' cached blocks (torch keeps them otherwise,
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
             # The session hands the trainer rollout.sleep as the plan decided auto (plan.resolved_sleep)
+            released = time.perf_counter()
             torch.cuda.empty_cache()
+            out["release_s"] = time.perf_counter() - released
         # the trainer's own seconds: time_update less this is the hand-over (Ray, vLLM's sleep, a queued export)
         out["trainer_update_s"] = time.perf_counter() - began
         return out

@@ -158,6 +158,8 @@ def test_update_reports_exact_step_metrics(model_dir: Path, algorithm: dict[str,
         assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert m["old_logprobs_s"] == 0.0  # on policy: no forward before the update
     assert 0 < m["trainer_update_s"] < 60  # the trainer's own seconds, inside the loop's time_update
+    assert 0 < m["train_steps_s"] <= m["trainer_update_s"]  # the engines' train steps, inside it
+    assert "release_s" not in m  # no vLLM to hand memory to (CPU)
 
 
 def test_ppo_critic_does_not_see_the_correction(model_dir: Path) -> None:
