@@ -77,8 +77,8 @@
 #                                       # trainer.packed_passes (and with shared prompts), 512 GSM8K-like rows (64
 #                                       # prompts x 8), smollm2-135m and qwen2.5-0.5b
 #                                       # (PACKED_MODELS), bench/packed_passes.py; smollm2 ran in ~130 s on an H100,
-#                                       # qwen2.5-0.5b needs PACKED_TOKENS=16384 on an 80 GB card (packed_passes-gpu-
-#                                       # 2026-12-07). In the loop: AB_ARGS="--rlbridge-set trainer.packed_passes=true
+#                                       # qwen2.5-0.5b at 16384 tokens on cards other than 139 GiB (out of memory at
+#                                       # 32768 on an H100: packed_passes-gpu-2026-12-07). In the loop: AB_ARGS="--rlbridge-set trainer.packed_passes=true
 #                                       # --rlbridge-set trainer.shared_prompts=always" with ab512
 #   bash scripts/gpu_bench.sh plan7b    # issue 44 item 3: mfu7b's jobs with trainer.recompute full: the plan's trainer memory vs the peaks
 #                                       # (ran 2026-12-07 on an H100 as two trainer_gpu calls, 43 + 54 s on a machine holding the
@@ -408,8 +408,10 @@ PYEOF
              # lengths in its padded token-budget passes vs trainer.packed_passes (varlen attention), without and with
              # shared prompts, same weights, alternated (bench/packed_passes.py; its check first: log-probs, gradients)
       for model in ${PACKED_MODELS:-smollm2-135m qwen2.5-0.5b}; do
+        # Qwen2.5-0.5B's 151k-vocabulary logits at 32768 tokens ran out of memory on an 80 GB card (2026-12-07)
+        tokens=${PACKED_TOKENS:-$([ "$model" = qwen2.5-0.5b ] && [ ${#card[@]} -gt 0 ] && echo 16384 || echo 32768)}
         timeout "$(left)" "$PY" bench/packed_passes.py --model "$model" --device cuda --batch 512 --samples 8 \
-          --max-tokens "${PACKED_TOKENS:-32768}" --warmup 1 --steps 3 --out "$OUT/$part/$model" > "$OUT/$part/$model.txt" 2>&1
+          --max-tokens "$tokens" --warmup 1 --steps 3 --out "$OUT/$part/$model" > "$OUT/$part/$model.txt" 2>&1
         grep -A4 -E '"(step_s_median|speedup_vs_padded|check|passes)"' "$OUT/$part/$model.txt" | tail -30
       done ;;
     loradtype)  # the hf engine's LoRA update at the 7B shape (mfu7b's LoRA job, unprofiled) with its adapters in
