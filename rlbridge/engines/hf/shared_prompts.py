@@ -104,15 +104,52 @@ def grouped_rows(
     if max_tokens is None:
         return list(torch.tensor(rows, dtype=torch.long).tensor_split(num_groups))
     groups: list[list[int]] = []
+    cost = _GroupCost(prompt_of.tolist(), prompt_len, response_len, packed)
     for row in rows:
-        if groups and (
-            shared_positions(groups[-1] + [row], prompt_of, prompt_len, response_len, packed=packed)
-            <= max_tokens
-        ):
+        if groups and cost.with_row(row) <= max_tokens:
             groups[-1].append(row)
         else:
             groups.append([row])
+            cost.reset()
+        cost.add(row)
     return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+class _GroupCost:
+    """shared_positions of a growing group, one row at a time (grouped_rows: O(1) per row, not O(group))."""
+
+    def __init__(
+        self, prompt_of: list[int], prompt_len: list[int], response_len: list[int], packed: bool
+    ) -> None:
+        self.prompt_of, self.prompt_len, self.response_len, self.packed = (
+            prompt_of,
+            prompt_len,
+            response_len,
+            packed,
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self.prompts: set[int] = set()
+        self.rows = self.widest_prompt = self.widest_response = self.real = 0
+
+    def _after(self, row: int) -> tuple[int, int, int, int, int]:
+        new_prompt = self.prompt_of[row] not in self.prompts
+        return (
+            len(self.prompts) + new_prompt,
+            self.rows + 1,
+            max(self.widest_prompt, self.prompt_len[row]),
+            max(self.widest_response, self.response_len[row]),
+            self.real + self.response_len[row] + (self.prompt_len[row] if new_prompt else 0),
+        )
+
+    def with_row(self, row: int) -> int:
+        prompts, rows, widest_prompt, widest_response, real = self._after(row)
+        return real if self.packed else prompts * widest_prompt + rows * widest_response
+
+    def add(self, row: int) -> None:
+        _, self.rows, self.widest_prompt, self.widest_response, self.real = self._after(row)
+        self.prompts.add(self.prompt_of[row])
 
 
 def shared_positions(

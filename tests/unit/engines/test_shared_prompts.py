@@ -83,11 +83,23 @@ def test_grouped_rows_keep_prompts_together_and_fit_the_budget() -> None:
     prompt_len, response_len = shared_prompts.widths(batch)
     prompt_of = shared_prompts.prompt_index(batch)[1]
     for budget in (1, 30, 60, 1000):
-        groups = shared_prompts.grouped_rows(batch, 1, max_tokens=budget)
-        assert sorted(torch.cat(groups).tolist()) == list(range(batch.size))
-        for g in groups:
-            cost = shared_prompts.shared_positions(g.tolist(), prompt_of, prompt_len, response_len)
-            assert cost <= budget or len(g) == 1
+        for packed in (False, True):
+            groups = shared_prompts.grouped_rows(batch, 1, max_tokens=budget, packed=packed)
+            assert sorted(torch.cat(groups).tolist()) == list(range(batch.size))
+            rows = [g.tolist() for g in groups]
+            for i, g in enumerate(
+                rows
+            ):  # each group fits (or is one row), and its next row would not have fit
+                cost = shared_prompts.shared_positions(g, prompt_of, prompt_len, response_len, packed=packed)
+                assert cost <= budget or len(g) == 1
+                if i + 1 < len(rows):
+                    more = g + rows[i + 1][:1]
+                    assert (
+                        shared_prompts.shared_positions(
+                            more, prompt_of, prompt_len, response_len, packed=packed
+                        )
+                        > budget
+                    )
 
 
 def test_auto_shares_grouped_rows_only(model_dir: Path) -> None:
