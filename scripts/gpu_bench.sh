@@ -102,6 +102,11 @@
 #                                       # bench/ab_rounds.py (e.g. "--trl-config vllm_enable_sleep_mode=true"; vLLM's
 #                                       # CUDA graphs up to the run's largest batch, the start-up lever of 2026-12-06,
 #                                       # need no setting now: see startgraphs)
+#                                       # Packed passes with shared prompts: AB_ARGS="--rlbridge-set trainer.packed_passes=true
+#                                       # --rlbridge-set trainer.shared_prompts=always" (1.18x, packed_passes-gpu-2026-12-07);
+#                                       # adding "--rlbridge-set trainer.max_tokens_per_micro_batch=16384" keeps vLLM resident
+#                                       # on an 80 GB card (the plan: no sleep, wake or emptied cache per update); the
+#                                       # metrics' train_steps_s / release_s split each update's trainer_update_s
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
