@@ -107,6 +107,8 @@
 #                                       # adding "--rlbridge-set trainer.max_tokens_per_micro_batch=16384" keeps vLLM resident
 #                                       # on an 80 GB card (the plan: no sleep, wake or emptied cache per update); the
 #                                       # metrics' train_steps_s / release_s split each update's trainer_update_s
+#   bash scripts/gpu_bench.sh prof512   # issue 47: the loop's 3rd update at 512 rollouts profiled (packed + shared prompts)
+#                                       # at 32768 and 16384 tokens per pass (PROF_BUDGETS); profiles in $OUT/prof512
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
@@ -188,6 +190,21 @@ for part in "$@"; do
           > "$OUT/$part/$budget.log" 2>&1
         rm -rf "$OUT/$part/$budget/checkpoints"
         grep -E "^step|done" "$OUT/$part/$budget.log" | tail -7
+      done ;;
+    prof512)  # issue 47: where the loop's update goes at 512 rollouts (sync, packed passes + shared prompts): the 3rd
+              # update of each run profiled (RLBRIDGE_PROFILE_UPDATE, trainer/profile.py) at PROF_BUDGETS tokens per
+              # pass (default "32768 16384": vLLM sleeps beside the update at 32768 on an 80 GB card, stays at 16384)
+      for budget in ${PROF_BUDGETS:-32768 16384}; do
+        rm -rf "/tmp/rlb-prof-$budget"
+        RLBRIDGE_PROFILE_UPDATE="$OUT/$part/$budget-profile#3" timeout "$(left)" "$PY" -m rlbridge train \
+          recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-prof-$budget" "${scale[@]}" --set run.steps=5 \
+          --set trainer.packed_passes=true --set trainer.shared_prompts=always \
+          --set trainer.max_tokens_per_micro_batch="$budget" > "$OUT/$part/$budget.log" 2>&1
+        echo "rc $?"; cp "/tmp/rlb-prof-$budget/metrics.jsonl" "$OUT/$part/$budget.metrics.jsonl" 2>/dev/null
+        cp "/tmp/rlb-prof-$budget/logs/trainer.log" "$OUT/$part/$budget.trainer.log" 2>/dev/null
+        rm -rf "/tmp/rlb-prof-$budget"
+        grep -E "^step|Error|error:" "$OUT/$part/$budget.log" | tail -6
+        head -16 "$OUT/$part/$budget-profile"/update-3-*.txt 2>/dev/null
       done ;;
     klpasses)  # the reference log-prob pass at 512 rollouts, KL on: grouped as the training passes (the default,
                # trainer.logprob_chunk_size null: the 32768-token budget) against chunks of 4 rows (the former default)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from rlbridge import faults
 from rlbridge.algo import correction
@@ -35,6 +36,7 @@ from rlbridge.rollout.registry import rollout_engine
 from rlbridge.trainer import state as trainer_state
 from rlbridge.trainer.export import WeightSender
 from rlbridge.trainer.gate import FirstStepGate
+from rlbridge.trainer.profile import UpdateProfiler
 from rlbridge.trainer.state import SavedCheckpoint
 from rlbridge.weights import WeightSync
 
@@ -96,6 +98,7 @@ class TrainerRole:
         self.sender = WeightSender(self.model_dir, getattr(torch, recipe.model.dtype))
         """Hands the weight exports to the rollout (export.py) and keeps what they need between syncs."""
         self.gate = FirstStepGate(engine, enabled=recipe.run.health.first_step)
+        self.profiler = UpdateProfiler()  # RLBRIDGE_PROFILE_UPDATE (trainer/profile.py); off by default
         """run.health.first_step: the first updates with a learning signal really train (trainer/gate.py)."""
         if prompt_lengths:
             self.prerecord(prompt_lengths)
@@ -182,6 +185,18 @@ class TrainerRole:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
         faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
+        with self.profiler.around():
+            return self._update(batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
+
+    def _update(
+        self,
+        batch: SeqBatch,
+        adv_bt: torch.Tensor,
+        rollout_logp_bt: torch.Tensor,
+        ref_logp_bt: torch.Tensor | None,
+        old_values_bt: torch.Tensor | None,
+        returns_bt: torch.Tensor | None,
+    ) -> dict[str, float]:
         began = time.perf_counter()
         critic = None
         if self.critic is not None:
@@ -199,7 +214,8 @@ class TrainerRole:
         elif not on_policy:
             start = time.perf_counter()
             old = torch.zeros(batch.size, batch.response_width)
-            old[mine] = self.engine.logprobs(batch if self.dp_size == 1 else batch.select(mine))
+            with record_function("rlbridge.old_logprobs"):
+                old[mine] = self.engine.logprobs(batch if self.dp_size == 1 else batch.select(mine))
             old_seconds = time.perf_counter() - start
         seen = _SeenLogprobs(batch.size, batch.response_width)  # the first pass's live log-probs, per row
         self.gate.begin()
@@ -230,12 +246,14 @@ class TrainerRole:
         trainer_lp = old if old is not None and not rc.bypass else seen.logp if seen.covers(mine) else None
         valid = batch.response_mask[mine] > 0
         if trainer_lp is not None and bool(valid.any()):
-            diff = (trainer_lp - rollout_logp_bt)[mine].abs()[valid]
-            out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
-            out.update(
-                correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
-            )
-        self.gate.check(out, has_signal=bool(adv_bt.abs().sum() > 0))
+            with record_function("rlbridge.correction_metrics"):
+                diff = (trainer_lp - rollout_logp_bt)[mine].abs()[valid]
+                out["logprob_diff_mean"], out["logprob_diff_max"] = float(diff.mean()), float(diff.max())
+                out.update(
+                    correction.metrics(rc, trainer_lp[mine], rollout_logp_bt[mine], batch.response_mask[mine])
+                )
+        with record_function("rlbridge.gate"):
+            self.gate.check(out, has_signal=bool(adv_bt.abs().sum() > 0))
         out.update(device_memory_peaks())
         resident = (
             rollout_engine(r).reserves_memory and r.rollout.sleep == "never"
@@ -245,7 +263,8 @@ class TrainerRole:
             # and a wake that needs them fails out of memory; each update then allocates them again, ~ms).
             # The session hands the trainer rollout.sleep as the plan decided auto (plan.resolved_sleep)
             released = time.perf_counter()
-            torch.cuda.empty_cache()
+            with record_function("rlbridge.release"):
+                torch.cuda.empty_cache()
             out["release_s"] = time.perf_counter() - released
         # the trainer's own seconds: time_update less this is the hand-over (Ray, vLLM's sleep, a queued export)
         out["trainer_update_s"] = time.perf_counter() - began
@@ -284,7 +303,8 @@ class TrainerRole:
         if self.dp_size > 1:  # the engine numbers the rows of its shard; the closure, those of the mini-batch
             in_mini, mini_fn = mine - rows[0], loss_fn
             loss_fn = lambda logp, ent, local: mini_fn(logp, ent, in_mini[local.cpu()])  # noqa: E731
-        m = self.engine.train_step(batch.select(mine), loss_fn, num_micro_batches=num_micro)
+        with record_function("rlbridge.train_step"):
+            m = self.engine.train_step(batch.select(mine), loss_fn, num_micro_batches=num_micro)
         if self.critic is not None and critic is not None:  # the same rows, in the same micro-batches
             old_values, returns = critic
             assert isinstance(r.algorithm, PpoCfg)  # the one algorithm with a critic

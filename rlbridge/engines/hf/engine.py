@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from rlbridge.batch import LossFn, SeqBatch, pad_columns
 from rlbridge.engines.base import load_named, take_gradients
@@ -218,7 +219,8 @@ class HFTrainEngine:
         with self._scoring_model(reference) as model:
             _set_training(model, False)
             for rows in groups:
-                sub = self._pass_batch(batch, rows, shared)
+                with record_function("rlbridge.pass_batch"):
+                    sub = self._pass_batch(batch, rows, shared)
                 with replay_routing(model, sub.routed_experts):
                     logp, _ = self._token_stats(model, sub, shared)
                 out[rows.to(out.device)] = _fit(_masked(logp, sub.response_mask), batch.response_width).to(
@@ -250,7 +252,8 @@ class HFTrainEngine:
         of names)."""
         replays = 0 if self._graphs is None else self._graphs.replays
         metrics, bad_loss = self._accumulate(batch, loss_fn, num_micro_batches)
-        metrics.update(self._apply_update(bad_loss))
+        with record_function("rlbridge.optimizer"):
+            metrics.update(self._apply_update(bad_loss))
         if self._graphs is not None:  # passes of this step replayed from their recorded graphs
             metrics["cuda_graph_passes"] = float(self._graphs.replays - replays)
         return metrics
@@ -297,8 +300,9 @@ class HFTrainEngine:
         self, batch: SeqBatch, loss_fn: LossFn, num_micro_batches: int
     ) -> tuple[dict[str, Any], bool]:
         """Forward/backward every micro-batch into .grad; stops at the first non-finite loss (returns True)."""
-        plain = self._plain_passes(batch, num_micro_batches)
-        groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
+        with record_function("rlbridge.layout"):
+            plain = self._plain_passes(batch, num_micro_batches)
+            groups, shared = self._layout(batch, plain, num_micro_batches, self._max_tokens)
         _set_training(self.model, True)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -306,13 +310,15 @@ class HFTrainEngine:
         graphs = None if shared else self._graphs
         with graphs.on_stream() if graphs is not None else contextlib.nullcontext():
             for rows in groups:
-                sub = self._pass_batch(batch, rows, shared)
+                with record_function("rlbridge.pass_batch"):
+                    sub = self._pass_batch(batch, rows, shared)
                 # the replay covers the backward too: recomputed (checkpointed) forwards route as the first one did
                 with replay_routing(self.model, sub.routed_experts):
                     loss, metrics = self._micro_step(sub, rows, loss_fn, batch.response_width, shared)
                     if not bool(torch.isfinite(loss.detach())):
                         return {k: v / max(done, 1) for k, v in sums.items()}, True
-                    (loss / num_micro_batches).backward()
+                    with record_function("rlbridge.backward"):
+                        (loss / num_micro_batches).backward()
                 if graphs is not None:  # an eager pass of a new shape was its warm-up: record it now
                     graphs.record(sub, self.recipe.algorithm.trains_entropy)
                 done += 1
@@ -329,12 +335,14 @@ class HFTrainEngine:
             if shared or self._graphs is None
             else self._graphs.replay(sub, self.recipe.algorithm.trains_entropy)
         )
-        logp, entropy = replayed or self._token_stats(self.model, sub, shared)
+        with record_function("rlbridge.forward"):
+            logp, entropy = replayed or self._token_stats(self.model, sub, shared)
         logp = _masked(logp, sub.response_mask)
         if not self.recipe.algorithm.trains_entropy:  # a metric only: no gradient pass for it
             entropy = entropy.detach()
         # the closure indexes [b, R] tensors: trimmed columns come back as 0, masked ones added beyond R go
-        return loss_fn(_fit(logp, width), _fit(_masked(entropy, sub.response_mask), width), rows)
+        with record_function("rlbridge.loss"):
+            return loss_fn(_fit(logp, width), _fit(_masked(entropy, sub.response_mask), width), rows)
 
     def _plain_passes(self, batch: SeqBatch, num_micro_batches: int) -> list[Tensor]:
         """The rows of each training pass over `batch` in the plain layout (engines/micro.py micro_batch_rows)."""

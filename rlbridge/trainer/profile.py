@@ -1,0 +1,107 @@
+"""A torch profile of one trainer update, for finding where its seconds go (off unless the environment asks).
+
+    RLBRIDGE_PROFILE_UPDATE=DIR        profile the 3rd update of each trainer process (shapes seen, caches warm)
+    RLBRIDGE_PROFILE_UPDATE=DIR#N      ... the Nth update
+
+Ray forwards RLBRIDGE_* variables to the workers. The profiled update writes, into DIR (created):
+
+- `update-N-<pid>.txt`: the update's wall seconds, the device's busy seconds (the sum of its kernels' times: far
+  below the wall time means the host is the bound), the labelled spans of the update (`rlbridge.*`: the train
+  step, each pass's forward and backward, the optimizer, the loss inputs and correction metrics, the memory
+  hand-over) and the operator tables by device time and by host time;
+- `update-N-<pid>.json.gz`: the trace, for chrome://tracing or ui.perfetto.dev.
+
+The profiler costs host time of its own (the spans read slower than unprofiled), so it is for finding where
+time goes, not for the step times a benchmark reports. docs/monitoring.md#profiling-an-update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rlbridge.errors import RlbridgeError
+
+PROFILE_ENV = "RLBRIDGE_PROFILE_UPDATE"
+DEFAULT_UPDATE = 3
+SPAN_PREFIX = "rlbridge."
+TABLE_ROWS = 30
+
+
+def parse(value: str) -> tuple[Path, int] | None:
+    """`DIR` or `DIR#N` -> (DIR, N); an empty value -> None."""
+    value = value.strip()
+    if not value:
+        return None
+    where, _, nth = value.partition("#")
+    if not where or (nth and (not nth.isdigit() or int(nth) < 1)):
+        raise RlbridgeError(
+            f"{PROFILE_ENV}={value!r}: expected DIR or DIR#N (N >= 1, the update to profile; default "
+            f"{DEFAULT_UPDATE})"
+        )
+    return Path(where), int(nth) if nth else DEFAULT_UPDATE
+
+
+class UpdateProfiler:
+    """Counts this process's updates and profiles the one RLBRIDGE_PROFILE_UPDATE names (`around`)."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self.target = parse((os.environ if environ is None else environ).get(PROFILE_ENV, ""))
+        self.count = 0
+        self.written: Path | None = None
+
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        """Wraps one update: profiles it when it is the one asked for, else does nothing."""
+        self.count += 1
+        if self.target is None or self.count != self.target[1]:
+            yield
+            return
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            began = time.perf_counter()
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - began
+        self.written = _write(prof, self.target[0], self.count, wall, cuda)
+
+
+def _write(prof: profile, where: Path, nth: int, wall: float, cuda: bool) -> Path:
+    """The text summary and the gzipped trace (module docstring); returns the text file's path."""
+    where.mkdir(parents=True, exist_ok=True)
+    stem = where / f"update-{nth}-{os.getpid()}"
+    averages = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in averages) / 1e6
+    spans = sorted((e for e in averages if e.key.startswith(SPAN_PREFIX)), key=lambda e: -e.cpu_time_total)
+    lines = [
+        f"update {nth} (pid {os.getpid()}): {wall:.3f} s wall"
+        + (f", device busy {busy:.3f} s ({100 * busy / wall:.0f} %)" if cuda else ""),
+        "",
+        "spans (host wall seconds, total over their calls):",
+    ]
+    lines += [f"  {e.key:<32} {e.cpu_time_total / 1e6:8.3f} s  x{e.count}" for e in spans]
+    if cuda:
+        lines += [
+            "",
+            "by device time:",
+            averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS),
+        ]
+    lines += ["", "by host time:", averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
+    text = stem.with_suffix(".txt")
+    text.write_text("\n".join(lines) + "\n")
+    raw = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return text
