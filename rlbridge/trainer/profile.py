@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import json
 import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from rlbridge.errors import RlbridgeError
@@ -34,6 +37,8 @@ PROFILE_ENV = "RLBRIDGE_PROFILE_UPDATE"
 DEFAULT_UPDATE = 3
 SPAN_PREFIX = "rlbridge."
 TABLE_ROWS = 30
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The chrome trace's categories of device work (torch.profiler's kineto export)."""
 
 
 def parse(value: str) -> tuple[Path, int] | None:
@@ -77,12 +82,22 @@ class UpdateProfiler:
 
 
 def _write(prof: profile, where: Path, nth: int, wall: float, cuda: bool) -> Path:
-    """The text summary and the gzipped trace (module docstring); returns the text file's path."""
+    """The gzipped trace and the text summary (module docstring); returns the text file's path."""
     where.mkdir(parents=True, exist_ok=True)
     stem = where / f"update-{nth}-{os.getpid()}"
+    raw = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src:
+        trace = json.load(src)
+    with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
     averages = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in averages) / 1e6
-    spans = sorted((e for e in averages if e.key.startswith(SPAN_PREFIX)), key=lambda e: -e.cpu_time_total)
+    spans = sorted(
+        (e for e in averages if e.key.startswith(SPAN_PREFIX) and e.device_type == DeviceType.CPU),
+        key=lambda e: -e.cpu_time_total,
+    )
+    busy = device_busy_s(trace)
     lines = [
         f"update {nth} (pid {os.getpid()}): {wall:.3f} s wall"
         + (f", device busy {busy:.3f} s ({100 * busy / wall:.0f} %)" if cuda else ""),
@@ -91,17 +106,15 @@ def _write(prof: profile, where: Path, nth: int, wall: float, cuda: bool) -> Pat
     ]
     lines += [f"  {e.key:<32} {e.cpu_time_total / 1e6:8.3f} s  x{e.count}" for e in spans]
     if cuda:
-        lines += [
-            "",
-            "by device time:",
-            averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS),
-        ]
+        lines += ["", "by device time:", averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS)]
     lines += ["", "by host time:", averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
     text = stem.with_suffix(".txt")
     text.write_text("\n".join(lines) + "\n")
-    raw = stem.with_suffix(".json")
-    prof.export_chrome_trace(str(raw))
-    with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
     return text
+
+
+def device_busy_s(trace: dict[str, Any]) -> float:
+    """Seconds the device spent in kernels, copies and memsets: the sum of those events' durations in a chrome
+    trace (one stream's kernels do not overlap; the annotations of the spans, which span them, are left out)."""
+    events = trace.get("traceEvents", [])
+    return sum(float(e.get("dur", 0)) for e in events if e.get("cat") in DEVICE_WORK) / 1e6

@@ -11,16 +11,18 @@ import pytest
 
 from rlbridge.errors import RlbridgeError
 from rlbridge.trainer import profile
-from tests.unit.trainer.test_trainer_role import batch, model_dir, role  # noqa: F401  (model_dir: fixture)
+from tests.fixtures.tiny_llama import build_tiny_llama
+from tests.unit.trainer.test_trainer_role import batch, role
 
 
-def test_the_named_update_is_profiled(
-    model_dir: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
-) -> None:
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def test_the_named_update_is_profiled(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(profile.PROFILE_ENV, f"{tmp_path / 'prof'}#2")
-    t = role(model_dir)
+    t = role(tiny)
     b, adv, lp = batch()
     t.update(b, adv, lp, None)
     assert t.profiler.written is None and not (tmp_path / "prof").exists()
@@ -49,3 +51,18 @@ def test_a_bad_value_names_the_variable(value: str) -> None:
 
 def test_the_default_update_is_the_third() -> None:
     assert profile.parse("d") == (Path("d"), 3) and profile.parse(" ") is None
+
+
+def test_device_busy_counts_kernels_copies_and_memsets_only() -> None:
+    """The spans' device annotations cover the kernels they contain: counting them too would pass 100 %."""
+    trace = {
+        "traceEvents": [
+            {"cat": "kernel", "dur": 300.0},
+            {"cat": "gpu_memcpy", "dur": 50.0},
+            {"cat": "gpu_memset", "dur": 5.0},
+            {"cat": "gpu_user_annotation", "name": "rlbridge.forward", "dur": 400.0},
+            {"cat": "cpu_op", "dur": 900.0},
+            {"cat": "Trace"},
+        ]
+    }
+    assert profile.device_busy_s(trace) == pytest.approx(355e-6, abs=1e-12)
