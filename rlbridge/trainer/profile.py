@@ -106,7 +106,11 @@ def _write(prof: profile, where: Path, nth: int, wall: float, cuda: bool) -> Pat
     ]
     lines += [f"  {e.key:<32} {e.cpu_time_total / 1e6:8.3f} s  x{e.count}" for e in spans]
     if cuda:
-        lines += ["", "by device time:", averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS)]
+        lines += [
+            "",
+            "by device time:",
+            averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS),
+        ]
     lines += ["", "by host time:", averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
     text = stem.with_suffix(".txt")
     text.write_text("\n".join(lines) + "\n")

@@ -213,6 +213,12 @@ def test_cuda_graphs_are_captured_up_to_the_recipes_largest_batch_and_vllm_takes
         )
         return kw.get("compilation_config")
 
-    assert graphs() == {"max_cudagraph_capture_size": 104}
-    assert graphs(cpu=True) is None and graphs(enforce_eager=True) is None and graphs(max_num_seqs=64) is None
-    assert CompilationConfig(**graphs()).max_cudagraph_capture_size == 104
+    # the GPU quickstart syncs its adapter: vLLM captures the graphs with the adapter active only
+    assert graphs() == {"max_cudagraph_capture_size": 104, "cudagraph_specialize_lora": False}
+    assert graphs(cpu=True) is None and graphs(enforce_eager=True) is None
+    assert graphs(max_num_seqs=64) == {"cudagraph_specialize_lora": False}
+    assert graphs(weight_sync="merged") == {
+        "max_cudagraph_capture_size": 104
+    }  # no LoRA in vLLM: nothing to say
+    taken = CompilationConfig(**graphs())
+    assert taken.max_cudagraph_capture_size == 104 and taken.cudagraph_specialize_lora is False
