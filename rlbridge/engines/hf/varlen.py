@@ -49,7 +49,9 @@ def _rows_attention(
     attention by repeating K/V per head group."""
     groups = q.shape[1] // k.shape[1]
     outs = []
-    for (q0, q1), (k0, k1) in zip(_spans(cu_q), _spans(cu_k), strict=True):
+    q_spans = _spans(cu_q)
+    k_spans = q_spans if cu_k is cu_q else _spans(cu_k)  # one host read where queries and keys share bounds
+    for (q0, q1), (k0, k1) in zip(q_spans, k_spans, strict=True):
         qs = q[q0:q1].transpose(0, 1)
         ks = k[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
         vs = v[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
@@ -119,7 +121,9 @@ def _attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     gather = kw.get(KV_INDEX)
     if gather is not None:
-        k, v = k[gather], v[gather]  # differentiable: a prompt's gradient sums over its responses' segments
+        # differentiable: a prompt's gradient sums over its responses' segments. index_select's backward is one
+        # index_add (k[gather]'s, an accumulating index_put, sorts the indices first: several kernels a layer)
+        k, v = k.index_select(0, gather), v.index_select(0, gather)
     scale = kw.get("scaling")
     on_kernel = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
     out = (
@@ -235,12 +239,11 @@ def shared_layout(sub: SeqBatch) -> SharedLayout:
     picks = tokens - 1
     picks[first_token] = (row_prompt_start + row_prompt_len - 1)[response_len > 0]
     prompt_real, response_real = real[first, :p].to(device), real[:, p:].to(device)
+    first_on = first.to(device)
     return SharedLayout(
-        input_ids=torch.cat(
-            [sub.input_ids[first.to(device), :p][prompt_real], sub.input_ids[:, p:][response_real]]
-        ),
+        input_ids=torch.cat([sub.input_ids[first_on, :p][prompt_real], sub.input_ids[:, p:][response_real]]),
         position_ids=torch.cat(
-            [sub.position_ids[first.to(device), :p][prompt_real], sub.position_ids[:, p:][response_real]]
+            [sub.position_ids[first_on, :p][prompt_real], sub.position_ids[:, p:][response_real]]
         ),
         kv_index=_ranges(starts, counts).to(device),
         cu_q=F.pad(q_len.cumsum(0), (1, 0)).to(device),
