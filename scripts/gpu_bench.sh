@@ -110,7 +110,8 @@
 #   bash scripts/gpu_bench.sh prof512   # issue 47: the loop's 3rd update at 512 rollouts profiled (packed + shared prompts)
 #                                       # at 32768 and 16384 tokens per pass (PROF_BUDGETS); profiles in $OUT/prof512
 #   bash scripts/gpu_bench.sh levers512 # issue 47: rlbridge alone at 512 rollouts (packed + shared prompts), 1 + 4 steps per
-#                                       # lever: adapter sync, merged weights by CUDA IPC, bf16 adapters (LEVERS); ~80 s each warm
+#                                       # lever: adapter sync, merged weights by CUDA IPC, bf16 adapters, Ray without its idle
+#                                       # worker per core at start (LEVERS); ~80 s each warm
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
@@ -212,14 +213,15 @@ for part in "$@"; do
                 # each: the adapter sync as the GPU quickstart has it (vLLM's LoRA graphs only since c5b387e), merged
                 # weights by CUDA IPC (no LoRA kernels in vLLM's decode, one graph per size), bf16 adapters in the
                 # trainer (lora.compute_dtype model: fewer casts, tensor-core GEMMs); LEVERS picks some
-      for lever in ${LEVERS:-adapter merged bf16lora}; do
-        extra=()
+      for lever in ${LEVERS:-adapter merged bf16lora noprestart}; do
+        extra=(); envs=()
         case "$lever" in
           merged) extra=(--set rollout.weight_sync=merged --set rollout.weight_transport=cuda_ipc) ;;
           bf16lora) extra=(--set lora.compute_dtype=model) ;;
+          noprestart) envs=(RAY_prestart_worker_first_driver=0) ;;  # start-up: Ray starts no idle worker per core
         esac
         rm -rf "/tmp/rlb-lever-$lever"
-        timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-lever-$lever" \
+        env "${envs[@]}" timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-lever-$lever" \
           "${scale[@]}" --set run.steps=5 --set trainer.packed_passes=true --set trainer.shared_prompts=always \
           "${extra[@]}" > "$OUT/$part/$lever.log" 2>&1
         echo "$lever rc $?"; cp "/tmp/rlb-lever-$lever/metrics.jsonl" "$OUT/$part/$lever.metrics.jsonl" 2>/dev/null
