@@ -221,7 +221,7 @@ for part in "$@"; do
           noprestart) envs=(RAY_prestart_worker_first_driver=0) ;;  # start-up: Ray starts no idle worker per core
         esac
         rm -rf "/tmp/rlb-lever-$lever"
-        env "${envs[@]}" timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-lever-$lever" \
+        env ${envs[@]+"${envs[@]}"} timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-lever-$lever" \
           "${scale[@]}" --set run.steps=5 --set trainer.packed_passes=true --set trainer.shared_prompts=always \
           "${extra[@]}" > "$OUT/$part/$lever.log" 2>&1
         echo "$lever rc $?"; cp "/tmp/rlb-lever-$lever/metrics.jsonl" "$OUT/$part/$lever.metrics.jsonl" 2>/dev/null
