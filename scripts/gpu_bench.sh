@@ -103,7 +103,7 @@
 #                                       # CUDA graphs up to the run's largest batch, the start-up lever of 2026-12-06,
 #                                       # need no setting now: see startgraphs)
 #                                       # Packed passes with shared prompts: AB_ARGS="--rlbridge-set trainer.packed_passes=true
-#                                       # --rlbridge-set trainer.shared_prompts=always" (1.18x, packed_passes-gpu-2026-12-07);
+#                                       # --rlbridge-set trainer.shared_prompts=always" (1.63x, ab512-gpu-2026-12-07b);
 #                                       # adding "--rlbridge-set trainer.max_tokens_per_micro_batch=16384" keeps vLLM resident
 #                                       # on an 80 GB card (the plan: no sleep, wake or emptied cache per update); the
 #                                       # metrics' train_steps_s / release_s split each update's trainer_update_s
@@ -165,6 +165,21 @@ trl_async() {
   grep -E "^\[bench\]|_step_s_(median|mean)\"" "$OUT/$part/log.txt" | tail -20
 }
 left() { echo $(( deadline - $(date +%s) )); }
+# train512 PART NAME [VAR=value ...] -- [rlbridge train arguments]: the GPU quickstart at 512 rollouts (scale, below),
+# 1 + 4 steps, packed passes with shared prompts, under the variables given; its console log, metrics and worker logs
+# kept flat in $OUT/PART as NAME.*, the run directory removed
+train512() {
+  local part=$1 name=$2 envs=(); shift 2
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+  local dir="/tmp/rlb-$part-$name"
+  rm -rf "$dir"
+  env ${envs[@]+"${envs[@]}"} timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "$dir" \
+    "${scale[@]}" --set run.steps=5 --set trainer.packed_passes=true --set trainer.shared_prompts=always "$@" \
+    > "$OUT/$part/$name.log" 2>&1
+  echo "$name rc $?"; cp "$dir/metrics.jsonl" "$OUT/$part/$name.metrics.jsonl" 2>/dev/null
+  for worker in trainer rollout; do cp "$dir/logs/$worker.log" "$OUT/$part/$name.$worker.log" 2>/dev/null; done
+  rm -rf "$dir"
+}
 # on a card more than 5 % from the GPU recipes' 139 GiB, the plan is made for the card the run is on (rlbridge train
 # refuses a planned peak above the real GPUs: an 80 GB card does not hold 139 GiB's plan at 512 rollouts)
 card=(); gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null |
@@ -198,14 +213,8 @@ for part in "$@"; do
               # update of each run profiled (RLBRIDGE_PROFILE_UPDATE, trainer/profile.py) at PROF_BUDGETS tokens per
               # pass (default "32768 16384": vLLM sleeps beside the update at 32768 on an 80 GB card, stays at 16384)
       for budget in ${PROF_BUDGETS:-32768 16384}; do
-        rm -rf "/tmp/rlb-prof-$budget"
-        RLBRIDGE_PROFILE_UPDATE="$OUT/$part/$budget-profile#3" timeout "$(left)" "$PY" -m rlbridge train \
-          recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-prof-$budget" "${scale[@]}" --set run.steps=5 \
-          --set trainer.packed_passes=true --set trainer.shared_prompts=always \
-          --set trainer.max_tokens_per_micro_batch="$budget" > "$OUT/$part/$budget.log" 2>&1
-        echo "rc $?"; cp "/tmp/rlb-prof-$budget/metrics.jsonl" "$OUT/$part/$budget.metrics.jsonl" 2>/dev/null
-        cp "/tmp/rlb-prof-$budget/logs/trainer.log" "$OUT/$part/$budget.trainer.log" 2>/dev/null
-        rm -rf "/tmp/rlb-prof-$budget"
+        train512 "$part" "$budget" RLBRIDGE_PROFILE_UPDATE="$OUT/$part/$budget-profile#3" -- \
+          --set trainer.max_tokens_per_micro_batch="$budget"
         grep -E "^step|Error|error:" "$OUT/$part/$budget.log" | tail -6
         head -16 "$OUT/$part/$budget-profile"/update-3-*.txt 2>/dev/null
       done ;;
@@ -214,19 +223,12 @@ for part in "$@"; do
                 # weights by CUDA IPC (no LoRA kernels in vLLM's decode, one graph per size), bf16 adapters in the
                 # trainer (lora.compute_dtype model: fewer casts, tensor-core GEMMs); LEVERS picks some
       for lever in ${LEVERS:-adapter merged bf16lora noprestart}; do
-        extra=(); envs=()
         case "$lever" in
-          merged) extra=(--set rollout.weight_sync=merged --set rollout.weight_transport=cuda_ipc) ;;
-          bf16lora) extra=(--set lora.compute_dtype=model) ;;
-          noprestart) envs=(RAY_prestart_worker_first_driver=0) ;;  # start-up: Ray starts no idle worker per core
+          merged) train512 "$part" "$lever" -- --set rollout.weight_sync=merged --set rollout.weight_transport=cuda_ipc ;;
+          bf16lora) train512 "$part" "$lever" -- --set lora.compute_dtype=model ;;
+          noprestart) train512 "$part" "$lever" RAY_prestart_worker_first_driver=0 -- ;;  # Ray: no idle worker per core
+          *) train512 "$part" "$lever" -- ;;
         esac
-        rm -rf "/tmp/rlb-lever-$lever"
-        env ${envs[@]+"${envs[@]}"} timeout "$(left)" "$PY" -m rlbridge train recipes/quickstart-gpu.yaml --run-dir "/tmp/rlb-lever-$lever" \
-          "${scale[@]}" --set run.steps=5 --set trainer.packed_passes=true --set trainer.shared_prompts=always \
-          "${extra[@]}" > "$OUT/$part/$lever.log" 2>&1
-        echo "$lever rc $?"; cp "/tmp/rlb-lever-$lever/metrics.jsonl" "$OUT/$part/$lever.metrics.jsonl" 2>/dev/null
-        cp "/tmp/rlb-lever-$lever/logs/rollout.log" "$OUT/$part/$lever.rollout.log" 2>/dev/null
-        rm -rf "/tmp/rlb-lever-$lever"
         grep -E "engine up|model loaded|^[0-9.]+s  \(|Error|error:" "$OUT/$part/$lever.log" | tail -7
       done ;;
     klpasses)  # the reference log-prob pass at 512 rollouts, KL on: grouped as the training passes (the default,

@@ -36,15 +36,16 @@ LORA_GRAPHS_FOR_NO_ADAPTER = False
 """vLLM's cudagraph_specialize_lora for an engine that serves the run's adapter: by default vLLM captures each batch
 size twice, with and without an active LoRA adapter. An adapter-sync engine loads the run's adapter before its
 first generation and serves it on every request, so the graphs without one are never replayed: capturing only the
-LoRA ones halves the capture at start-up (docs/defaults.md#vllm-start-up). A batch without
-an adapter would run eagerly (vLLM's dispatch finds no graph for it), with the same results."""
+LoRA ones halves the capture at start-up (docs/defaults.md#vllm-start-up). A batch without an adapter would run
+eagerly (vLLM's dispatch finds no graph for it), with the same results."""
 
 
 def graph_capture_size(max_batch: int) -> int:
     """The largest batch the engine captures CUDA graphs for, given the most sequences it decodes at once:
     max_batch rounded up onto vLLM's grid of capture sizes (1, 2, 4, multiples of 8 below 256, of 16 from 256),
     at most vLLM's ceiling. vLLM captures every size of its grid up to this one at start-up (with an adapter: the
-    LoRA graph only, LORA_GRAPHS_FOR_NO_ADAPTER); its default goes to 512 whatever the run decodes, most of it for batches the run never has."""
+    LoRA graph only, LORA_GRAPHS_FOR_NO_ADAPTER); its default goes to 512 whatever the run decodes, most of it for
+    batches the run never has."""
     if max_batch <= 4:
         return 1 << (max_batch - 1).bit_length() if max_batch > 0 else 1
     step = 8 if max_batch <= 256 else 16

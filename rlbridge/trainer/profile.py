@@ -18,14 +18,14 @@ time goes, not for the step times a benchmark reports. docs/monitoring.md#profil
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 import os
-import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 from torch.autograd import DeviceType
@@ -81,17 +81,36 @@ class UpdateProfiler:
         self.written = _write(prof, self.target[0], self.count, wall, cuda)
 
 
+class _Profiled(Protocol):
+    profiler: UpdateProfiler
+
+
+S = TypeVar("S", bound=_Profiled)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def profiled(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+    """Runs each call of `method` inside its object's `profiler.around()` (an UpdateProfiler)."""
+
+    @functools.wraps(method)
+    def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.profiler.around():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 def _write(prof: profile, where: Path, nth: int, wall: float, cuda: bool) -> Path:
     """The gzipped trace and the text summary (module docstring); returns the text file's path."""
     where.mkdir(parents=True, exist_ok=True)
     stem = where / f"update-{nth}-{os.getpid()}"
     raw = stem.with_suffix(".json")
-    prof.export_chrome_trace(str(raw))
-    with raw.open("rb") as src:
-        trace = json.load(src)
-    with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    prof.export_chrome_trace(str(raw))  # torch writes the trace to a file only
+    data = raw.read_bytes()
     raw.unlink()
+    Path(f"{raw}.gz").write_bytes(gzip.compress(data))
+    trace = json.loads(data)
     averages = prof.key_averages()
     spans = sorted(
         (e for e in averages if e.key.startswith(SPAN_PREFIX) and e.device_type == DeviceType.CPU),

@@ -36,7 +36,7 @@ from rlbridge.rollout.registry import rollout_engine
 from rlbridge.trainer import state as trainer_state
 from rlbridge.trainer.export import WeightSender
 from rlbridge.trainer.gate import FirstStepGate
-from rlbridge.trainer.profile import UpdateProfiler
+from rlbridge.trainer.profile import UpdateProfiler, profiled
 from rlbridge.trainer.state import SavedCheckpoint
 from rlbridge.weights import WeightSync
 
@@ -98,8 +98,9 @@ class TrainerRole:
         self.sender = WeightSender(self.model_dir, getattr(torch, recipe.model.dtype))
         """Hands the weight exports to the rollout (export.py) and keeps what they need between syncs."""
         self.gate = FirstStepGate(engine, enabled=recipe.run.health.first_step)
-        self.profiler = UpdateProfiler()  # RLBRIDGE_PROFILE_UPDATE (trainer/profile.py); off by default
         """run.health.first_step: the first updates with a learning signal really train (trainer/gate.py)."""
+        self.profiler = UpdateProfiler()
+        """RLBRIDGE_PROFILE_UPDATE: the update it names is profiled (trainer/profile.py); off by default."""
         if prompt_lengths:
             self.prerecord(prompt_lengths)
         device_memory_peaks()  # the first step's peak then starts from the built model, not from its load
@@ -173,6 +174,7 @@ class TrainerRole:
         return self.sender.last_bytes
 
     # ---------------------------------------------------------------- the update
+    @profiled
     def update(
         self,
         batch: SeqBatch,
@@ -185,18 +187,6 @@ class TrainerRole:
         """Policy (and, for PPO, critic) updates on the step's batch: ppo_epochs passes over its mini-batches.
         PPO passes the critic's pre-update values and the GAE returns (its targets)."""
         faults.pause("update")  # tests signal the driver here (rlbridge/faults.py); a no-op otherwise
-        with self.profiler.around():
-            return self._update(batch, adv_bt, rollout_logp_bt, ref_logp_bt, old_values_bt, returns_bt)
-
-    def _update(
-        self,
-        batch: SeqBatch,
-        adv_bt: torch.Tensor,
-        rollout_logp_bt: torch.Tensor,
-        ref_logp_bt: torch.Tensor | None,
-        old_values_bt: torch.Tensor | None,
-        returns_bt: torch.Tensor | None,
-    ) -> dict[str, float]:
         began = time.perf_counter()
         critic = None
         if self.critic is not None:

@@ -217,8 +217,7 @@ def test_cuda_graphs_are_captured_up_to_the_recipes_largest_batch_and_vllm_takes
     assert graphs() == {"max_cudagraph_capture_size": 104, "cudagraph_specialize_lora": False}
     assert graphs(cpu=True) is None and graphs(enforce_eager=True) is None
     assert graphs(max_num_seqs=64) == {"cudagraph_specialize_lora": False}
-    assert graphs(weight_sync="merged") == {
-        "max_cudagraph_capture_size": 104
-    }  # no LoRA in vLLM: nothing to say
+    # no LoRA in vLLM: nothing to say about LoRA graphs
+    assert graphs(weight_sync="merged") == {"max_cudagraph_capture_size": 104}
     taken = CompilationConfig(**graphs())
     assert taken.max_cudagraph_capture_size == 104 and taken.cudagraph_specialize_lora is False
