@@ -26,26 +26,42 @@ ExpertId = tuple[int, int]
 
 
 class RoutedTokens:
-    """Tokens routed per expert, accumulated by router hooks (only forwards that build a graph count)."""
+    """Tokens routed per expert, accumulated by router hooks (only forwards that build a graph count). The counts
+    stay on the router's device until `take`: one host copy per take, not one per layer and forward (each a
+    device sync on a GPU)."""
 
     def __init__(self) -> None:
         self._counts: dict[int, torch.Tensor] = {}
 
-    def add(self, layer: int, expert_indices: torch.Tensor, num_experts: int) -> None:
-        """`expert_indices`: the chosen experts of each token (any shape of ints), or a [tokens, experts] bool
-        routing map."""
+    def add(
+        self, layer: int, expert_indices: torch.Tensor, num_experts: int, tokens: torch.Tensor | None = None
+    ) -> None:
+        """`expert_indices`: the chosen experts of each token ([tokens, k] or [tokens] ints), or a [tokens,
+        experts] bool routing map. `tokens`: a [tokens] bool mask of the positions to count (the real tokens of
+        a padded forward; None: all)."""
         if not torch.is_grad_enabled():
             return
         if expert_indices.dtype == torch.bool:
-            counts = expert_indices.reshape(-1, num_experts).sum(0)
+            routed = expert_indices.reshape(-1, num_experts)
+            if tokens is not None:
+                routed = routed & tokens.reshape(-1, 1)
+            counts = routed.sum(0, dtype=torch.int64)
         else:
-            counts = torch.bincount(expert_indices.reshape(-1).long(), minlength=num_experts)[:num_experts]
-        counts = counts.detach().to("cpu", torch.int64)
-        self._counts[layer] = self._counts.get(layer, torch.zeros(num_experts, dtype=torch.int64)) + counts
+            rows = expert_indices.reshape(-1).shape[0] if tokens is None else tokens.numel()
+            chosen = expert_indices.reshape(rows, -1).long()
+            weight = (chosen >= 0) & (chosen < num_experts)  # an index outside the experts counts for none
+            if tokens is not None:
+                weight &= tokens.reshape(-1, 1)
+            counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
+            counts.scatter_add_(0, chosen.clamp(0, num_experts - 1).reshape(-1), weight.reshape(-1).long())
+        counts = counts.detach()
+        self._counts[layer] = self._counts[layer] + counts if layer in self._counts else counts
 
     def take(self) -> dict[ExpertId, int]:
         """Counts since the last take (this process only), then reset."""
-        out = {(layer, e): int(c) for layer, t in self._counts.items() for e, c in enumerate(t.tolist())}
+        out = {
+            (layer, e): int(c) for layer, t in self._counts.items() for e, c in enumerate(t.cpu().tolist())
+        }
         self._counts = {}
         return out
 

@@ -79,6 +79,9 @@ class HfMoeBook:
         self.counter = RoutedTokens()
         self.num_experts = num_experts
         self.top_k = top_k
+        self._tokens: Tensor | None = None
+        """The current forward's real positions, flattened ([b x width] bool; None: every position is one)."""
+        model.register_forward_pre_hook(self._note_tokens, with_kwargs=True)
         for name, module in model.named_modules():
             if name.endswith("mlp.gate") and not isinstance(module, LoraParamWrapper):
                 layer = layer_of(name)
@@ -93,6 +96,18 @@ class HfMoeBook:
             if layer is not None:
                 self._packed[name] = (layer, "A" if ".lora_A." in name else "B")
 
+    def _note_tokens(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Before a model call: which of its input positions are real tokens. A padded pass's attention mask
+        covers the cached positions first, then the input's (the shared prompts' second call), so its last
+        columns are the input's; padding positions are routed too, but carry no gradient, and counted they
+        would excuse an expert that only padding reached from the first-step gate. Packed passes have no mask
+        and no padding."""
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        self._tokens = None
+        if torch.is_tensor(ids) and torch.is_tensor(mask) and ids.dim() == 2 and mask.dim() == 2:
+            if mask.shape[0] == ids.shape[0] and mask.shape[1] >= ids.shape[1]:
+                self._tokens = mask[:, mask.shape[1] - ids.shape[1] :].reshape(-1).bool()
+
     def _hook(self, layer: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, tuple):
@@ -101,7 +116,10 @@ class HfMoeBook:
                 )
             else:  # a router returning logits only
                 indices = torch.topk(output, self.top_k, dim=-1).indices
-            self.counter.add(layer, indices, self.num_experts)
+            tokens = self._tokens
+            if tokens is not None and indices.shape[0] != tokens.numel():
+                tokens = None  # a router whose rows are not the call's positions: count them all
+            self.counter.add(layer, indices, self.num_experts, tokens)
 
         return hook
 
