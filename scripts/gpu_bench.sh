@@ -112,6 +112,8 @@
 #   bash scripts/gpu_bench.sh levers512 # issue 47: rlbridge alone at 512 rollouts (packed + shared prompts), 1 + 4 steps per
 #                                       # lever: adapter sync, merged weights by CUDA IPC, bf16 adapters, Ray without its idle
 #                                       # worker per core at start (LEVERS); ~80 s each warm
+#   bash scripts/gpu_bench.sh ab512pick # ab512, 3 rounds, packed + shared prompts, with the weight sync (adapter or merged
+#                                       # by CUDA IPC) levers512 found fastest on this machine: after levers512, same OUT
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
@@ -231,6 +233,33 @@ for part in "$@"; do
         esac
         grep -E "engine up|model loaded|^[0-9.]+s  \(|Error|error:" "$OUT/$part/$lever.log" | tail -7
       done ;;
+    ab512pick)  # ab512 (3 rounds, packed passes + shared prompts) with the weight sync that levers512 measured fastest
+                # on this machine (adapter or merged by CUDA IPC: the median step after the first; both are the same
+                # work as TRL's, whose colocated vLLM gets merged weights): call it after levers512 with the same OUT
+      sync=$("$PY" - "$OUT/levers512" <<'PICK'
+import json, statistics, sys
+from pathlib import Path
+medians = {}
+for lever in ("adapter", "merged"):
+    path = Path(sys.argv[1]) / f"{lever}.metrics.jsonl"
+    steps = [json.loads(line) for line in path.open()] if path.exists() else []
+    times = [r["time_step"] for r in steps if r.get("kind") == "train"][1:]
+    if times:
+        medians[lever] = statistics.median(times)
+best = min(medians, key=medians.__getitem__) if medians else "none"
+print(f"median step after the first: {medians}", file=sys.stderr)
+print(best)
+PICK
+)
+      echo "ab512pick: weight sync $sync"
+      [ "$sync" = none ] && { echo "no levers512 metrics in $OUT/levers512: run levers512 first"; continue; }
+      pick=(--rlbridge-set trainer.packed_passes=true --rlbridge-set trainer.shared_prompts=always)
+      [ "$sync" = merged ] && pick+=(--rlbridge-set rollout.weight_sync=merged --rlbridge-set rollout.weight_transport=cuda_ipc)
+      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
+        --budget-s $(( $(left) - 15 )) "${card[@]}" --set data.batch_size=64 --set rollout.n=8 \
+        --set rollout.max_response_tokens=256 --rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-3}" --warmup 1 \
+        --trl-config gradient_checkpointing=true "${pick[@]}" > "$OUT/$part/log.txt" 2>&1
+      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
     klpasses)  # the reference log-prob pass at 512 rollouts, KL on: grouped as the training passes (the default,
                # trainer.logprob_chunk_size null: the 32768-token budget) against chunks of 4 rows (the former default)
       for chunk in null 4; do
@@ -483,7 +512,7 @@ PYEOF
           grep -E "^done|\"(step_ms|mfu)\"" "$OUT/$part/$mode-$head.txt" | tail -6
         done
       done ;;
-    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, tf32ab, loradtype, packed, plan7b, 30b, ab, ab512, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
+    *) echo "unknown part $part (smoke, engines2, async3, inloop, klpasses, gengap, update, updatemeg, passcost, memory, trl, trlasync, trl512, trl512async, growth, growth2, shared, compile, compilestale, 7bhf, 7bmeg, 7bresume, 7bexport, 7bfit, mfu7b, mfu7btf32, tf32ab, loradtype, packed, plan7b, 30b, ab, ab512, ab512pick, abasync, abasync512, eqwall, startgraphs)" >&2; exit 2 ;;
   esac
   [ "$(left)" -le 5 ] && { echo "budget spent after $part"; break; }
 done

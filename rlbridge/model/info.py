@@ -65,6 +65,7 @@ SHORT_NAMES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "rms_norm_eps": 1e-06,
         "sliding_window": 512,
+        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)],
         "query_pre_attn_scalar": 256,
     },
     # A random tiny Qwen2 (q/k/v biases, untied) with a byte-level tokenizer (random_weights.py), built in a few
@@ -210,6 +211,8 @@ class ModelInfo:
     dense_layers: int = 0
     """Layers of an MoE model whose MLP is dense (`intermediate` wide): DeepSeek's / GLM's first_k_dense_replace,
     Qwen-MoE's mlp_only_layers and decoder_sparse_step, moe_layer_freq; the others are MoE layers."""
+    sliding_window_layers: int = 0
+    """Layers whose attention only reaches a sliding window of earlier tokens (`sliding_window_layers`)."""
 
     @property
     def is_moe(self) -> bool:
@@ -254,6 +257,7 @@ class ModelInfo:
             if experts
             else 0,
             dense_layers=dense_layer_count(cfg, layers) if experts else 0,
+            sliding_window_layers=sliding_window_layers(cfg, layers),
         )
 
     # ---- parameter counts (biases and norms included roughly; they are small)
@@ -289,6 +293,25 @@ class ModelInfo:
     def total_params(self) -> int:
         dense_gap = self.dense_layers * (self.mlp_params() - self.dense_mlp_params())
         return self.layers * self.layer_params() - dense_gap + self.embedding_params() + self.hidden
+
+
+def sliding_window_layers(cfg: dict[str, Any], layers: int) -> int:
+    """How many layers of a config attend within a sliding window, by the keys transformers' models read:
+    `layer_types`' "sliding_attention" entries (Gemma 2/3 and configs written by transformers 5); else
+    `sliding_window_pattern` (every layer but each pattern-th: older Gemma 3 configs); else, where a model has the
+    `use_sliding_window` switch (Qwen2/3), the layers from `max_window_layers` on when it is on; else every layer
+    when `sliding_window` is set (Mistral, Phi-3)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        return sum(t == "sliding_attention" for t in types)
+    if not cfg.get("sliding_window"):
+        return 0
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return layers - layers // pattern
+    if "use_sliding_window" in cfg:
+        return max(0, layers - int(cfg.get("max_window_layers") or 0)) if cfg["use_sliding_window"] else 0
+    return layers
 
 
 def dense_layer_count(cfg: dict[str, Any], layers: int) -> int:

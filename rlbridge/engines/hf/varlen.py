@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from rlbridge.batch import SeqBatch
 from rlbridge.engines.hf.token_stats import logprobs_and_entropy
 from rlbridge.errors import RlbridgeError
+from rlbridge.model.info import sliding_window_layers
 
 VARLEN_ATTENTION = "rlbridge_varlen"
 """The attention implementation name registered with transformers for the packed passes."""
@@ -139,14 +140,13 @@ def use_packed_attention(model: nn.Module) -> None:
     `model`'s attention. Refuses models with sliding-window layers."""
     from rlbridge.model.hf import AttentionInterface, AttentionMaskInterface, flash_attention_mask
 
-    config = getattr(model, "config", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    if "sliding_attention" in layer_types or (
-        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
-    ):
+    pretrained: Any = model  # a transformers PreTrainedModel
+    config = pretrained.config.to_dict()
+    sliding = sliding_window_layers(config, int(config.get("num_hidden_layers") or 0))
+    if sliding:  # validate-recipe refuses these first (recipe/checks/model.py, check_packed_passes_model)
         raise RlbridgeError(
-            "trainer.packed_passes: this model has sliding-window attention layers, which the packed passes do "
-            "not implement; set trainer.packed_passes: false"
+            f"trainer.packed_passes: this model has {sliding} sliding-window attention layers, which the packed "
+            "passes do not implement; set trainer.packed_passes: false"
         )
     AttentionInterface.register(VARLEN_ATTENTION, _attention)
     AttentionMaskInterface.register(VARLEN_ATTENTION, flash_attention_mask)  # None without a padding mask

@@ -295,7 +295,7 @@ def check_shared_prompts(r: Recipe, out: Issues) -> None:
 
 def check_packed_passes(r: Recipe, out: Issues) -> None:
     """trainer.packed_passes: the hf engine's packed rows (engines/hf/varlen.py); what their layout cannot carry is
-    refused here. Sliding-window models are refused when the engine loads the model (their config says)."""
+    refused here. Sliding-window models: recipe/checks/model.py (check_packed_passes_model, from the config)."""
     if not r.trainer.packed_passes:
         return
     reasons = _engine_reasons(r, lambda e: e.packed_passes, "packed passes")

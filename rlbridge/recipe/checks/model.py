@@ -96,6 +96,7 @@ def check_model_shape(r: Recipe, m: ModelInfo, out: Issues) -> None:
     check_model_family(r, m, out)
     check_positions(r, m, out)
     check_recompute(r, m, out)
+    check_packed_passes_model(r, m, out)
     if r.lora.enabled and m.model_type not in SUPPORTED_MODEL_TYPES:
         out.append(
             RecipeIssue(
@@ -120,6 +121,22 @@ def check_model_family(r: Recipe, m: ModelInfo, out: Issues) -> None:
             fix=f"set trainer.engine: {others}" if others else "use another model",
         )
     )
+
+
+def check_packed_passes_model(r: Recipe, m: ModelInfo, out: Issues) -> None:
+    """trainer.packed_passes on a model with sliding-window layers (Gemma 2/3, Mistral, ...): the packed passes'
+    varlen attention attends to a row's whole prefix (engines/hf/varlen.py), so the engine would refuse the model
+    when it loads it; said here, before any worker starts."""
+    if r.trainer.packed_passes and m.sliding_window_layers:
+        out.append(
+            RecipeIssue(
+                "trainer.packed_passes",
+                f"{m.architecture} has {m.sliding_window_layers} of {m.layers} layers with sliding-window "
+                "attention, which the packed passes do not implement",
+                value="true",
+                fix="set trainer.packed_passes: false (the padded passes run these models)",
+            )
+        )
 
 
 def check_moe_lora(r: Recipe, out: Issues) -> None:

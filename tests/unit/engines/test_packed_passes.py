@@ -165,3 +165,17 @@ def test_a_packed_budget_counts_real_tokens() -> None:
     assert sorted(torch.cat(packed).tolist()) == list(range(batch.size))
     assert all(int(real[g].sum()) <= 40 or len(g) == 1 for g in packed)
     assert len(packed) < len(padded)  # the padding the padded passes count leaves fewer rows per pass
+
+
+def test_a_model_with_sliding_window_layers_is_refused_by_the_engine_too() -> None:
+    """validate-recipe refuses it first (recipe/checks/model.py); the engine's own guard names the layers."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from rlbridge.errors import RlbridgeError
+
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+    )  # fmt: skip
+    with pytest.raises(RlbridgeError, match="1 sliding-window attention layers.*packed_passes: false"):
+        varlen.use_packed_attention(Gemma3ForCausalLM(config))

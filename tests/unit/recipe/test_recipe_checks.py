@@ -889,6 +889,35 @@ def test_gemma3_is_refused_by_megatron_with_the_reason_and_trains_on_hf(tmp_path
     assert "Gemma3ForCausalLM" in message and "Transformer Engine" in message, message
     assert "sliding-window attention" in message and "set trainer.engine: hf" in message, message
     assert check(tmp_path, base(**gemma, trainer={"engine": "hf"})) == []
+    # its sliding-window layers: the packed passes refused here, not when the engine loads the model
+    issues = check(tmp_path, base(**gemma, trainer={"engine": "hf", "packed_passes": True}))
+    assert keys(issues) == {"trainer.packed_passes"}, issues
+    message = dict(issues)["trainer.packed_passes"]
+    assert "15 of 18 layers with sliding-window attention" in message and "packed_passes: false" in message
+
+
+@pytest.mark.parametrize(
+    "config, sliding",
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"] * 3}, 3),  # Gemma 2, transformers 5 configs
+        ({"sliding_window": 512, "sliding_window_pattern": 6}, 10),  # older Gemma 3: each 6th layer full
+        ({"sliding_window": 4096}, 12),  # Mistral v0.1, Phi-3: every layer
+        (
+            {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28},
+            0,
+        ),  # Qwen2.5 as shipped
+        (
+            {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 8},
+            4,
+        ),  # Qwen2 switched on
+        ({"sliding_window": None}, 0),  # Mistral v0.2+
+        ({}, 0),  # Llama
+    ],
+)
+def test_sliding_window_layers_by_the_keys_transformers_reads(config: dict, sliding: int) -> None:
+    from rlbridge.model.info import sliding_window_layers
+
+    assert sliding_window_layers(config, 12) == sliding
 
 
 def test_memory_fix_offers_the_largest_budget_that_fits(tmp_path: Path) -> None:
