@@ -874,6 +874,7 @@ def moe_suite(
     routed = engine.moe.routed_tokens()
     report = expert_report(engine.moe.expert_views(before), engine.moe.expert_views(after), routed)
     res["routed"] = {f"{k[0]}.{k[1]}": v for k, v in routed.items()}
+    res["real_tokens"] = int(ragged.attention_mask.sum())
     res["report"] = {
         "trained": [list(k) for k in report.trained],
         "dead": [list(k) for k in report.dead],

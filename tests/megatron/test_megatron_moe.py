@@ -80,8 +80,10 @@ def test_lora_reaches_attention_and_every_expert(tp1: dict[str, Any]) -> None:
 def test_every_routed_expert_trains_and_the_router_stays_frozen(tp1: dict[str, Any]) -> None:
     assert all(step["skipped"] == 0.0 and step["grad_norm"] > 0 for step in tp1["steps"])
     routed = tp1["routed"]
-    # the training forwards only: 2 steps x 49 response-scored tokens... every token picks top-2 of 4 experts
-    assert sum(routed.values()) > 0 and all(v > 0 for v in routed.values()), routed
+    # the training forwards only, real tokens only (the padding is routed, not counted): 2 steps x 2 layers x
+    # top-2 of 4 experts x the ragged batch's real tokens
+    assert all(v > 0 for v in routed.values()), routed
+    assert sum(routed.values()) == 2 * 2 * 2 * tp1["real_tokens"], routed
     assert tp1["report"] == {
         "trained": [[layer, e] for layer in range(2) for e in range(4)],
         "dead": [],

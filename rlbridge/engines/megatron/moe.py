@@ -30,9 +30,12 @@ class MoeBook:
 
         self.counter = RoutedTokens()
         self.num_layers = 0
+        self._tokens: torch.Tensor | None = None
+        """The current forward's real positions in the routers' order ([S x m] bool, sequence-major), or None."""
         global_layer: dict[tuple[int, int], int] = {}
         global_expert: dict[int, list[int]] = {}
         for ci, chunk in enumerate(unwrap_model(model)):
+            chunk.register_forward_pre_hook(self._note_tokens, with_kwargs=True)
             for local, layer in enumerate(chunk.decoder.layers):
                 mlp = getattr(layer, "mlp", None)
                 if not isinstance(mlp, MoELayer):
@@ -54,10 +57,23 @@ class MoeBook:
             number = global_layer[(ci, int(m.group(1)))]
             self.expert_of[name] = (number, global_expert[number][int(m.group(2))])
 
+    def _note_tokens(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Before a chunk's forward: its real positions, from the micro-batch's [m, 1, S, S] mask (True: not
+        allowed; a padding position may not attend to itself, a real one may), sequence-major as the routers see
+        them. Padding is routed too but carries no gradient: counted, it would excuse an expert only padding
+        reached from the first-step gate."""
+        mask = kwargs.get("attention_mask")
+        self._tokens = None
+        if torch.is_tensor(mask) and mask.dim() == 4 and mask.dtype == torch.bool:
+            self._tokens = (~mask[:, 0].diagonal(dim1=1, dim2=2)).transpose(0, 1).reshape(-1)
+
     def _hook(self, layer: int, num_experts: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             routing_map = output[1]
-            self.counter.add(layer, routing_map, num_experts)
+            tokens = self._tokens
+            if tokens is not None and routing_map.shape[0] != tokens.numel():
+                tokens = None  # sequence or context parallel: this rank's router sees a slice; count them all
+            self.counter.add(layer, routing_map, num_experts, tokens)
 
         return hook
 
