@@ -38,17 +38,20 @@ class RoutedTokens:
     ) -> None:
         """`expert_indices`: the chosen experts of each token ([tokens, k] or [tokens] ints), or a [tokens,
         experts] bool routing map. `tokens`: a [tokens] bool mask of the positions to count (the real tokens of
-        a padded forward; None: all)."""
+        a padded forward; None, or a mask of another length than the router's rows, e.g. a router that sees a
+        sequence-parallel slice: all)."""
         if not torch.is_grad_enabled():
             return
+        if tokens is not None and expert_indices.shape[0] != tokens.numel():
+            tokens = None
         if expert_indices.dtype == torch.bool:
             routed = expert_indices.reshape(-1, num_experts)
             if tokens is not None:
                 routed = routed & tokens.reshape(-1, 1)
             counts = routed.sum(0, dtype=torch.int64)
         else:
-            rows = expert_indices.reshape(-1).shape[0] if tokens is None else tokens.numel()
-            chosen = expert_indices.reshape(rows, -1).long()
+            chosen = expert_indices.long()
+            chosen = chosen.flatten(1) if chosen.dim() > 1 else chosen[:, None]  # [tokens, k]
             weight = (chosen >= 0) & (chosen < num_experts)  # an index outside the experts counts for none
             if tokens is not None:
                 weight &= tokens.reshape(-1, 1)

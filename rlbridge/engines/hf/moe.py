@@ -116,10 +116,7 @@ class HfMoeBook:
                 )
             else:  # a router returning logits only
                 indices = torch.topk(output, self.top_k, dim=-1).indices
-            tokens = self._tokens
-            if tokens is not None and indices.shape[0] != tokens.numel():
-                tokens = None  # a router whose rows are not the call's positions: count them all
-            self.counter.add(layer, indices, self.num_experts, tokens)
+            self.counter.add(layer, indices, self.num_experts, self._tokens)
 
         return hook
 

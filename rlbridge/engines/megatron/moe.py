@@ -69,11 +69,8 @@ class MoeBook:
 
     def _hook(self, layer: int, num_experts: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            routing_map = output[1]
-            tokens = self._tokens
-            if tokens is not None and routing_map.shape[0] != tokens.numel():
-                tokens = None  # sequence or context parallel: this rank's router sees a slice; count them all
-            self.counter.add(layer, routing_map, num_experts, tokens)
+            # under sequence or context parallelism this rank's router sees a slice: RoutedTokens counts it all
+            self.counter.add(layer, output[1], num_experts, self._tokens)
 
         return hook
 
