@@ -188,6 +188,19 @@ card=(); gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits
   awk '{g = $1 / 1024; d = (g - 139) / g; if (d > 0.05 || d < -0.05) printf "%.1f", g - 0.05}')
 [ -n "$gib" ] && card=(--set "cluster.gpu_memory_gib=$gib")
 scale=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256 --set run.eval_every=0)
+# bench/ab_rounds.py's work at 512 rollouts (ab512, ab512pick, abasync512): <= 256 tokens, 1 + 3 steps, TRL with the
+# whole batch of 512 in one micro-batch, which fits only with its gradient checkpointing (TRL's default) on
+at512=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
+       --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+# ab_rounds PART [bench/ab_rounds.py arguments]: the rounds under the part's budget (AB_ARGS added), every file flat
+# in $OUT/PART, its summary lines shown
+ab_rounds() {
+  local part=$1; shift
+  # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
+  timeout "$(left)" "$PY" bench/ab_rounds.py "$@" --out "$OUT/$part" --budget-s $(( $(left) - 15 )) ${AB_ARGS:-} \
+    > "$OUT/$part/log.txt" 2>&1
+  grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14
+}
 for part in "$@"; do
   mkdir -p "$OUT/$part"
   echo "== $part, $(date -u +%H:%M:%SZ), $(left) s left"
@@ -255,11 +268,7 @@ PICK
       [ "$sync" = none ] && { echo "no levers512 metrics in $OUT/levers512: run levers512 first"; continue; }
       pick=(--rlbridge-set trainer.packed_passes=true --rlbridge-set trainer.shared_prompts=always)
       [ "$sync" = merged ] && pick+=(--rlbridge-set rollout.weight_sync=merged --rlbridge-set rollout.weight_transport=cuda_ipc)
-      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
-        --budget-s $(( $(left) - 15 )) "${card[@]}" --set data.batch_size=64 --set rollout.n=8 \
-        --set rollout.max_response_tokens=256 --rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-3}" --warmup 1 \
-        --trl-config gradient_checkpointing=true "${pick[@]}" > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
+      ab_rounds "$part" --recipe recipes/quickstart-gpu.yaml "${at512[@]}" --rounds "${AB_ROUNDS:-3}" "${pick[@]}" ;;
     klpasses)  # the reference log-prob pass at 512 rollouts, KL on: grouped as the training passes (the default,
                # trainer.logprob_chunk_size null: the 32768-token budget) against chunks of 4 rows (the former default)
       for chunk in null 4; do
@@ -366,28 +375,20 @@ PYEOF
       if [ "$part" = ab ]; then
         args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
       else
-        args=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
-              --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+        args=("${at512[@]}" --rounds "${AB_ROUNDS:-2}")
       fi
-      # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
-      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu.yaml --out "$OUT/$part" \
-        --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
+      ab_rounds "$part" --recipe recipes/quickstart-gpu.yaml "${args[@]}" ;;
     abasync|abasync512)  # issue 47: async vs async, bench/ab_rounds.py --trl-async (bench/trl_async.py)
       if [ "$part" = abasync ]; then
         args=(--rounds "${AB_ROUNDS:-3}" --steps "${AB_STEPS:-8}" --warmup 1)
       else
-        args=("${card[@]}" --set data.batch_size=64 --set rollout.n=8 --set rollout.max_response_tokens=256
-              --rounds "${AB_ROUNDS:-2}" --steps "${AB_STEPS:-3}" --warmup 1 --trl-config gradient_checkpointing=true)
+        args=("${at512[@]}" --rounds "${AB_ROUNDS:-2}")
         # on an 80 GB card the plan refuses the fast recipe at 512 (trainer 60.5 GiB at 32768-token passes beside
         # vLLM's 0.3): vLLM at 0.22 for both tools, rlbridge's passes at 24576 tokens (74.4 GiB planned)
         [ ${#card[@]} -gt 0 ] && args+=(--set rollout.gpu_memory_utilization=0.22
                                         --rlbridge-set trainer.max_tokens_per_micro_batch=24576)
       fi
-      # shellcheck disable=SC2086  # AB_ARGS: extra words on purpose
-      timeout "$(left)" "$PY" bench/ab_rounds.py --recipe recipes/quickstart-gpu-fast.yaml --trl-async --out "$OUT/$part" \
-        --budget-s $(( $(left) - 15 )) "${args[@]}" ${AB_ARGS:-} > "$OUT/$part/log.txt" 2>&1
-      grep -E "^\[ab\]|^(sync|async) vs|Error|refuse|fix:|^  [a-z_]+\." "$OUT/$part/log.txt" | tail -14 ;;
+      ab_rounds "$part" --recipe recipes/quickstart-gpu-fast.yaml --trl-async "${args[@]}" ;;
     eqwall)  # issue 47 item 4: bench/equal_wall.py on the GPU quickstart, one seed per call (EQWALL_SEED, default 1),
              # EQWALL_S seconds of training per arm (default 90): TRL, rlbridge sync, rlbridge async
       timeout "$(left)" "$PY" bench/equal_wall.py --recipe recipes/quickstart-gpu.yaml --wall-s "${EQWALL_S:-90}" \

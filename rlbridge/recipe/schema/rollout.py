@@ -90,8 +90,8 @@ class RolloutCfg(Section):
     """vLLM's max_num_seqs: the most sequences one engine decodes at once. On a GPU it also bounds the CUDA graphs
     vLLM captures while it starts (batch sizes up to twice this; with adapter sync, the LoRA graphs only), so a
     value near the rollouts an engine generates per step (data.batch_size x rollout.n / engines) captures fewer
-    sizes than vLLM's default (256) and starts sooner. Below that number an engine generates a step in waves (`rlbridge plan` notes
-    it). null: vLLM's default."""
+    sizes than vLLM's default (256) and starts sooner. Below that number an engine generates a step in waves
+    (`rlbridge plan` notes it). null: vLLM's default."""
     gpus: Annotated[int, Field(ge=1)] | None = None
     """Devices for the rollout when cluster.colocate is false (default: as many as the trainer)."""
     mode: Literal["sync", "async"] = "sync"
