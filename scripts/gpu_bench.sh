@@ -111,9 +111,11 @@
 #                                       # at 32768 and 16384 tokens per pass (PROF_BUDGETS); profiles in $OUT/prof512
 #   bash scripts/gpu_bench.sh levers512 # issue 47: rlbridge alone at 512 rollouts (packed + shared prompts), 1 + 4 steps per
 #                                       # lever: adapter sync, merged weights by CUDA IPC, bf16 adapters, Ray without its idle
-#                                       # worker per core at start (LEVERS); ~80 s each warm
+#                                       # worker per core at start (LEVERS); ~80 s each warm (adapter and merged ran in
+#                                       # 390 s with the machine's first vLLM start: ab512pick-gpu-2026-12-08)
 #   bash scripts/gpu_bench.sh ab512pick # ab512, 3 rounds, packed + shared prompts, with the weight sync (adapter or merged
 #                                       # by CUDA IPC) levers512 found fastest on this machine: after levers512, same OUT
+#                                       # (merged, 3 rounds each in 520 s on an H100: ab512pick-gpu-2026-12-08)
 #   bash scripts/gpu_bench.sh abasync   # "async vs async": rlbridge recipes/quickstart-gpu-fast.yaml (async, max_staleness 1,
 #                                       # CUDA graphs) against TRL's AsyncGRPOTrainer at max_staleness 1 with its vLLM server
 #                                       # (trl vllm-serve's command, LoRA adapter sync) on the same GPU, whole batch per
