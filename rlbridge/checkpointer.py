@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlbridge.errors import RlbridgeError
@@ -19,6 +20,7 @@ from rlbridge.run.directory import resolved_yaml
 from rlbridge.run.resume import RunState, resume_command
 from rlbridge.run.rng import rng_state, set_rng_state
 from rlbridge.run.signals import Interrupted, StopSignals
+from rlbridge.run.time_limit import save_estimate_s
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -44,8 +46,8 @@ class Checkpointer:
         """rollout.mode async: the generations in flight, which a checkpoint holds (pipeline.py)."""
         self.last_step: int | None = None
         self.last_path: str | None = None
-        self.last_save_s = 0.0
-        """The last save's seconds (0 before one)."""
+        self.last_save_s: float | None = None
+        """The seconds of this command's last save (None before one: expected_save_s estimates it)."""
         self.nonfinite = 0
         """Steps in a row skipped for non-finite values (run.health.max_nonfinite_steps counts them)."""
         self.eval_before: dict[str, float] = {}
@@ -53,6 +55,16 @@ class Checkpointer:
         problem = s.started_trainer().checkpoint_support()
         if problem:  # validation refuses such recipes (recipe/checks/checkpoints.py); never run unsaved
             raise RlbridgeError(f"this run could not write checkpoints: {problem}")
+
+    def expected_save_s(self) -> float:
+        """Seconds the next save is expected to take (run.time_limit_s's stop rule): the last save's, and before this
+        command's first one the estimate of run/time_limit.save_estimate_s."""
+        return self._first_save_estimate_s if self.last_save_s is None else self.last_save_s
+
+    @cached_property
+    def _first_save_estimate_s(self) -> float:
+        memory = self.s.plan.memory
+        return save_estimate_s(memory.trainable_params if memory else None, self.s.metrics.history)
 
     # ------------------------------------------------------------------ restore
     def restore(self, point: ResumePoint) -> int:

@@ -93,7 +93,7 @@ def train(
                 and not stop.requested
             ):
                 evaluate(s, step)
-            if step < recipe.run.steps and limit.stop_after_step(step, saver.last_save_s):
+            if step < recipe.run.steps and limit.stop_after_step(step, saver.expected_save_s()):
                 stop.request(TIME_LIMIT)
             if saver.due(step) or stop.requested:
                 saver.save(step)

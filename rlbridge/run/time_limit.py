@@ -8,6 +8,11 @@ estimate is the longest recent step, not the mean, so that the last step and its
 command's first step (compile, warm-up, the first generation of an async run) is the estimate only until a second
 step has run: it does not recur, and counting it for three steps stopped short runs a step early. `rlbridge
 resume` starts a new limit.
+
+Before this command has saved, the save is estimated (`save_estimate_s`): a resumed run's newest save in its
+metrics, else the checkpoint's size from the plan at a conservative write rate; counting 0 s there let a run without
+periodic saves start a step whose stop-save (minutes for a large full fine-tune) ran past a cluster's limit, which
+kills the job mid-save with nothing to resume from.
 """
 
 from __future__ import annotations
@@ -15,14 +20,22 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from rlbridge.metrics.log import log
 from rlbridge.run.signals import TIME_LIMIT
 
 RECENT_STEPS = 3
 """Steps whose longest duration estimates the next one."""
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""A checkpoint's bytes per trainable parameter: float32 weights and AdamW's two float32 moments."""
+
+ASSUMED_WRITE_BYTES_S = 0.4 * 2**30
+"""The write rate a save is estimated at before one was measured: export-hf's rate at the 7B shape, LoRA checkpoints
+wrote faster (docs/defaults.md#save-estimate)."""
 
 _IMPORTED = time.monotonic()
 
@@ -57,7 +70,7 @@ class TimeLimit:
 
     def stop_after_step(self, step: int, save_s: float) -> bool:
         """Called when `step` has ended (its evaluation included): True when the next step, then a save taking
-        `save_s` (the last one's seconds, 0 before any), would end past the limit; a line says so."""
+        `save_s` (the last one's seconds, save_estimate_s before any), would end past the limit; a line says so."""
         if self.limit_s is None:
             return False
         now = self._clock()
@@ -75,3 +88,13 @@ class TimeLimit:
             f"near {expected_end:.0f} s: saving step {step} and stopping"
         )
         return True
+
+
+def save_estimate_s(trainable_params: int | None, history: Iterable[Mapping[str, Any]] = ()) -> float:
+    """Seconds a save is expected to take before this command has saved one: the newest save among the run's
+    metrics records (`history`: a resumed run's metrics.jsonl), else `trainable_params` x CHECKPOINT_BYTES_PER_PARAM
+    at ASSUMED_WRITE_BYTES_S (0 where the plan has no parameter count)."""
+    saves = [float(r["time_save"]) for r in history if r.get("kind") == "checkpoint" and "time_save" in r]
+    if saves:
+        return saves[-1]
+    return (trainable_params or 0) * CHECKPOINT_BYTES_PER_PARAM / ASSUMED_WRITE_BYTES_S

@@ -64,7 +64,8 @@ class RunCfg(Section):
     """Checkpoint every N steps (0: only at the end and on SIGTERM)."""
     time_limit_s: Annotated[float, Field(gt=0)] | None = None
     """Wall-clock seconds this command may run, start-up included (a cluster job's limit, less a margin): after a
-    step, when the next step and a save would end past it, the run saves and stops with exit code 75 and the
+    step, when the next step and a save (the last one's seconds; before one, estimated from the checkpoint's size)
+    would end past it, the run saves and stops with exit code 75 and the
     `rlbridge resume` command, which starts a new limit. Under 600 s the plan notes it (seconds, not minutes).
     Null: no limit."""
     keep: PositiveInt = 3

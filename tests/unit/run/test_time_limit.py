@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from rlbridge.recipe.schema import RunCfg
 from rlbridge.run.signals import EXIT_CODES, TIME_LIMIT, Interrupted, StopSignals
@@ -112,3 +115,69 @@ def test_the_stop_is_requested_once_and_exits_75() -> None:
     signalled.requested = "SIGTERM"
     signalled.request(TIME_LIMIT)
     assert signalled.requested == "SIGTERM"
+
+
+def test_before_any_save_the_stop_counts_an_estimated_save() -> None:
+    """A 7B full fine-tune without periodic saves, 60 s steps, a 3600 s limit: counting the stop-save as 0 s (as
+    before) the run saved step 60 at 3600 s, its ~3.5 min save ending past the limit (a cluster kills the job
+    mid-save: nothing to resume from); with the estimate (7.6e9 params x 12 bytes at 0.4 GiB/s = 212 s) it saves
+    step 56, the save ending at ~3572 s."""
+    from rlbridge.run.time_limit import ASSUMED_WRITE_BYTES_S, CHECKPOINT_BYTES_PER_PARAM, save_estimate_s
+
+    estimate = save_estimate_s(7_600_000_000)
+    assert estimate == 7_600_000_000 * CHECKPOINT_BYTES_PER_PARAM / ASSUMED_WRITE_BYTES_S
+    assert 200 < estimate < 220
+    clock = Clock()
+    last = steps_run(TimeLimit(3600.0, clock, age_s=0.0), clock, [60.0] * 100, save_s=estimate)
+    assert last == 56 and last * 60.0 + estimate <= 3600.0 < (last + 1) * 60.0 + estimate
+    clock = Clock()
+    assert steps_run(TimeLimit(3600.0, clock, age_s=0.0), clock, [60.0] * 100, save_s=0.0) == 60
+
+
+def test_the_estimate_is_a_resumed_runs_newest_save_when_it_has_one() -> None:
+    from rlbridge.run.time_limit import save_estimate_s
+
+    history = [
+        {"kind": "train", "step": 1},
+        {"kind": "checkpoint", "step": 1, "time_save": 95.0},
+        {"kind": "checkpoint", "step": 2, "time_save": 80.5},
+        {"kind": "train", "step": 3},
+    ]
+    assert save_estimate_s(7_600_000_000, history) == 80.5
+    assert save_estimate_s(None) == 0.0 and save_estimate_s(0, [{"kind": "train"}]) == 0.0
+
+
+def test_the_checkpointer_expects_the_estimate_until_its_first_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpointer.expected_save_s (what the loop passes to the stop rule): the plan's LoRA parameter count before
+    a save (4,055,040 trainable: ~0.1 s), then the measured seconds of the last save."""
+    from types import SimpleNamespace
+
+    from rlbridge.checkpointer import Checkpointer
+    from rlbridge.run.time_limit import save_estimate_s
+    from rlbridge.trainer.state import SavedCheckpoint
+
+    monkeypatch.setattr("rlbridge.checkpointer.resolved_yaml", lambda recipe: "a: 1\n")
+    written: list[dict[str, object]] = []
+    trainer = SimpleNamespace(
+        checkpoint_support=lambda: None,
+        save_checkpoint=lambda *a: SavedCheckpoint(
+            path=str(tmp_path / "c"), bytes=10, seconds=3.25, notes=[]
+        ),
+    )
+    session = SimpleNamespace(
+        started_trainer=lambda: trainer,
+        plan=SimpleNamespace(memory=SimpleNamespace(trainable_params=4_055_040)),
+        metrics=SimpleNamespace(history=[], write=written.append),
+        run_dir=tmp_path,
+        version=0,
+        kl_control=None,
+        recipe=SimpleNamespace(run=SimpleNamespace(keep=2)),
+        sampler=SimpleNamespace(state=lambda: {}),
+        stall=lambda phase: contextlib.nullcontext(),
+    )
+    saver = Checkpointer(session, StopSignals(), log=lambda msg: None)  # type: ignore[arg-type]  # a fake session
+    assert saver.expected_save_s() == save_estimate_s(4_055_040) and 0.05 < saver.expected_save_s() < 0.2
+    saver.save(1)
+    assert saver.expected_save_s() == 3.25 and written[0]["time_save"] == 3.25
