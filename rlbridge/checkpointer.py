@@ -63,7 +63,7 @@ class Checkpointer:
 
     @cached_property
     def _first_save_estimate_s(self) -> float:
-        memory = self.s.plan.memory
+        memory = self.s.plan.memory if self.s.plan is not None else None  # no plan: in-process test workers
         return save_estimate_s(memory.trainable_params if memory else None, self.s.metrics.history)
 
     # ------------------------------------------------------------------ restore
