@@ -151,7 +151,7 @@ def test_the_checkpointer_expects_the_estimate_until_its_first_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checkpointer.expected_save_s (what the loop passes to the stop rule): the plan's LoRA parameter count before
-    a save (4,055,040 trainable: ~0.1 s), then the measured seconds of the last save."""
+    a save (4,055,040 trainable: ~0.1 s; twice that with PPO's critic), then the measured seconds of the last save."""
     from types import SimpleNamespace
 
     from rlbridge.checkpointer import Checkpointer
@@ -173,7 +173,7 @@ def test_the_checkpointer_expects_the_estimate_until_its_first_save(
         run_dir=tmp_path,
         version=0,
         kl_control=None,
-        recipe=SimpleNamespace(run=SimpleNamespace(keep=2)),
+        recipe=SimpleNamespace(run=SimpleNamespace(keep=2), algorithm=SimpleNamespace(has_critic=False)),
         sampler=SimpleNamespace(state=lambda: {}),
         stall=lambda phase: contextlib.nullcontext(),
     )
@@ -181,3 +181,6 @@ def test_the_checkpointer_expects_the_estimate_until_its_first_save(
     assert saver.expected_save_s() == save_estimate_s(4_055_040) and 0.05 < saver.expected_save_s() < 0.2
     saver.save(1)
     assert saver.expected_save_s() == 3.25 and written[0]["time_save"] == 3.25
+    session.recipe.algorithm.has_critic = True  # PPO: the critic is saved beside the policy
+    ppo = Checkpointer(session, StopSignals(), log=print)  # type: ignore[arg-type]  # a fake session
+    assert ppo.expected_save_s() == save_estimate_s(2 * 4_055_040)
