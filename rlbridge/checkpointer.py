@@ -64,10 +64,11 @@ class Checkpointer:
     @cached_property
     def _first_save_estimate_s(self) -> float:
         memory = self.s.plan.memory if self.s.plan is not None else None  # no plan: in-process test workers
-        params = memory.trainable_params if memory else None
-        if params and self.s.recipe.algorithm.has_critic:
-            params *= 2  # PPO's critic: a second backbone trained as the policy is, saved beside it
-        return save_estimate_s(params, self.s.metrics.history)
+        return save_estimate_s(
+            memory.trainable_params if memory else None,
+            self.s.metrics.history,
+            critic=self.s.recipe.algorithm.has_critic,
+        )
 
     # ------------------------------------------------------------------ restore
     def restore(self, point: ResumePoint) -> int:

@@ -90,11 +90,14 @@ class TimeLimit:
         return True
 
 
-def save_estimate_s(trainable_params: int | None, history: Iterable[Mapping[str, Any]] = ()) -> float:
+def save_estimate_s(
+    trainable_params: int | None, history: Iterable[Mapping[str, Any]] = (), *, critic: bool = False
+) -> float:
     """Seconds a save is expected to take before this command has saved one: the newest save among the run's
     metrics records (`history`: a resumed run's metrics.jsonl), else `trainable_params` x CHECKPOINT_BYTES_PER_PARAM
-    at ASSUMED_WRITE_BYTES_S (0 where the plan has no parameter count)."""
+    at ASSUMED_WRITE_BYTES_S, twice that with PPO's `critic` (a second backbone trained as the policy is, saved
+    beside it); 0 where the plan has no parameter count."""
     saves = [float(r["time_save"]) for r in history if r.get("kind") == "checkpoint" and "time_save" in r]
     if saves:
         return saves[-1]
-    return (trainable_params or 0) * CHECKPOINT_BYTES_PER_PARAM / ASSUMED_WRITE_BYTES_S
+    return (trainable_params or 0) * (2 if critic else 1) * CHECKPOINT_BYTES_PER_PARAM / ASSUMED_WRITE_BYTES_S
